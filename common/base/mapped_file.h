@@ -1,0 +1,40 @@
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace preft::base {
+
+// A read-only memory mapping of a whole file. Pages are shared with the page cache, so
+// weights read through it cost no second copy. Immutable after Open; thread-safe to read.
+class MappedFile {
+ public:
+  static absl::StatusOr<std::unique_ptr<MappedFile>> Open(const std::string& path);
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  const uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  MappedFile(std::string path, const uint8_t* data, size_t size)
+      : path_(std::move(path)), data_(data), size_(size) {}
+
+  std::string path_;
+  const uint8_t* data_;
+  size_t size_;
+};
+
+// Reads a whole (small) file into a string, e.g. a JSON config.
+absl::StatusOr<std::string> ReadFileToString(const std::string& path);
+
+// Writes `contents` to `path` (truncating).
+absl::Status WriteStringToFile(const std::string& path, const std::string& contents);
+
+}  // namespace preft::base

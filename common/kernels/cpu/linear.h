@@ -1,0 +1,17 @@
+#pragma once
+
+// Dense linear layers on the CPU: y = x · Wᵀ (+ bias), the hot path of every forward.
+
+#include <cstdint>
+
+#include "common/kernels/matrix.h"
+
+namespace preft::kernels::cpu {
+
+// y[m, w.rows] = x[m, w.cols] · wᵀ (+ bias[w.rows] when not null). x and y are f32,
+// row-major and dense. w may be f32, f16 or bf16; the kernel is chosen by dtype, m and the
+// CPU's features (AMX-BF16 > AVX-512-BF16 > AVX-512 > AVX2). Parallel over OpenMP threads;
+// call from one thread at a time.
+void Linear(const float* x, int64_t m, const MatrixView& w, const float* bias, float* y);
+
+}  // namespace preft::kernels::cpu

@@ -1,0 +1,18 @@
+#pragma once
+
+#include <cstdint>
+
+#include "common/kernels/dtype.h"
+
+namespace preft::kernels {
+
+// A borrowed 2-D weight matrix, [rows, cols] row-major, in its checkpoint dtype (usually
+// straight from a memory-mapped safetensors file). For nn.Linear: rows = out, cols = in.
+struct MatrixView {
+  const void* data = nullptr;
+  DType dtype = DType::kF32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+};
+
+}  // namespace preft::kernels

@@ -1,0 +1,1 @@
+#include "common/model/config.h"

@@ -1,0 +1,1 @@
+#include "common/model/make_model.h"

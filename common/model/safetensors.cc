@@ -1,0 +1,1 @@
+#include "common/model/safetensors.h"
