@@ -1,1 +1,348 @@
+#include "common/engine/engine.h"
 
+#include <algorithm>
+#include <random>
+#include <set>
+#include <unordered_set>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/check.h"
+#include "common/base/status_macros.h"
+#include "common/engine/sampler.h"
+
+namespace preft::engine {
+
+const char* FinishReasonName(FinishReason r) {
+  switch (r) {
+    case FinishReason::kNone: return "none";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kAbort: return "abort";
+    case FinishReason::kError: return "error";
+  }
+  return "?";
+}
+
+struct Engine::Sequence {
+  Request request;
+  std::vector<int32_t> tokens;  // prompt + generated; all end up in the cache
+  int64_t num_prompt = 0;
+  int64_t num_computed = 0;
+  int64_t max_new = 0;  // max_tokens clipped to the model's context
+  std::vector<int32_t> blocks;
+  uint64_t seed = 0;
+  std::vector<TokenLogprob> logprobs;
+  std::unique_ptr<model::StreamDecoder> decoder;
+  std::string text;     // emitted text
+  std::string pending;  // decoded but held back: may be the start of a stop string
+
+  int64_t num_generated() const { return static_cast<int64_t>(tokens.size()) - num_prompt; }
+};
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(model::Model* model,
+                                                       const model::Tokenizer* tokenizer,
+                                                       const EngineOptions& options) {
+  int64_t blocks = options.kv_blocks;
+  if (blocks <= 0) {
+    const int64_t per_block =
+        model->CacheShape(1, options.scheduler.block_tokens).bytes_per_block_all_layers();
+    blocks = options.kv_bytes / per_block;
+  }
+  if (blocks <= 0) return absl::InvalidArgumentError("KV cache budget holds no block");
+  PREFT_ASSIGN_OR_RETURN(auto cache,
+                         kv::KvCache::Create(model->CacheShape(blocks, options.scheduler.block_tokens)));
+  return std::unique_ptr<Engine>(new Engine(model, tokenizer, options, std::move(cache)));
+}
+
+Engine::Engine(model::Model* model, const model::Tokenizer* tokenizer,
+               const EngineOptions& options, std::unique_ptr<kv::KvCache> cache)
+    : model_(model),
+      tokenizer_(tokenizer),
+      options_(options),
+      cache_(std::move(cache)),
+      allocator_(static_cast<int32_t>(cache_->shape().num_blocks)),
+      next_seed_(std::random_device{}()) {}
+
+Engine::~Engine() = default;
+
+absl::Status Engine::Add(Request request) {
+  const model::ModelConfig& c = model_->config();
+  PREFT_RETURN_IF_ERROR(request.sampling.Validate(c.vocab_size));
+  if (request.prompt_ids.empty()) return absl::InvalidArgumentError("prompt is empty");
+  for (int32_t id : request.prompt_ids) {
+    if (id < 0 || id >= c.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prompt token id ", id, " is outside the vocabulary [0, ", c.vocab_size, ")"));
+    }
+  }
+  const int64_t n = static_cast<int64_t>(request.prompt_ids.size());
+  if (n >= c.max_position_embeddings) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt has ", n, " tokens; the model's context is ",
+                                                   c.max_position_embeddings));
+  }
+  auto same_id = [&](const std::unique_ptr<Sequence>& s) { return s->request.id == request.id; };
+  if (std::any_of(running_.begin(), running_.end(), same_id) ||
+      std::any_of(waiting_.begin(), waiting_.end(), same_id)) {
+    return absl::AlreadyExistsError(absl::StrCat("request id '", request.id, "' is in use"));
+  }
+  auto seq = std::make_unique<Sequence>();
+  seq->tokens = request.prompt_ids;
+  seq->num_prompt = n;
+  seq->max_new = std::min<int64_t>(request.sampling.max_tokens, c.max_position_embeddings - n);
+  seq->seed = request.sampling.seed ? *request.sampling.seed : next_seed_++;
+  if (tokenizer_ != nullptr) {
+    seq->decoder = std::make_unique<model::StreamDecoder>(tokenizer_, /*skip_special_tokens=*/true);
+  }
+  seq->request = std::move(request);
+  waiting_.push_back(std::move(seq));
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Abort(const std::string& request_id) {
+  for (auto* queue : {&running_}) {
+    for (auto it = queue->begin(); it != queue->end(); ++it) {
+      if ((*it)->request.id == request_id) {
+        Finish(*it, FinishReason::kAbort, absl::CancelledError("aborted"));
+        queue->erase(it);
+        return absl::OkStatus();
+      }
+    }
+  }
+  for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
+    if ((*it)->request.id == request_id) {
+      Finish(*it, FinishReason::kAbort, absl::CancelledError("aborted"));
+      waiting_.erase(it);
+      return absl::OkStatus();
+    }
+  }
+  return absl::NotFoundError(absl::StrCat("no active request '", request_id, "'"));
+}
+
+void Engine::Finish(std::unique_ptr<Sequence>& seq, FinishReason reason, absl::Status status) {
+  allocator_.Free(seq->blocks);
+  seq->blocks.clear();
+  if (seq->request.on_token &&
+      (reason == FinishReason::kAbort || reason == FinishReason::kError)) {
+    TokenEvent e;
+    e.request_id = seq->request.id;
+    e.finish = reason;
+    e.status = status;
+    seq->request.on_token(e);
+  }
+  if (collect_results_) {
+    GenerationResult r;
+    r.request_id = seq->request.id;
+    r.prompt_ids.assign(seq->tokens.begin(), seq->tokens.begin() + seq->num_prompt);
+    r.token_ids.assign(seq->tokens.begin() + seq->num_prompt, seq->tokens.end());
+    r.text = seq->text;
+    r.finish = reason;
+    r.status = status;
+    r.logprobs = std::move(seq->logprobs);
+    finished_[r.request_id] = std::move(r);
+  }
+  seq.reset();
+}
+
+void Engine::Preempt(Sequence& seq) {
+  allocator_.Free(seq.blocks);
+  seq.blocks.clear();
+  seq.num_computed = 0;  // recompute prompt + generated tokens when readmitted
+  ++stats_.preemptions;
+}
+
+namespace {
+
+// Moves the text of `pending` that is safe to emit into the result. With stop strings, text
+// that might be the start of one is held back; on a match everything from the match on stays
+// in `pending` (the caller drops it) and the text before it is returned. `final` releases
+// whatever is held.
+std::string TakeText(const std::vector<std::string>& stops, bool final, std::string* pending) {
+  size_t match = std::string::npos;
+  for (const std::string& s : stops) match = std::min(match, pending->find(s));
+  if (match != std::string::npos) {
+    std::string out = pending->substr(0, match);
+    pending->erase(0, match);
+    return out;
+  }
+  size_t hold = 0;
+  if (!final) {
+    for (const std::string& s : stops) {
+      for (size_t k = std::min(s.size() - 1, pending->size()); k > hold; --k) {
+        if (pending->compare(pending->size() - k, k, s, 0, k) == 0) {
+          hold = k;
+          break;
+        }
+      }
+    }
+  }
+  std::string out = pending->substr(0, pending->size() - hold);
+  pending->erase(0, pending->size() - hold);
+  return out;
+}
+
+}  // namespace
+
+FinishReason Engine::AppendToken(Sequence& seq, int32_t token, const float* logits) {
+  const SamplingParams& sp = seq.request.sampling;
+  const model::ModelConfig& c = model_->config();
+  seq.tokens.push_back(token);
+  ++stats_.generated_tokens;
+  const TokenLogprob* lp = nullptr;
+  if (sp.logprobs) {
+    seq.logprobs.push_back(ComputeLogprobs(logits, c.vocab_size, token, *sp.logprobs));
+    lp = &seq.logprobs.back();
+  }
+  FinishReason finish = FinishReason::kNone;
+  const bool is_eos = std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), token) !=
+                      c.eos_token_ids.end();
+  if ((is_eos && !sp.ignore_eos) ||
+      std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), token) != sp.stop_token_ids.end()) {
+    finish = FinishReason::kStop;
+  }
+  if (finish == FinishReason::kNone && seq.num_generated() >= seq.max_new) {
+    finish = FinishReason::kLength;
+  }
+  std::string delta;
+  if (seq.decoder) {
+    if (finish != FinishReason::kStop) seq.pending += seq.decoder->Push(token);
+    if (finish != FinishReason::kNone) seq.pending += seq.decoder->Flush();
+    delta = TakeText(sp.stop, finish != FinishReason::kNone, &seq.pending);
+    if (!seq.pending.empty()) {  // a stop string matched: the rest is dropped
+      seq.pending.clear();
+      finish = FinishReason::kStop;
+    }
+    seq.text += delta;
+  }
+  if (seq.request.on_token) {
+    TokenEvent e;
+    e.request_id = seq.request.id;
+    e.token_id = token;
+    e.text_delta = std::move(delta);
+    e.logprob = lp;
+    e.finish = finish;
+    seq.request.on_token(e);
+  }
+  return finish;
+}
+
+absl::Status Engine::Step() {
+  std::vector<SequenceView> running_views, waiting_views;
+  for (const auto& s : running_) {
+    running_views.push_back({static_cast<int64_t>(s->tokens.size()), s->num_computed,
+                             static_cast<int64_t>(s->blocks.size())});
+  }
+  for (const auto& s : waiting_) {
+    waiting_views.push_back({static_cast<int64_t>(s->tokens.size()), s->num_computed,
+                             static_cast<int64_t>(s->blocks.size())});
+  }
+  const ScheduleDecision d = Schedule(options_.scheduler, running_views, waiting_views,
+                                      allocator_.num_free(), allocator_.num_blocks());
+
+  // Resolve the decision's indices to sequences before any queue changes.
+  std::vector<std::pair<Sequence*, int64_t>> work;  // (sequence, tokens to compute)
+  std::vector<int64_t> new_blocks;
+  for (const ScheduleItem& item : d.items) {
+    Sequence* s = item.running ? running_[item.index].get() : waiting_[item.index].get();
+    work.emplace_back(s, item.num_new);
+    new_blocks.push_back(item.new_blocks);
+  }
+  std::unordered_set<Sequence*> preempted, admitted, rejected;
+  for (int64_t i : d.preempted) preempted.insert(running_[i].get());
+  for (const ScheduleItem& item : d.items)
+    if (!item.running) admitted.insert(waiting_[item.index].get());
+  for (int64_t i : d.rejected) rejected.insert(waiting_[i].get());
+
+  // Preempted sequences go back to the front of the queue, oldest first.
+  std::vector<std::unique_ptr<Sequence>> still_running;
+  std::vector<std::unique_ptr<Sequence>> back_to_waiting;
+  for (auto& s : running_) {
+    if (preempted.count(s.get())) {
+      Preempt(*s);
+      back_to_waiting.push_back(std::move(s));
+    } else {
+      still_running.push_back(std::move(s));
+    }
+  }
+  std::deque<std::unique_ptr<Sequence>> still_waiting;
+  for (auto& s : waiting_) {
+    if (admitted.count(s.get())) {
+      still_running.push_back(std::move(s));
+    } else if (rejected.count(s.get())) {
+      const int64_t bt = options_.scheduler.block_tokens;
+      Finish(s, FinishReason::kError,
+             absl::ResourceExhaustedError(absl::StrCat(
+                 "prompt of ", s->num_prompt, " tokens needs ",
+                 (static_cast<int64_t>(s->tokens.size()) + bt) / bt, " KV blocks; the cache has ",
+                 allocator_.num_blocks())));
+    } else {
+      still_waiting.push_back(std::move(s));
+    }
+  }
+  for (auto it = back_to_waiting.rbegin(); it != back_to_waiting.rend(); ++it)
+    still_waiting.push_front(std::move(*it));
+  running_ = std::move(still_running);
+  waiting_ = std::move(still_waiting);
+  if (work.empty()) return absl::OkStatus();
+
+  model::ForwardBatch batch;
+  std::vector<Sequence*> sampled;
+  for (size_t i = 0; i < work.size(); ++i) {
+    Sequence* s = work[i].first;
+    const int64_t n = work[i].second;
+    PREFT_CHECK(allocator_.Allocate(static_cast<int32_t>(new_blocks[i]), &s->blocks).ok());
+    const int64_t context = s->num_computed + n;
+    const bool last_chunk = context == static_cast<int64_t>(s->tokens.size());
+    batch.AddSequence(s->blocks.data(), static_cast<int64_t>(s->blocks.size()),
+                      s->tokens.data() + s->num_computed, n, context, last_chunk);
+    if (s->num_computed < s->num_prompt) stats_.prompt_tokens += std::min(n, s->num_prompt - s->num_computed);
+    if (last_chunk) sampled.push_back(s);
+  }
+  PREFT_RETURN_IF_ERROR(model_->Forward(batch, cache_.get(), &logits_));
+  ++stats_.steps;
+  for (auto& [s, n] : work) s->num_computed += n;
+
+  const int64_t vocab = model_->config().vocab_size;
+  std::map<Sequence*, FinishReason> done;
+  for (size_t r = 0; r < sampled.size(); ++r) {
+    Sequence* s = sampled[r];
+    const float* row = logits_.data() + r * vocab;
+    const int32_t token = SampleToken(row, vocab, s->request.sampling, s->seed,
+                                      static_cast<uint64_t>(s->num_generated()), &sample_scratch_);
+    const FinishReason finish = AppendToken(*s, token, row);
+    if (finish != FinishReason::kNone) done[s] = finish;
+  }
+  if (!done.empty()) {
+    std::vector<std::unique_ptr<Sequence>> keep;
+    for (auto& s : running_) {
+      auto it = done.find(s.get());
+      if (it != done.end()) {
+        Finish(s, it->second, absl::OkStatus());
+      } else {
+        keep.push_back(std::move(s));
+      }
+    }
+    running_ = std::move(keep);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<GenerationResult>> Engine::Generate(std::vector<Request> requests) {
+  collect_results_ = true;
+  std::vector<std::string> ids;
+  for (Request& r : requests) {
+    ids.push_back(r.id);
+    PREFT_RETURN_IF_ERROR(Add(std::move(r)));
+  }
+  while (HasWork()) PREFT_RETURN_IF_ERROR(Step());
+  std::vector<GenerationResult> out;
+  for (const std::string& id : ids) {
+    auto it = finished_.find(id);
+    PREFT_CHECK(it != finished_.end());
+    out.push_back(std::move(it->second));
+    finished_.erase(it);
+  }
+  collect_results_ = false;
+  return out;
+}
+
+}  // namespace preft::engine

@@ -1,1 +1,120 @@
+#include "common/engine/sampler.h"
 
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace preft::engine {
+namespace {
+
+uint64_t SplitMix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+constexpr float kGreedyEpsilon = 1e-5f;
+
+}  // namespace
+
+absl::Status SamplingParams::Validate(int64_t vocab_size) const {
+  auto bad = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
+  if (!(temperature >= 0.f) || std::isinf(temperature))
+    return bad("temperature must be >= 0, got ", temperature);
+  if (!(top_p > 0.f && top_p <= 1.f)) return bad("top_p must be in (0, 1], got ", top_p);
+  if (top_k < 0) return bad("top_k must be >= 0 (0 disables it), got ", top_k);
+  if (!(min_p >= 0.f && min_p <= 1.f)) return bad("min_p must be in [0, 1], got ", min_p);
+  if (max_tokens < 1) return bad("max_tokens must be >= 1, got ", max_tokens);
+  if (logprobs && (*logprobs < 0 || *logprobs > 20))
+    return bad("logprobs must be in [0, 20], got ", *logprobs);
+  for (int32_t id : stop_token_ids)
+    if (id < 0 || id >= vocab_size) return bad("stop_token_ids: ", id, " is not in the vocabulary");
+  for (const std::string& s : stop)
+    if (s.empty()) return bad("stop strings must not be empty");
+  return absl::OkStatus();
+}
+
+double UniformFromCounter(uint64_t seed, uint64_t step) {
+  const uint64_t bits = SplitMix64(SplitMix64(seed) ^ SplitMix64(step + 0x632be59bd9b4e019ull));
+  return static_cast<double>(bits >> 11) * 0x1.0p-53;
+}
+
+int32_t SampleToken(const float* logits, int64_t vocab, const SamplingParams& params,
+                    uint64_t seed, uint64_t step,
+                    std::vector<std::pair<float, int32_t>>* scratch) {
+  if (params.temperature <= kGreedyEpsilon) {
+    return static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
+  }
+  // Candidates as (scaled logit, id), best first when a filter needs the order.
+  auto& cand = *scratch;
+  cand.clear();
+  const float inv_t = 1.f / params.temperature;
+  for (int64_t i = 0; i < vocab; ++i) cand.emplace_back(logits[i] * inv_t, static_cast<int32_t>(i));
+  auto better = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  const bool need_order = params.top_k > 0 || params.top_p < 1.f;
+  if (params.top_k > 0 && params.top_k < vocab) {
+    std::partial_sort(cand.begin(), cand.begin() + params.top_k, cand.end(), better);
+    cand.resize(params.top_k);
+  } else if (need_order) {
+    std::sort(cand.begin(), cand.end(), better);
+  }
+  float max_logit = -INFINITY;
+  for (const auto& c : cand) max_logit = std::max(max_logit, c.first);
+  std::vector<double> probs(cand.size());
+  double sum = 0.0;
+  for (size_t i = 0; i < cand.size(); ++i) sum += probs[i] = std::exp(static_cast<double>(cand[i].first - max_logit));
+  size_t keep = cand.size();
+  if (params.top_p < 1.f) {  // smallest prefix whose mass reaches top_p
+    double acc = 0.0;
+    for (size_t i = 0; i < cand.size(); ++i) {
+      acc += probs[i] / sum;
+      if (acc >= params.top_p) {
+        keep = i + 1;
+        break;
+      }
+    }
+  }
+  // min_p relative to the most likely token (whose unnormalised weight is 1).
+  const double min_weight = params.min_p;
+  double total = 0.0;
+  for (size_t i = 0; i < keep; ++i) {
+    if (probs[i] < min_weight) probs[i] = 0.0;
+    total += probs[i];
+  }
+  double target = UniformFromCounter(seed, step) * total;
+  for (size_t i = 0; i < keep; ++i) {
+    if (probs[i] == 0.0) continue;
+    target -= probs[i];
+    if (target < 0.0) return cand[i].second;
+  }
+  for (size_t i = keep; i-- > 0;)  // rounding left a sliver: last non-zero candidate
+    if (probs[i] > 0.0) return cand[i].second;
+  return cand[0].second;
+}
+
+TokenLogprob ComputeLogprobs(const float* logits, int64_t vocab, int32_t token, int32_t top_n) {
+  double max_logit = -INFINITY;
+  for (int64_t i = 0; i < vocab; ++i) max_logit = std::max(max_logit, static_cast<double>(logits[i]));
+  double sum = 0.0;
+  for (int64_t i = 0; i < vocab; ++i) sum += std::exp(logits[i] - max_logit);
+  const double log_z = max_logit + std::log(sum);
+  TokenLogprob out;
+  out.token_id = token;
+  out.logprob = logits[token] - log_z;
+  if (top_n > 0) {
+    std::vector<int32_t> ids(vocab);
+    for (int64_t i = 0; i < vocab; ++i) ids[i] = static_cast<int32_t>(i);
+    const int64_t n = std::min<int64_t>(top_n, vocab);
+    std::partial_sort(ids.begin(), ids.begin() + n, ids.end(), [&](int32_t a, int32_t b) {
+      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+    });
+    for (int64_t i = 0; i < n; ++i) out.top.emplace_back(ids[i], logits[ids[i]] - log_z);
+  }
+  return out;
+}
+
+}  // namespace preft::engine

@@ -1,1 +1,188 @@
+#include "common/engine/engine.h"
+
 #include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tests/testing/fixtures.h"
+
+namespace preft::engine {
+namespace {
+
+class EngineTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    auto m = model::Model::Load(testing::TinyLlamaFixture());
+    ASSERT_TRUE(m.ok()) << m.status();
+    model_ = std::move(m).value().release();
+    auto t = model::Tokenizer::LoadFromModelDir(testing::TinyLlamaFixture());
+    ASSERT_TRUE(t.ok()) << t.status();
+    tokenizer_ = std::move(t).value().release();
+  }
+
+  static std::unique_ptr<Engine> MakeEngine(int64_t kv_blocks, int64_t batch_tokens = 512) {
+    EngineOptions o;
+    o.kv_blocks = kv_blocks;
+    o.scheduler.max_batch_tokens = batch_tokens;
+    auto e = Engine::Create(model_, tokenizer_, o);
+    EXPECT_TRUE(e.ok()) << e.status();
+    return std::move(e).value();
+  }
+
+  static Request MakeRequest(const std::string& id, int n_prompt, int max_tokens, float temp,
+                             uint64_t seed) {
+    Request r;
+    r.id = id;
+    for (int i = 0; i < n_prompt; ++i) r.prompt_ids.push_back((i * 37 + seed * 11) % 298);
+    r.sampling.max_tokens = max_tokens;
+    r.sampling.temperature = temp;
+    r.sampling.top_p = temp > 0 ? 0.9f : 1.f;
+    r.sampling.seed = seed;
+    r.sampling.ignore_eos = true;
+    return r;
+  }
+
+  static std::vector<int32_t> RunAlone(const Request& r) {
+    auto e = MakeEngine(256);
+    auto out = e->Generate({r});
+    EXPECT_TRUE(out.ok()) << out.status();
+    return out->front().token_ids;
+  }
+
+  static model::Model* model_;
+  static model::Tokenizer* tokenizer_;
+};
+model::Model* EngineTest::model_ = nullptr;
+model::Tokenizer* EngineTest::tokenizer_ = nullptr;
+
+// A request's tokens do not depend on its batch: alone vs among 15 others, with chunked
+// prefill (small token budget) mixing prompt chunks and decode rows, greedy and seeded.
+TEST_F(EngineTest, TokensAreIdenticalAloneAndInABusyBatch) {
+  const Request greedy = MakeRequest("greedy", 45, 20, 0.f, 1);
+  const Request sampled = MakeRequest("sampled", 23, 20, 0.8f, 2);
+  const auto greedy_alone = RunAlone(greedy);
+  const auto sampled_alone = RunAlone(sampled);
+  ASSERT_EQ(greedy_alone.size(), 20u);
+
+  std::vector<Request> batch;
+  for (int i = 0; i < 15; ++i)
+    batch.push_back(MakeRequest("other" + std::to_string(i), 5 + 7 * i, 10 + i, i % 2 ? 1.f : 0.f, 100 + i));
+  batch.insert(batch.begin() + 3, greedy);
+  batch.insert(batch.begin() + 9, sampled);
+  auto e = MakeEngine(256, /*batch_tokens=*/48);
+  auto out = e->Generate(batch);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ((*out)[3].token_ids, greedy_alone);
+  EXPECT_EQ((*out)[9].token_ids, sampled_alone);
+  EXPECT_GT(e->stats().steps, 20);
+  EXPECT_EQ(e->allocator().num_free(), 256);  // everything returned
+}
+
+// With a cache too small for everyone, sequences get preempted and recomputed; their tokens
+// are still exactly those of a run alone, and no block leaks.
+TEST_F(EngineTest, PreemptionRecomputesWithoutChangingTokens) {
+  std::vector<Request> batch;
+  std::vector<std::vector<int32_t>> alone;
+  for (int i = 0; i < 6; ++i) {
+    batch.push_back(MakeRequest("r" + std::to_string(i), 20 + 3 * i, 30, i % 2 ? 0.7f : 0.f, 7 + i));
+    alone.push_back(RunAlone(batch.back()));
+  }
+  auto e = MakeEngine(12);  // 192 token slots for ~6 x 55 tokens
+  auto out = e->Generate(batch);
+  ASSERT_TRUE(out.ok()) << out.status();
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_TRUE((*out)[i].status.ok()) << (*out)[i].status;
+    EXPECT_EQ((*out)[i].token_ids, alone[i]) << "request " << i;
+  }
+  EXPECT_GT(e->stats().preemptions, 0);
+  EXPECT_EQ(e->allocator().num_free(), 12);
+}
+
+TEST_F(EngineTest, PromptThatCannotFitFailsClearlyAndOthersFinish) {
+  auto e = MakeEngine(4);  // 64 token slots
+  std::vector<Request> batch = {MakeRequest("big", 100, 4, 0.f, 1), MakeRequest("ok", 10, 4, 0.f, 2)};
+  auto out = e->Generate(batch);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ((*out)[0].finish, FinishReason::kError);
+  EXPECT_EQ((*out)[0].status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE((*out)[0].status.message().find("prompt of 100 tokens needs 7 KV blocks; the cache has 4"),
+            std::string::npos)
+      << (*out)[0].status;
+  EXPECT_EQ((*out)[1].token_ids.size(), 4u);
+}
+
+TEST_F(EngineTest, BadRequestsAreRejectedAtAdmission) {
+  auto e = MakeEngine(16);
+  Request empty = MakeRequest("empty", 0, 4, 0.f, 1);
+  EXPECT_EQ(e->Add(empty).code(), absl::StatusCode::kInvalidArgument);
+  Request oov = MakeRequest("oov", 3, 4, 0.f, 1);
+  oov.prompt_ids[1] = 300;
+  absl::Status s = e->Add(oov);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("token id 300"), std::string::npos) << s;
+  Request too_long = MakeRequest("long", 2048, 4, 0.f, 1);
+  EXPECT_NE(e->Add(too_long).message().find("context is 2048"), std::string::npos);
+  Request bad_p = MakeRequest("badp", 3, 4, 1.f, 1);
+  bad_p.sampling.top_p = 1.5f;
+  EXPECT_NE(e->Add(bad_p).message().find("top_p"), std::string::npos);
+  ASSERT_TRUE(e->Add(MakeRequest("dup", 3, 4, 0.f, 1)).ok());
+  EXPECT_EQ(e->Add(MakeRequest("dup", 3, 4, 0.f, 1)).code(), absl::StatusCode::kAlreadyExists);
+}
+
+TEST_F(EngineTest, AbortFreesBlocksAndReportsAbort) {
+  auto e = MakeEngine(32);
+  std::vector<TokenEvent> events;
+  Request r = MakeRequest("a", 10, 100, 0.f, 1);
+  r.on_token = [&](const TokenEvent& ev) { events.push_back(ev); };
+  ASSERT_TRUE(e->Add(r).ok());
+  ASSERT_TRUE(e->Step().ok());
+  ASSERT_TRUE(e->Step().ok());
+  EXPECT_LT(e->allocator().num_free(), 32);
+  ASSERT_TRUE(e->Abort("a").ok());
+  EXPECT_EQ(e->allocator().num_free(), 32);
+  EXPECT_FALSE(e->HasWork());
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back().finish, FinishReason::kAbort);
+  EXPECT_EQ(e->Abort("a").code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(EngineTest, StopStringCutsTheTextAndStops) {
+  Request r = MakeRequest("s", 12, 24, 0.f, 3);
+  auto e = MakeEngine(64);
+  auto full = e->Generate({r});
+  ASSERT_TRUE(full.ok());
+  const std::string text = full->front().text;
+  ASSERT_GE(text.size(), 8u) << text;
+  const std::string stop = text.substr(text.size() / 2, 3);
+  const std::string expected = text.substr(0, text.find(stop));
+  r.sampling.stop = {stop};
+  std::string streamed;
+  r.on_token = [&](const TokenEvent& ev) { streamed += ev.text_delta; };
+  auto cut = e->Generate({r});
+  ASSERT_TRUE(cut.ok());
+  EXPECT_EQ(cut->front().text, expected);
+  EXPECT_EQ(streamed, expected);
+  EXPECT_EQ(cut->front().finish, FinishReason::kStop);
+  EXPECT_LT(cut->front().token_ids.size(), full->front().token_ids.size());
+}
+
+TEST_F(EngineTest, StopTokenIdEndsGeneration) {
+  Request r = MakeRequest("t", 12, 24, 0.f, 3);
+  auto e = MakeEngine(64);
+  auto full = e->Generate({r});
+  ASSERT_TRUE(full.ok());
+  const int32_t stop_id = full->front().token_ids[5];
+  r.sampling.stop_token_ids = {stop_id};
+  auto cut = e->Generate({r});
+  ASSERT_TRUE(cut.ok());
+  const auto& ids = cut->front().token_ids;
+  ASSERT_FALSE(ids.empty());
+  EXPECT_EQ(ids.back(), stop_id);
+  EXPECT_LE(ids.size(), 6u);
+  EXPECT_EQ(cut->front().finish, FinishReason::kStop);
+}
+
+}  // namespace
+}  // namespace preft::engine

@@ -1,1 +1,109 @@
+#include "common/kernels/cpu/ops.h"
+
 #include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "common/kernels/cpu/attention.h"
+
+namespace preft::kernels::cpu {
+namespace {
+
+std::vector<float> Random(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.f, 1.f);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+TEST(OpsTest, RmsNormMatchesDefinition) {
+  auto x = Random(3 * 10, 1), w = Random(10, 2);
+  std::vector<float> out(30);
+  RmsNorm(x.data(), w.data(), 3, 10, 1e-5f, out.data());
+  for (int t = 0; t < 3; ++t) {
+    double ss = 0;
+    for (int i = 0; i < 10; ++i) ss += x[t * 10 + i] * x[t * 10 + i];
+    const double r = 1.0 / std::sqrt(ss / 10 + 1e-5);
+    for (int i = 0; i < 10; ++i) EXPECT_NEAR(out[t * 10 + i], w[i] * x[t * 10 + i] * r, 1e-5);
+  }
+}
+
+TEST(OpsTest, RopeRotatesHalvesByPositionTimesFrequency) {
+  const int hd = 8;
+  std::vector<float> inv_freq = {1.f, 0.1f, 0.01f, 0.001f};
+  auto q = Random(2 * 1 * hd, 3), k = Random(2 * 1 * hd, 4);
+  auto q0 = q, k0 = k;
+  std::vector<int32_t> pos = {0, 5};
+  ApplyRope(pos.data(), 2, inv_freq.data(), hd, q.data(), 1, k.data(), 1);
+  for (int i = 0; i < hd; ++i) EXPECT_FLOAT_EQ(q[i], q0[i]);  // position 0: identity
+  for (int i = 0; i < hd / 2; ++i) {
+    const double a = 5.0 * inv_freq[i];
+    const float x = q0[hd + i], y = q0[hd + i + hd / 2];
+    EXPECT_NEAR(q[hd + i], x * std::cos(a) - y * std::sin(a), 1e-5);
+    EXPECT_NEAR(q[hd + i + hd / 2], y * std::cos(a) + x * std::sin(a), 1e-5);
+  }
+}
+
+TEST(OpsTest, SiluMulMatchesDefinition) {
+  auto g = Random(50, 5), u = Random(50, 6);
+  std::vector<float> out(50);
+  SiluMulSeparate(g.data(), u.data(), 50, out.data());
+  for (int i = 0; i < 50; ++i) EXPECT_NEAR(out[i], g[i] / (1 + std::exp(-g[i])) * u[i], 1e-6);
+}
+
+// Paged attention over shuffled blocks equals dense causal attention, for decode-sized and
+// prefill-sized query chunks (the two code paths), with GQA.
+TEST(OpsTest, PagedAttentionMatchesDenseCausalAttention) {
+  const int64_t heads = 4, kv_heads = 2, hd = 16, bt = 4, num_blocks = 16;
+  for (int64_t num_new : {1, 3, 8, 21}) {
+    const int64_t ctx = 25;
+    const int64_t group = heads / kv_heads;
+    auto keys = Random(ctx * kv_heads * hd, 10 + num_new);
+    auto values = Random(ctx * kv_heads * hd, 20 + num_new);
+    auto q = Random(num_new * heads * hd, 30 + num_new);
+    // Scatter into blocks in a scrambled order.
+    const int64_t block_floats = 2 * kv_heads * bt * hd;
+    std::vector<float> pool(num_blocks * block_floats, NAN);
+    std::vector<int32_t> table = {9, 2, 14, 0, 7, 11, 3};
+    for (int64_t p = 0; p < ctx; ++p)
+      for (int64_t h = 0; h < kv_heads; ++h)
+        for (int64_t i = 0; i < hd; ++i) {
+          float* blk = pool.data() + table[p / bt] * block_floats;
+          blk[(h * bt + p % bt) * hd + i] = keys[(p * kv_heads + h) * hd + i];
+          blk[kv_heads * bt * hd + (h * bt + p % bt) * hd + i] = values[(p * kv_heads + h) * hd + i];
+        }
+    std::vector<float> out(num_new * heads * hd);
+    AttentionSeq seq{q.data(), out.data(), table.data(), num_new, ctx};
+    PagedKvLayout layout{pool.data(), block_floats, kv_heads * bt * hd, bt, kv_heads, hd};
+    const float scale = 1.f / std::sqrt(float(hd));
+    PagedAttention(&seq, 1, layout, heads, scale);
+    for (int64_t t = 0; t < num_new; ++t) {
+      const int64_t visible = ctx - num_new + t + 1;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t kh = h / group;
+        std::vector<double> s(visible);
+        double mx = -1e30, z = 0;
+        for (int64_t p = 0; p < visible; ++p) {
+          double acc = 0;
+          for (int64_t i = 0; i < hd; ++i)
+            acc += q[(t * heads + h) * hd + i] * keys[(p * kv_heads + kh) * hd + i];
+          s[p] = acc * scale;
+          mx = std::max(mx, s[p]);
+        }
+        for (auto& v : s) z += v = std::exp(v - mx);
+        for (int64_t i = 0; i < hd; ++i) {
+          double o = 0;
+          for (int64_t p = 0; p < visible; ++p) o += s[p] / z * values[(p * kv_heads + kh) * hd + i];
+          ASSERT_NEAR(out[(t * heads + h) * hd + i], o, 1e-5)
+              << "num_new " << num_new << " t " << t << " head " << h << " dim " << i;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace preft::kernels::cpu

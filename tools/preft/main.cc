@@ -1,1 +1,18 @@
-int main() { return 0; }
+// preft: one binary, one flag style. `preft --help` lists the subcommands.
+
+#include "CLI/CLI.hpp"
+#include "tools/preft/commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"preft: serving prefill-only adapters (PreFT) and their baselines"};
+  app.require_subcommand(1);
+  int exit_code = 0;
+  preft::tools::RegisterGenerateCommand(app, &exit_code);
+  preft::tools::RegisterMakeModelCommand(app, &exit_code);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  return exit_code;
+}

@@ -1,0 +1,90 @@
+#pragma once
+
+// The engine: requests in, tokens out, one forward per Step over a continuously batched
+// set of sequences on a paged KV cache.
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/engine/request.h"
+#include "common/engine/scheduler.h"
+#include "common/kv/block_allocator.h"
+#include "common/kv/kv_cache.h"
+#include "common/model/forward_batch.h"
+#include "common/model/model.h"
+#include "common/model/tokenizer.h"
+
+namespace preft::engine {
+
+struct EngineOptions {
+  int64_t kv_blocks = 0;  // 0: derive from kv_bytes
+  int64_t kv_bytes = int64_t{1} << 30;
+  SchedulerConfig scheduler;
+};
+
+struct EngineStats {
+  int64_t steps = 0;
+  int64_t prompt_tokens = 0;
+  int64_t generated_tokens = 0;
+  int64_t preemptions = 0;
+};
+
+// Owned and driven by one thread (the engine thread); not thread-safe. Borrows the model
+// and tokenizer (tokenizer may be null: then no text and no stop strings).
+class Engine {
+ public:
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(model::Model* model,
+                                                        const model::Tokenizer* tokenizer,
+                                                        const EngineOptions& options);
+  ~Engine();
+
+  // Validates and queues. InvalidArgument for bad params/ids, or a prompt longer than the
+  // model's context; an id already in use is AlreadyExists.
+  absl::Status Add(Request request);
+  // Finishes the request with kAbort (NotFound if unknown or already done).
+  absl::Status Abort(const std::string& request_id);
+
+  bool HasWork() const { return !running_.empty() || !waiting_.empty(); }
+  // Schedules and runs one forward, samples, emits events, retires finished requests.
+  absl::Status Step();
+
+  // Runs `requests` to completion and returns their results in the same order.
+  absl::StatusOr<std::vector<GenerationResult>> Generate(std::vector<Request> requests);
+
+  const EngineStats& stats() const { return stats_; }
+  const kv::BlockAllocator& allocator() const { return allocator_; }
+  int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
+  int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
+
+ private:
+  struct Sequence;
+
+  Engine(model::Model* model, const model::Tokenizer* tokenizer, const EngineOptions& options,
+         std::unique_ptr<kv::KvCache> cache);
+  void Finish(std::unique_ptr<Sequence>& seq, FinishReason reason, absl::Status status);
+  // Appends a sampled token and emits its event; returns why the sequence is done (kNone:
+  // it goes on).
+  FinishReason AppendToken(Sequence& seq, int32_t token, const float* logits);
+  void Preempt(Sequence& seq);
+
+  model::Model* model_;
+  const model::Tokenizer* tokenizer_;
+  EngineOptions options_;
+  std::unique_ptr<kv::KvCache> cache_;
+  kv::BlockAllocator allocator_;
+  std::deque<std::unique_ptr<Sequence>> waiting_;  // arrival order (preempted go to the front)
+  std::vector<std::unique_ptr<Sequence>> running_;  // arrival order
+  std::map<std::string, GenerationResult> finished_;  // collected for Generate
+  bool collect_results_ = false;
+  uint64_t next_seed_;
+  EngineStats stats_;
+  std::vector<float> logits_;
+  std::vector<std::pair<float, int32_t>> sample_scratch_;
+};
+
+}  // namespace preft::engine

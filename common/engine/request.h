@@ -1,0 +1,48 @@
+#pragma once
+
+// A generation request as the engine sees it, and what it reports back.
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "common/engine/sampling_params.h"
+
+namespace preft::engine {
+
+enum class FinishReason { kNone, kLength, kStop, kAbort, kError };
+const char* FinishReasonName(FinishReason r);  // "length", "stop", "abort", "error"
+
+// Sent after every generated token, and once more at the end if the request failed.
+struct TokenEvent {
+  std::string request_id;
+  int32_t token_id = -1;        // -1 on a final error/abort event
+  std::string text_delta;       // complete UTF-8 only
+  const TokenLogprob* logprob = nullptr;  // when requested; valid during the callback
+  FinishReason finish = FinishReason::kNone;
+  absl::Status status;          // not OK for kError
+};
+
+using TokenCallback = std::function<void(const TokenEvent&)>;
+
+struct Request {
+  std::string id;
+  std::vector<int32_t> prompt_ids;
+  SamplingParams sampling;
+  TokenCallback on_token;  // called on the engine thread; must not block
+};
+
+// The whole result of a finished request (what `preft generate --json` prints).
+struct GenerationResult {
+  std::string request_id;
+  std::vector<int32_t> prompt_ids;
+  std::vector<int32_t> token_ids;
+  std::string text;
+  FinishReason finish = FinishReason::kNone;
+  absl::Status status;
+  std::vector<TokenLogprob> logprobs;
+};
+
+}  // namespace preft::engine

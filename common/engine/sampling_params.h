@@ -1,0 +1,42 @@
+#pragma once
+
+// How a request turns logits into tokens, and when it stops.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace preft::engine {
+
+struct SamplingParams {
+  float temperature = 0.f;  // <= 1e-5 means greedy
+  float top_p = 1.f;        // (0, 1]
+  int32_t top_k = 0;        // 0 = off
+  float min_p = 0.f;        // [0, 1]
+  // Requests without a seed get one drawn at admission, so their tokens still do not
+  // depend on the batch they ran in.
+  std::optional<uint64_t> seed;
+  int32_t max_tokens = 16;
+  std::vector<int32_t> stop_token_ids;
+  std::vector<std::string> stop;  // stop strings; the text is cut before the match
+  bool ignore_eos = false;
+  // Report the sampled token's logprob and this many top alternatives (nullopt: none).
+  std::optional<int32_t> logprobs;
+
+  // InvalidArgument naming the field and the value.
+  absl::Status Validate(int64_t vocab_size) const;
+};
+
+// One generated token's log-probability under the model's full softmax (no temperature),
+// with the top alternatives.
+struct TokenLogprob {
+  int32_t token_id = 0;
+  double logprob = 0.0;
+  std::vector<std::pair<int32_t, double>> top;
+};
+
+}  // namespace preft::engine

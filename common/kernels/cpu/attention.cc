@@ -1,0 +1,123 @@
+#include "common/kernels/cpu/attention.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace preft::kernels::cpu {
+namespace {
+
+// Long query chunks (prefill) use two GEMMs over a gathered copy of the head's K and V;
+// short ones (decode) stream the blocks directly.
+constexpr int64_t kGemmMinQueries = 8;
+
+const float* KeyBlock(const PagedKvLayout& l, const int32_t* table, int64_t b, int64_t h) {
+  return l.k_base + table[b] * l.block_stride + h * l.block_tokens * l.head_dim;
+}
+
+// Softmax of s[0..n) in place, scaled; returns nothing, s becomes probabilities.
+void Softmax(float* s, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = std::exp(s[i] - mx);
+    sum += s[i];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t i = 0; i < n; ++i) s[i] *= inv;
+}
+
+// Queries of one KV head's group for a few new tokens, straight over the blocks.
+void AttendDirect(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, int64_t num_heads,
+                  float scale, std::vector<float>& scores) {
+  const int64_t d = l.head_dim, bt = l.block_tokens;
+  const int64_t group = num_heads / l.num_kv_heads;
+  const int64_t ctx = seq.context_len;
+  scores.resize(ctx);
+  for (int64_t t = 0; t < seq.num_new; ++t) {
+    const int64_t visible = ctx - seq.num_new + t + 1;
+    for (int64_t j = 0; j < group; ++j) {
+      const int64_t head = h * group + j;
+      const float* q = seq.q + (t * num_heads + head) * d;
+      for (int64_t p = 0; p < visible; ++p) {
+        const float* k = KeyBlock(l, seq.block_table, p / bt, h) + (p % bt) * d;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t i = 0; i < d; ++i) acc += q[i] * k[i];
+        scores[p] = acc * scale;
+      }
+      Softmax(scores.data(), visible);
+      float* o = seq.out + (t * num_heads + head) * d;
+      std::fill(o, o + d, 0.f);
+      for (int64_t p = 0; p < visible; ++p) {
+        const float* v = KeyBlock(l, seq.block_table, p / bt, h) + l.v_offset + (p % bt) * d;
+        const float w = scores[p];
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) o[i] += w * v[i];
+      }
+    }
+  }
+}
+
+// Same result via gathered K/V and sgemm: S = Q Kᵀ, causal softmax, O = P V.
+void AttendGemm(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, int64_t num_heads,
+                float scale, std::vector<float>& buf) {
+  const int64_t d = l.head_dim, bt = l.block_tokens;
+  const int64_t group = num_heads / l.num_kv_heads;
+  const int64_t ctx = seq.context_len, n = seq.num_new;
+  buf.resize(2 * ctx * d + n * ctx);
+  float* keys = buf.data();
+  float* values = keys + ctx * d;
+  float* s = values + ctx * d;
+  for (int64_t p0 = 0; p0 < ctx; p0 += bt) {
+    const int64_t len = std::min(bt, ctx - p0);
+    const float* kb = KeyBlock(l, seq.block_table, p0 / bt, h);
+    std::copy(kb, kb + len * d, keys + p0 * d);
+    std::copy(kb + l.v_offset, kb + l.v_offset + len * d, values + p0 * d);
+  }
+  const int64_t ld = num_heads * d;
+  for (int64_t j = 0; j < group; ++j) {
+    const int64_t head = h * group + j;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, ctx, d, scale, seq.q + head * d, ld,
+                keys, d, 0.f, s, ctx);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t visible = ctx - n + t + 1;
+      float* row = s + t * ctx;
+      Softmax(row, visible);
+      std::fill(row + visible, row + ctx, 0.f);
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, ctx, 1.f, s, ctx, values, d, 0.f,
+                seq.out + head * d, ld);
+  }
+}
+
+}  // namespace
+
+void PagedAttention(const AttentionSeq* seqs, int64_t num_seqs, const PagedKvLayout& layout,
+                    int64_t num_heads, float scale) {
+  // Long chunks first get whole-thread GEMMs; short ones share a parallel loop.
+  std::vector<std::pair<int64_t, int64_t>> direct;  // (seq, kv head)
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    if (seqs[i].num_new >= kGemmMinQueries) {
+      std::vector<float> buf;
+      for (int64_t h = 0; h < layout.num_kv_heads; ++h)
+        AttendGemm(seqs[i], layout, h, num_heads, scale, buf);
+    } else {
+      for (int64_t h = 0; h < layout.num_kv_heads; ++h) direct.emplace_back(i, h);
+    }
+  }
+#pragma omp parallel
+  {
+    std::vector<float> scores;
+#pragma omp for schedule(dynamic, 1)
+    for (size_t w = 0; w < direct.size(); ++w)
+      AttendDirect(seqs[direct[w].first], layout, direct[w].second, num_heads, scale, scores);
+  }
+}
+
+}  // namespace preft::kernels::cpu

@@ -1,0 +1,185 @@
+#include "common/model/model.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/status_macros.h"
+#include "common/kernels/cpu/attention.h"
+#include "common/kernels/cpu/linear.h"
+#include "common/kernels/cpu/ops.h"
+#include "common/model/rope.h"
+
+namespace preft::model {
+namespace {
+
+namespace cpu = kernels::cpu;
+
+kernels::MatrixView View(const TensorInfo* t) {
+  return {t->data, t->dtype, t->shape[0], t->shape.size() > 1 ? t->shape[1] : 1};
+}
+
+std::vector<float> ToF32(const TensorInfo* t) {
+  std::vector<float> out(t->num_elements());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = kernels::LoadAsF32(t->data, t->dtype, i);
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir) {
+  std::unique_ptr<Model> m(new Model());
+  PREFT_ASSIGN_OR_RETURN(m->config_, ModelConfig::FromFile(dir + "/config.json"));
+  PREFT_ASSIGN_OR_RETURN(m->checkpoint_, Checkpoint::Open(dir));
+  PREFT_RETURN_IF_ERROR(m->LoadWeights());
+  m->inv_freq_ = RopeInverseFrequencies(m->config_);
+  return m;
+}
+
+absl::Status Model::LoadWeights() {
+  const ModelConfig& c = config_;
+  const int64_t d = c.hidden_size, hd = c.head_dim;
+  const int64_t q_out = c.num_heads * hd, kv_out = c.num_kv_heads * hd;
+  auto get = [&](const std::string& name,
+                 std::vector<int64_t> shape) -> absl::StatusOr<const TensorInfo*> {
+    return checkpoint_->Get(name, shape);
+  };
+  PREFT_ASSIGN_OR_RETURN(const TensorInfo* embed, get("model.embed_tokens.weight", {c.vocab_size, d}));
+  embed_ = View(embed);
+  if (c.tie_word_embeddings && !checkpoint_->Has("lm_head.weight")) {
+    lm_head_ = embed_;
+  } else {
+    PREFT_ASSIGN_OR_RETURN(const TensorInfo* head, get("lm_head.weight", {c.vocab_size, d}));
+    lm_head_ = View(head);
+  }
+  PREFT_ASSIGN_OR_RETURN(const TensorInfo* norm, get("model.norm.weight", {d}));
+  final_norm_ = ToF32(norm);
+  layers_.resize(c.num_layers);
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    Layer& l = layers_[i];
+    struct {
+      kernels::MatrixView* view;
+      const char* name;
+      int64_t rows, cols;
+    } mats[] = {{&l.q, "self_attn.q_proj", q_out, d},    {&l.k, "self_attn.k_proj", kv_out, d},
+                {&l.v, "self_attn.v_proj", kv_out, d},   {&l.o, "self_attn.o_proj", d, q_out},
+                {&l.gate, "mlp.gate_proj", c.intermediate_size, d},
+                {&l.up, "mlp.up_proj", c.intermediate_size, d},
+                {&l.down, "mlp.down_proj", d, c.intermediate_size}};
+    for (auto& m : mats) {
+      PREFT_ASSIGN_OR_RETURN(const TensorInfo* t,
+                             get(absl::StrCat(p, m.name, ".weight"), {m.rows, m.cols}));
+      *m.view = View(t);
+    }
+    if (c.attention_bias) {
+      PREFT_ASSIGN_OR_RETURN(const TensorInfo* qb, get(p + "self_attn.q_proj.bias", {q_out}));
+      PREFT_ASSIGN_OR_RETURN(const TensorInfo* kb, get(p + "self_attn.k_proj.bias", {kv_out}));
+      PREFT_ASSIGN_OR_RETURN(const TensorInfo* vb, get(p + "self_attn.v_proj.bias", {kv_out}));
+      l.q_bias = ToF32(qb);
+      l.k_bias = ToF32(kb);
+      l.v_bias = ToF32(vb);
+    }
+    PREFT_ASSIGN_OR_RETURN(const TensorInfo* n1, get(p + "input_layernorm.weight", {d}));
+    PREFT_ASSIGN_OR_RETURN(const TensorInfo* n2, get(p + "post_attention_layernorm.weight", {d}));
+    l.input_norm = ToF32(n1);
+    l.post_attention_norm = ToF32(n2);
+  }
+  return absl::OkStatus();
+}
+
+kv::KvCacheShape Model::CacheShape(int64_t num_blocks, int64_t block_tokens) const {
+  return {config_.num_layers, num_blocks, block_tokens, config_.num_kv_heads, config_.head_dim};
+}
+
+void Model::WriteKv(const ForwardBatch& batch, int64_t layer, kv::KvCache* cache) {
+  const int64_t kvh = config_.num_kv_heads, hd = config_.head_dim;
+  const int64_t bt = cache->shape().block_tokens;
+  int64_t t = 0;
+  for (const ForwardBatch::Sequence& s : batch.sequences) {
+    for (int64_t i = 0; i < s.num_new; ++i, ++t) {
+      const int64_t pos = batch.positions[t];
+      const int64_t block = s.block_table[pos / bt], slot = pos % bt;
+      for (int64_t h = 0; h < kvh; ++h) {
+        std::memcpy(cache->key(layer, block, h, slot), &k_[(t * kvh + h) * hd], hd * sizeof(float));
+        std::memcpy(cache->value(layer, block, h, slot), &v_[(t * kvh + h) * hd],
+                    hd * sizeof(float));
+      }
+    }
+  }
+}
+
+absl::Status Model::Forward(const ForwardBatch& batch, kv::KvCache* cache,
+                            std::vector<float>* logits) {
+  const ModelConfig& c = config_;
+  const kv::KvCacheShape& cs = cache->shape();
+  if (cs.num_layers != c.num_layers || cs.num_kv_heads != c.num_kv_heads ||
+      cs.head_dim != c.head_dim) {
+    return absl::InvalidArgumentError("KV cache shape does not match the model");
+  }
+  PREFT_RETURN_IF_ERROR(batch.Validate(c.vocab_size, cs.block_tokens));
+  const int64_t T = batch.num_tokens();
+  const int64_t d = c.hidden_size, hd = c.head_dim, inter = c.intermediate_size;
+  const int64_t q_out = c.num_heads * hd, kv_out = c.num_kv_heads * hd;
+  x_.resize(T * d);
+  h_.resize(T * d);
+  q_.resize(T * q_out);
+  k_.resize(T * kv_out);
+  v_.resize(T * kv_out);
+  attn_.resize(T * q_out);
+  tmp_.resize(T * d);
+  gate_.resize(T * inter);
+  up_.resize(T * inter);
+
+  cpu::GatherRows(embed_, batch.token_ids.data(), T, x_.data());
+
+  std::vector<cpu::AttentionSeq> attn_seqs;
+  attn_seqs.reserve(batch.sequences.size());
+  {
+    int64_t t = 0;
+    for (const ForwardBatch::Sequence& s : batch.sequences) {
+      attn_seqs.push_back({&q_[t * q_out], &attn_[t * q_out], s.block_table, s.num_new,
+                           s.context_len});
+      t += s.num_new;
+    }
+  }
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+  auto bias = [](const std::vector<float>& b) { return b.empty() ? nullptr : b.data(); };
+
+  for (int64_t li = 0; li < c.num_layers; ++li) {
+    const Layer& l = layers_[li];
+    cpu::RmsNorm(x_.data(), l.input_norm.data(), T, d, eps, h_.data());
+    cpu::Linear(h_.data(), T, l.q, bias(l.q_bias), q_.data());
+    cpu::Linear(h_.data(), T, l.k, bias(l.k_bias), k_.data());
+    cpu::Linear(h_.data(), T, l.v, bias(l.v_bias), v_.data());
+    cpu::ApplyRope(batch.positions.data(), T, inv_freq_.data(), hd, q_.data(), c.num_heads,
+                   k_.data(), c.num_kv_heads);
+    WriteKv(batch, li, cache);
+    cpu::PagedKvLayout layout{cache->layer_base(li), cs.block_floats(), cache->v_offset(),
+                              cs.block_tokens, c.num_kv_heads, hd};
+    cpu::PagedAttention(attn_seqs.data(), static_cast<int64_t>(attn_seqs.size()), layout,
+                        c.num_heads, scale);
+    cpu::Linear(attn_.data(), T, l.o, nullptr, tmp_.data());
+    cpu::AddInPlace(x_.data(), tmp_.data(), T * d);
+
+    cpu::RmsNorm(x_.data(), l.post_attention_norm.data(), T, d, eps, h_.data());
+    cpu::Linear(h_.data(), T, l.gate, nullptr, gate_.data());
+    cpu::Linear(h_.data(), T, l.up, nullptr, up_.data());
+    cpu::SiluMulSeparate(gate_.data(), up_.data(), T * inter, gate_.data());
+    cpu::Linear(gate_.data(), T, l.down, nullptr, tmp_.data());
+    cpu::AddInPlace(x_.data(), tmp_.data(), T * d);
+  }
+
+  // Only the rows that will be sampled go through the final norm and the LM head.
+  const int64_t rows = static_cast<int64_t>(batch.logit_rows.size());
+  std::vector<float> last(rows * d);
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(&last[r * d], &x_[batch.logit_rows[r] * d], d * sizeof(float));
+  cpu::RmsNorm(last.data(), final_norm_.data(), rows, d, eps, last.data());
+  logits->resize(rows * c.vocab_size);
+  cpu::Linear(last.data(), rows, lm_head_, nullptr, logits->data());
+  return absl::OkStatus();
+}
+
+}  // namespace preft::model

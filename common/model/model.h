@@ -1,0 +1,62 @@
+#pragma once
+
+// A decoder-only transformer (Llama, Qwen2, Mistral) over a memory-mapped Hugging Face
+// checkpoint: one Forward runs a ForwardBatch and writes its K/V into a paged cache.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/kernels/matrix.h"
+#include "common/kv/kv_cache.h"
+#include "common/model/checkpoint.h"
+#include "common/model/config.h"
+#include "common/model/forward_batch.h"
+
+namespace preft::model {
+
+// Owned by the engine thread (Forward reuses scratch buffers; not thread-safe).
+class Model {
+ public:
+  // Reads config.json and the weights in `dir`; every tensor the config implies must exist
+  // with its exact shape. Matrices stay in the mapping (f32, f16 or bf16); norms and biases
+  // are copied to f32.
+  static absl::StatusOr<std::unique_ptr<Model>> Load(const std::string& dir);
+
+  const ModelConfig& config() const { return config_; }
+  // Bytes of weights read by one forward (the mapped checkpoint).
+  size_t weight_bytes() const { return checkpoint_->total_bytes(); }
+
+  // A KV cache shape for this model with `num_blocks` blocks.
+  kv::KvCacheShape CacheShape(int64_t num_blocks, int64_t block_tokens = 16) const;
+
+  // Runs the batch: writes K/V of the new tokens into `cache` and puts the logits of
+  // `batch.logit_rows` into `logits` ([rows, vocab], row-major).
+  absl::Status Forward(const ForwardBatch& batch, kv::KvCache* cache, std::vector<float>* logits);
+
+ private:
+  struct Layer {
+    kernels::MatrixView q, k, v, o, gate, up, down;
+    std::vector<float> q_bias, k_bias, v_bias;  // empty without attention bias
+    std::vector<float> input_norm, post_attention_norm;
+  };
+
+  Model() = default;
+  absl::Status LoadWeights();
+  void WriteKv(const ForwardBatch& batch, int64_t layer, kv::KvCache* cache);
+
+  ModelConfig config_;
+  std::unique_ptr<Checkpoint> checkpoint_;
+  kernels::MatrixView embed_;
+  kernels::MatrixView lm_head_;
+  std::vector<float> final_norm_;
+  std::vector<Layer> layers_;
+  std::vector<float> inv_freq_;
+
+  // Scratch, resized per batch.
+  std::vector<float> x_, h_, q_, k_, v_, attn_, tmp_, gate_, up_;
+};
+
+}  // namespace preft::model

@@ -1,0 +1,12 @@
+#pragma once
+
+// Subcommands of the `preft` CLI. Each registers its flags and sets `*exit_code` when run.
+
+#include "CLI/CLI.hpp"
+
+namespace preft::tools {
+
+void RegisterGenerateCommand(CLI::App& app, int* exit_code);
+void RegisterMakeModelCommand(CLI::App& app, int* exit_code);
+
+}  // namespace preft::tools
