@@ -10,10 +10,24 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/model/config.h"
 #include "common/model/safetensors.h"
 
 namespace preft::model {
+
+// A weight a model of some config must have, in Hugging Face naming.
+struct ExpectedTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  bool is_norm = false;  // RMSNorm weight (initialised to 1 by make-model)
+  bool is_bias = false;
+};
+
+// Every weight of a Llama/Qwen2/Mistral model with `config`, in module order (embeddings, layers,
+// final norm, lm_head unless tied). Llama with attention_bias also has o_proj.bias, as in HF.
+std::vector<ExpectedTensor> ExpectedTensors(const ModelConfig& config);
 
 // Owns the mapped shard files; tensors borrow them. Immutable after Open; thread-safe to read.
 class Checkpoint {
@@ -28,6 +42,8 @@ class Checkpoint {
   absl::StatusOr<const TensorInfo*> Get(std::string_view name,
                                         const std::vector<int64_t>& shape) const;
   bool Has(std::string_view name) const;
+  // Get() for every ExpectedTensors(config); the first missing or misshapen one is the error.
+  absl::Status CheckTensors(const ModelConfig& config) const;
   const std::map<std::string, const TensorInfo*, std::less<>>& tensors() const { return tensors_; }
   const std::string& dir() const { return dir_; }
   // Bytes of all mapped shards.

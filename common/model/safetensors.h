@@ -49,11 +49,14 @@ class SafetensorsFile {
   const TensorInfo* Find(std::string_view name) const;
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   const std::string& path() const { return path_; }
+  // Size of the whole file image (header included).
+  size_t size_bytes() const { return size_bytes_; }
 
  private:
   SafetensorsFile() = default;
 
   std::string path_;
+  size_t size_bytes_ = 0;
   std::unique_ptr<base::MappedFile> file_;  // null when parsed from memory
   std::map<std::string, TensorInfo, std::less<>> tensors_;
   std::map<std::string, std::string> metadata_;
@@ -70,5 +73,44 @@ struct TensorToWrite {
 // Writes a safetensors file (tensors sorted by name, 8-byte aligned header as HF does).
 absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
                               const std::map<std::string, std::string>& metadata = {});
+
+// Name, dtype and shape of a tensor whose bytes come later (SafetensorsWriter).
+struct TensorSpec {
+  std::string name;
+  kernels::DType dtype = kernels::DType::kF32;
+  std::vector<int64_t> shape;
+
+  // Bytes of the tensor's data; -1 when the shape is negative or the size overflows.
+  int64_t num_bytes() const;
+};
+
+// Streams a safetensors file tensor by tensor, so a large file is never held in memory whole.
+// Create writes the header; Append must then be called once per spec, in specs() order (sorted
+// by name); Close checks that all came and flushes. Not thread-safe; one owner.
+class SafetensorsWriter {
+ public:
+  static absl::StatusOr<std::unique_ptr<SafetensorsWriter>> Create(
+      const std::string& path, std::vector<TensorSpec> specs,
+      const std::map<std::string, std::string>& metadata = {});
+  ~SafetensorsWriter();
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+
+  const std::vector<TensorSpec>& specs() const { return specs_; }
+  // The spec the next Append writes, or null when all are written.
+  const TensorSpec* next() const { return next_ < specs_.size() ? &specs_[next_] : nullptr; }
+  // Writes the next tensor's bytes; `num_bytes` must equal its size.
+  absl::Status Append(const void* data, size_t num_bytes);
+  absl::Status Close();
+
+ private:
+  SafetensorsWriter() = default;
+  absl::Status WriteAll(const void* data, size_t num_bytes);
+
+  std::string path_;
+  std::vector<TensorSpec> specs_;
+  size_t next_ = 0;
+  int fd_ = -1;
+};
 
 }  // namespace preft::model

@@ -1,1 +1,206 @@
+#include "common/kernels/cpu/linear.h"
+
 #include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/kernels/cpu/cpu_features.h"
+#include "common/kernels/cpu/linear_kernels.h"
+#include "common/kernels/dtype.h"
+#include "common/kernels/matrix.h"
+
+namespace preft::kernels::cpu {
+namespace {
+
+struct Shape {
+  int64_t m, n, k;
+};
+
+// The full cross product of awkward sizes up to a reference cost, plus a few big ones.
+std::vector<Shape> TestShapes(int64_t max_macs) {
+  std::vector<Shape> shapes;
+  for (int64_t m : {1, 2, 3, 5, 16, 17, 33, 64, 100, 512})
+    for (int64_t n : {1, 15, 16, 17, 100, 896, 1000})
+      for (int64_t k : {1, 31, 32, 33, 64, 100, 896, 4864})
+        if (m * n * k <= max_macs) shapes.push_back({m, n, k});
+  return shapes;
+}
+
+// A weight in one dtype, with the f32 values it stands for.
+struct Weight {
+  DType dtype;
+  std::vector<float> values;  // [n, k]
+  std::vector<uint16_t> half;
+  MatrixView View(int64_t n, int64_t k) const {
+    return {dtype == DType::kF32 ? static_cast<const void*>(values.data()) : half.data(), dtype,
+            n, k};
+  }
+};
+
+Weight MakeWeight(DType dtype, int64_t n, int64_t k, std::mt19937& rng) {
+  std::uniform_real_distribution<float> dist(-1.f, 1.f);
+  Weight w{dtype, std::vector<float>(n * k), {}};
+  if (dtype != DType::kF32) w.half.resize(n * k);
+  for (int64_t i = 0; i < n * k; ++i) {
+    const float v = dist(rng);
+    if (dtype == DType::kBF16) {
+      w.half[i] = F32ToBf16(v);
+      w.values[i] = Bf16ToF32(w.half[i]);
+    } else if (dtype == DType::kF16) {
+      w.half[i] = F32ToF16(v);
+      w.values[i] = F16ToF32(w.half[i]);
+    } else {
+      w.values[i] = v;
+    }
+  }
+  return w;
+}
+
+std::vector<float> RandomVector(int64_t size, std::mt19937& rng) {
+  std::uniform_real_distribution<float> dist(-1.f, 1.f);
+  std::vector<float> v(size);
+  for (float& f : v) f = dist(rng);
+  return v;
+}
+
+// Checks y against a double-precision reference, per element within rel_tol of Σ|x||w|.
+// With round_x the reference sees x rounded to bf16, as the vdpbf16ps and AMX paths do.
+void ExpectMatchesReference(const std::vector<float>& x, const Weight& w, const float* bias,
+                            const Shape& s, const std::vector<float>& y, bool round_x,
+                            double rel_tol, const std::string& what) {
+  std::vector<double> xr(x.begin(), x.end());
+  if (round_x) {
+    for (size_t c = 0; c < x.size(); ++c) xr[c] = Bf16ToF32(F32ToBf16(x[c]));
+  }
+  int failures = 0;
+  for (int64_t i = 0; i < s.m; ++i) {
+    for (int64_t j = 0; j < s.n; ++j) {
+      double ref = bias != nullptr ? bias[j] : 0.0, mag = bias != nullptr ? std::abs(bias[j]) : 0.0;
+      for (int64_t c = 0; c < s.k; ++c) {
+        const double xv = xr[i * s.k + c];
+        const double wv = w.values[j * s.k + c];
+        ref += xv * wv;
+        mag += std::abs(xv * wv);
+      }
+      const double got = y[i * s.n + j];
+      if (!(std::abs(got - ref) <= rel_tol * mag + 1e-6) && ++failures <= 5) {
+        ADD_FAILURE() << what << " m=" << s.m << " n=" << s.n << " k=" << s.k << " at (" << i
+                      << ", " << j << "): got " << got << " want " << ref << " (|x||w| " << mag
+                      << ")";
+      }
+    }
+  }
+}
+
+// Runs Linear on every test shape with weights of dtype and checks it against the reference.
+// bf16_x: the kernel rounds x to bf16 (vdpbf16ps, AMX).
+void RunAllShapes(DType dtype, bool bf16_x, const std::string& what) {
+  std::mt19937 rng(1234);
+  const double tol = bf16_x ? 1e-4 : 2e-5;
+  std::vector<Shape> shapes = TestShapes(1'000'000);
+  shapes.push_back({512, 160, 896});
+  shapes.push_back({64, 260, 4864});
+  shapes.push_back({100, 100, 4864});
+  int index = 0;
+  for (const Shape& s : shapes) {
+    const Weight w = MakeWeight(dtype, s.n, s.k, rng);
+    const std::vector<float> x = RandomVector(s.m * s.k, rng);
+    const std::vector<float> bias = RandomVector(s.n, rng);
+    const bool with_bias = (index++ % 2) == 1;
+    // One guard element past y catches writes beyond the output.
+    std::vector<float> y(s.m * s.n + 1, NAN);
+    y.back() = 12345.f;
+    Linear(x.data(), s.m, w.View(s.n, s.k), with_bias ? bias.data() : nullptr, y.data());
+    EXPECT_EQ(y.back(), 12345.f) << "wrote past y, m=" << s.m << " n=" << s.n;
+    y.pop_back();
+    ExpectMatchesReference(x, w, with_bias ? bias.data() : nullptr, s, y, bf16_x, tol,
+                           std::string(DTypeName(dtype)) + "/" + what);
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
+// f32 weights take OpenBLAS whatever the CPU.
+TEST(LinearTest, F32) { RunAllShapes(DType::kF32, false, "openblas"); }
+
+// Half-precision weights at each kernel level the CPU has, capped as PREFT_CPU_ISA would.
+class LinearIsaTest : public ::testing::TestWithParam<LinearIsa> {
+ protected:
+  void SetUp() override {
+    SetLinearIsaCapForTesting(LinearIsa::kAmx);
+    if (static_cast<int>(ActiveLinearIsa()) < static_cast<int>(GetParam())) {
+      GTEST_SKIP() << "CPU lacks " << LinearIsaName(GetParam()) << "; best is "
+                   << LinearIsaName(ActiveLinearIsa());
+    }
+    SetLinearIsaCapForTesting(GetParam());
+  }
+  void TearDown() override { SetLinearIsaCapForTesting(LinearIsa::kAmx); }
+};
+
+TEST_P(LinearIsaTest, F16) { RunAllShapes(DType::kF16, false, LinearIsaName(GetParam())); }
+TEST_P(LinearIsaTest, Bf16) {
+  RunAllShapes(DType::kBF16, GetParam() >= LinearIsa::kAvx512Bf16, LinearIsaName(GetParam()));
+}
+
+INSTANTIATE_TEST_SUITE_P(AllLevels, LinearIsaTest,
+                         ::testing::Values(LinearIsa::kScalar, LinearIsa::kAvx2,
+                                           LinearIsa::kAvx512, LinearIsa::kAvx512Bf16,
+                                           LinearIsa::kAmx),
+                         [](const auto& info) { return std::string(LinearIsaName(info.param)); });
+
+// The AMX loop nest and packing, with the tile instructions emulated: runs wherever
+// AVX-512-BF16 does, so the indexing is checked even on CPUs without AMX.
+TEST(LinearAmxEmulatedTest, MatchesReference) {
+  if (!GetCpuFeatures().avx512_bf16) GTEST_SKIP() << "needs AVX-512-BF16";
+  std::mt19937 rng(99);
+  std::vector<Shape> shapes = TestShapes(1'000'000);
+  shapes.push_back({17, 33, 4864});  // several k passes plus a k tail
+  shapes.push_back({33, 100, 2080});
+  int index = 0;
+  for (const Shape& s : shapes) {
+    const Weight w = MakeWeight(DType::kBF16, s.n, s.k, rng);
+    const std::vector<float> x = RandomVector(s.m * s.k, rng);
+    const std::vector<float> bias = RandomVector(s.n, rng);
+    const bool with_bias = (index++ % 2) == 0;
+    std::vector<float> y(s.m * s.n + 1, NAN);
+    y.back() = 12345.f;
+    LinearBf16AmxEmulatedForTesting(x.data(), s.m, w.half.data(), s.n, s.k,
+                                    with_bias ? bias.data() : nullptr, y.data());
+    EXPECT_EQ(y.back(), 12345.f) << "wrote past y, m=" << s.m << " n=" << s.n;
+    y.pop_back();
+    ExpectMatchesReference(x, w, with_bias ? bias.data() : nullptr, s, y, true, 1e-4,
+                           "amx-emulated");
+    if (HasFailure()) return;
+  }
+}
+
+TEST(LinearTest, EmptyAndZeroK) {
+  const float bias[3] = {1.f, 2.f, 3.f};
+  float y[6] = {};
+  const float dummy = 0.f;
+  Linear(&dummy, 2, MatrixView{&dummy, DType::kBF16, 3, 0}, bias, y);
+  EXPECT_EQ(y[0], 1.f);
+  EXPECT_EQ(y[5], 3.f);
+  Linear(&dummy, 0, MatrixView{&dummy, DType::kBF16, 3, 4}, bias, y);  // no rows: no-op
+}
+
+TEST(CpuFeaturesTest, LevelsAreConsistent) {
+  const CpuFeatures& f = GetCpuFeatures();
+  if (f.amx_bf16) {
+    EXPECT_TRUE(f.avx512_bf16);
+  }
+  if (f.avx512_bf16) {
+    EXPECT_TRUE(f.avx512);
+  }
+  if (f.avx512) {
+    EXPECT_TRUE(f.avx2);
+  }
+  std::printf("cpu: avx2=%d avx512=%d avx512_bf16=%d amx_bf16=%d -> linear uses %s\n", f.avx2,
+              f.avx512, f.avx512_bf16, f.amx_bf16, LinearIsaName(ActiveLinearIsa()));
+}
+
+}  // namespace
+}  // namespace preft::kernels::cpu

@@ -1,0 +1,156 @@
+// End-to-end engine benchmark (issue 2's performance table). Prints each figure next to a
+// reference measured in the same run: a memory-bandwidth probe (triad over 1 GiB arrays)
+// and the byte bound it implies for decode.
+//
+//   engine_bench --model DIR [--threads N] [--quick]
+
+#include <omp.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/engine/engine.h"
+#include "common/model/model.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+// STREAM triad a = b + s*c over 1 GiB arrays; bytes counted as 3 streams (2 reads, 1 write).
+double TriadGBps() {
+  const size_t n = (size_t{1} << 30) / sizeof(float);
+  std::vector<float> a(n), b(n, 1.f), c(n, 2.f);
+  double best = 0;
+  for (int rep = 0; rep < 4; ++rep) {
+    auto t0 = Clock::now();
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; ++i) a[i] = b[i] + 0.5f * c[i];
+    const double s = Seconds(t0, Clock::now());
+    best = std::max(best, 3.0 * n * sizeof(float) / s / 1e9);
+  }
+  if (a[n / 2] != 2.f) std::printf("triad check failed\n");
+  return best;
+}
+
+long PeakRssMiB() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stol(line.substr(6)) / 1024;
+  return -1;
+}
+
+preft::engine::Request MakeRequest(int i, int prompt_len, int new_tokens, int32_t vocab) {
+  preft::engine::Request r;
+  r.id = "bench-" + std::to_string(i);
+  for (int t = 0; t < prompt_len; ++t) r.prompt_ids.push_back((t * 7919 + i * 104729) % (vocab - 1000));
+  r.sampling.max_tokens = new_tokens;
+  r.sampling.ignore_eos = true;
+  return r;
+}
+
+struct DecodeResult {
+  double prefill_tokens_per_s = 0;  // over steps that carried prompt tokens
+  double decode_tokens_per_s = 0;   // over steps of decode rows only
+  double e2e_tokens_per_s = 0;      // generated tokens / wall time
+};
+
+DecodeResult RunBatch(preft::model::Model* model, int concurrency, int prompt_len, int new_tokens,
+                      int64_t kv_blocks, int64_t batch_tokens) {
+  preft::engine::EngineOptions o;
+  o.kv_blocks = kv_blocks;
+  o.scheduler.max_batch_tokens = batch_tokens;
+  auto eng = preft::engine::Engine::Create(model, nullptr, o).value();
+  for (int i = 0; i < concurrency; ++i)
+    (void)eng->Add(MakeRequest(i, prompt_len, new_tokens, model->config().vocab_size));
+  double prefill_s = 0, decode_s = 0;
+  int64_t prefill_tok = 0, decode_tok = 0;
+  const auto start = Clock::now();
+  while (eng->HasWork()) {
+    const int64_t p0 = eng->stats().prompt_tokens, g0 = eng->stats().generated_tokens;
+    auto t0 = Clock::now();
+    if (!eng->Step().ok()) break;
+    const double s = Seconds(t0, Clock::now());
+    const int64_t dp = eng->stats().prompt_tokens - p0, dg = eng->stats().generated_tokens - g0;
+    if (dp > 0) {
+      prefill_s += s;
+      prefill_tok += dp;
+    } else {
+      decode_s += s;
+      decode_tok += dg;
+    }
+  }
+  DecodeResult r;
+  r.e2e_tokens_per_s = eng->stats().generated_tokens / Seconds(start, Clock::now());
+  r.prefill_tokens_per_s = prefill_s > 0 ? prefill_tok / prefill_s : 0;
+  r.decode_tokens_per_s = decode_s > 0 ? decode_tok / decode_s : 0;
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string model_dir;
+  int threads = 0;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--model") && i + 1 < argc) model_dir = argv[++i];
+    else if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) threads = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--quick")) quick = true;
+  }
+  if (model_dir.empty()) {
+    std::fprintf(stderr, "usage: engine_bench --model DIR [--threads N] [--quick]\n");
+    return 2;
+  }
+  if (threads > 0) omp_set_num_threads(threads);
+  std::printf("threads: %d\n", omp_get_max_threads());
+
+  auto loaded = preft::model::Model::Load(model_dir);
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "engine_bench: %s\n", std::string(loaded.status().message()).c_str());
+    return 1;
+  }
+  auto model = std::move(loaded).value();
+  const double weight_gb = model->weight_bytes() / 1e9;
+  const auto shape = model->CacheShape(1);
+  const double kv_bytes_per_token = shape.bytes_per_block_all_layers() / 16.0;
+  std::printf("model: %s, %.3f GB of weights, KV %.1f KiB/token\n", model_dir.c_str(), weight_gb,
+              kv_bytes_per_token / 1024);
+
+  const DecodeResult one = RunBatch(model.get(), 1, 16, quick ? 16 : 64, 64, 512);
+  const DecodeResult pre = RunBatch(model.get(), 1, 512, 1, 64, 512);
+  const int new_tokens = quick ? 32 : 128;
+  std::vector<std::pair<int, DecodeResult>> batched;
+  for (int conc : {16, 64}) batched.emplace_back(conc, RunBatch(model.get(), conc, 128, new_tokens, conc * 17, 2048));
+  // Peak RSS before the bandwidth probe allocates its 3 GiB.
+  const long peak = PeakRssMiB();
+  const double triad = TriadGBps();
+
+  std::printf("\n| figure | value | reference (same run) | ratio | target |\n|---|---|---|---|---|\n");
+  const double gbps = one.decode_tokens_per_s * weight_gb;
+  std::printf("| decode batch 1 | %.1f tok/s = %.1f GB/s of weights | triad %.1f GB/s | %.2f | >= 0.70 |\n",
+              one.decode_tokens_per_s, gbps, triad, gbps / triad);
+  std::printf("| prefill 512 tokens | %.0f tok/s | byte-free: compute bound | - | >= 1000 tok/s |\n",
+              pre.prefill_tokens_per_s);
+  for (const auto& [conc, r] : batched) {
+    const double bound = triad / weight_gb * conc;  // weights read once per step
+    std::printf("| decode %d seqs (128+%d) | %.0f tok/s decode-only, %.0f tok/s end to end | weight-byte bound %.0f tok/s | %.2f | %s |\n",
+                conc, new_tokens, r.decode_tokens_per_s, r.e2e_tokens_per_s, bound,
+                r.decode_tokens_per_s / bound, conc == 64 ? ">= 400 tok/s" : "-");
+  }
+  const double weights_mib = weight_gb * 1e9 / (1 << 20);
+  const double kv_mib = 64.0 * 256 * kv_bytes_per_token / (1 << 20);
+  std::printf("| peak RSS, 64 seqs x 256 tokens | %ld MiB | weights %.0f MiB + KV %.0f MiB | %.2f | <= 1.20 |\n",
+              peak, weights_mib, kv_mib, peak / (weights_mib + kv_mib));
+  return 0;
+}

@@ -1,0 +1,310 @@
+// AMX-BF16 kernel of Linear. It computes yᵀ = w · xᵀ: 16-row slices of the borrowed weight
+// are the tile "A" operand, loaded in place with row stride k, and only x is packed per call
+// into the VNNI "B" layout (k pairs interleaved), which is cheap because x is small. The same
+// loop nest runs over real tiles or over a C++ emulation of them (for tests on CPUs without
+// AMX), chosen by the Tiles policy.
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/kernels/cpu/linear_driver.h"
+#include "common/kernels/cpu/linear_kernels.h"
+
+// GCC 12's intrinsics headers build "undefined" vectors by self-initialisation, which -Wall
+// reports inside gathers.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
+
+namespace preft::kernels::cpu {
+namespace {
+
+// Tile registers: C accumulators 0-3 (2 w slices x 2 x tiles), w slices 4-5, x tiles 6-7.
+// Every tile is 16 rows x 64 bytes.
+constexpr int kTileRows = 16;
+constexpr int kTileBytes = 1024;
+// n rows per block (two A tiles) and k per pass (the C tiles go through memory between
+// passes; 32 rows x 1024 of w and 1024 of packed x per x tile stay in L2).
+constexpr int64_t kBlockRows = 32;
+constexpr int64_t kKPass = 1024;
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
+
+// The tile macros paste their register number into the asm text, hence the literal cases.
+// The asm has no memory operands the compiler can see, so loads and stores carry a memory
+// clobber to order them against plain stores to (and reads of) the same buffers.
+struct HwTiles {
+  static void Configure() {
+    TileConfig cfg;
+    std::memset(&cfg, 0, sizeof(cfg));
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; ++t) {
+      cfg.colsb[t] = 64;
+      cfg.rows[t] = kTileRows;
+    }
+    _tile_loadconfig(&cfg);
+  }
+  static void Release() { _tile_release(); }
+
+  template <int T>
+  static void Zero() {
+    if constexpr (T == 0) _tile_zero(0);
+    else if constexpr (T == 1) _tile_zero(1);
+    else if constexpr (T == 2) _tile_zero(2);
+    else if constexpr (T == 3) _tile_zero(3);
+  }
+  template <int T>
+  static void Load(const void* p, int64_t stride_bytes) {
+    __asm__ volatile("" ::: "memory");
+    if constexpr (T == 0) _tile_loadd(0, p, stride_bytes);
+    else if constexpr (T == 1) _tile_loadd(1, p, stride_bytes);
+    else if constexpr (T == 2) _tile_loadd(2, p, stride_bytes);
+    else if constexpr (T == 3) _tile_loadd(3, p, stride_bytes);
+    else if constexpr (T == 4) _tile_loadd(4, p, stride_bytes);
+    else if constexpr (T == 5) _tile_loadd(5, p, stride_bytes);
+    else if constexpr (T == 6) _tile_loadd(6, p, stride_bytes);
+    else if constexpr (T == 7) _tile_loadd(7, p, stride_bytes);
+  }
+  template <int T>
+  static void Store(void* p, int64_t stride_bytes) {
+    if constexpr (T == 0) _tile_stored(0, p, stride_bytes);
+    else if constexpr (T == 1) _tile_stored(1, p, stride_bytes);
+    else if constexpr (T == 2) _tile_stored(2, p, stride_bytes);
+    else if constexpr (T == 3) _tile_stored(3, p, stride_bytes);
+    __asm__ volatile("" ::: "memory");
+  }
+  template <int C, int A, int B>
+  static void Dot() {
+    if constexpr (C == 0 && A == 4 && B == 6) _tile_dpbf16ps(0, 4, 6);
+    else if constexpr (C == 1 && A == 5 && B == 6) _tile_dpbf16ps(1, 5, 6);
+    else if constexpr (C == 2 && A == 4 && B == 7) _tile_dpbf16ps(2, 4, 7);
+    else if constexpr (C == 3 && A == 5 && B == 7) _tile_dpbf16ps(3, 5, 7);
+    else static_assert(C < 0, "unused tile combination");
+  }
+};
+
+// TDPBF16PS semantics in C++: C[i][j] += Σp A[i][2p]·B[p][2j] + A[i][2p+1]·B[p][2j+1].
+struct EmulatedTiles {
+  alignas(64) static inline thread_local uint8_t tiles[8][kTileBytes];
+
+  static void Configure() {}
+  static void Release() {}
+  template <int T>
+  static void Zero() {
+    std::memset(tiles[T], 0, kTileBytes);
+  }
+  template <int T>
+  static void Load(const void* p, int64_t stride_bytes) {
+    for (int r = 0; r < kTileRows; ++r) {
+      std::memcpy(tiles[T] + r * 64, static_cast<const uint8_t*>(p) + r * stride_bytes, 64);
+    }
+  }
+  template <int T>
+  static void Store(void* p, int64_t stride_bytes) {
+    for (int r = 0; r < kTileRows; ++r) {
+      std::memcpy(static_cast<uint8_t*>(p) + r * stride_bytes, tiles[T] + r * 64, 64);
+    }
+  }
+  template <int C, int A, int B>
+  static void Dot() {
+    auto* c = reinterpret_cast<float*>(tiles[C]);
+    const auto* a = reinterpret_cast<const uint16_t*>(tiles[A]);
+    const auto* b = reinterpret_cast<const uint16_t*>(tiles[B]);
+    for (int i = 0; i < 16; ++i) {
+      for (int j = 0; j < 16; ++j) {
+        float s = c[i * 16 + j];
+        for (int p = 0; p < 16; ++p) {
+          s += Bf16ToF32(a[i * 32 + 2 * p]) * Bf16ToF32(b[p * 32 + 2 * j]) +
+               Bf16ToF32(a[i * 32 + 2 * p + 1]) * Bf16ToF32(b[p * 32 + 2 * j + 1]);
+        }
+        c[i * 16 + j] = s;
+      }
+    }
+  }
+};
+
+// Packs row r of x (zeros past m and k) into the B tiles of its 16-row group: tile t = r / 16
+// holds, at row q of k step s, the pair (x[r][32s + 2q], x[r][32s + 2q + 1]) in column r % 16.
+// xp is [m_tiles][kpad / 2][16] pairs, so one k step of one group is a contiguous 1 KiB tile.
+void PackRow(const float* x, int64_t m, int64_t k, int64_t kpad, int64_t r, uint32_t* xp) {
+  const __m512i index = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(16));
+  uint32_t* base = xp + (r / 16) * (kpad / 2) * 16 + (r % 16);
+  const float* src = x + r * k;
+  for (int64_t c = 0; c < kpad; c += 32) {
+    __m512i pairs = _mm512_setzero_si512();
+    if (r < m) {
+      const int64_t left = k - c;
+      const __mmask16 lo = left >= 16 ? 0xffff : (1u << left) - 1;
+      const __mmask16 hi = left >= 32 ? 0xffff : left > 16 ? (1u << (left - 16)) - 1 : 0;
+      const __m512 vlo = _mm512_maskz_loadu_ps(lo, src + c);
+      const __m512 vhi = _mm512_maskz_loadu_ps(hi, src + c + 16);
+      pairs = (__m512i)_mm512_cvtne2ps_pbh(vhi, vlo);
+    }
+    _mm512_i32scatter_epi32(base + (c / 2) * 16, index, pairs, 4);
+  }
+}
+
+// One group of 16 (or, with kPair, 32) rows of x against one 32-row block of w, over k steps
+// [k_begin, k_end). The w block is a_base with row stride a_ld elements, except that the
+// last step reads a_tail (32 x 32, stride 32) when it is set.
+template <class Tiles, bool kPair>
+void MultiplyGroup(const uint16_t* a_base, int64_t a_ld, const uint16_t* a_tail,
+                   int64_t k_tail_begin, const uint16_t* b_base, int64_t b_group_elems,
+                   int64_t k_begin, int64_t k_end, float* c) {
+  if (k_begin == 0) {
+    Tiles::template Zero<0>();
+    Tiles::template Zero<1>();
+    if constexpr (kPair) {
+      Tiles::template Zero<2>();
+      Tiles::template Zero<3>();
+    }
+  } else {
+    Tiles::template Load<0>(c, 64);
+    Tiles::template Load<1>(c + 256, 64);
+    if constexpr (kPair) {
+      Tiles::template Load<2>(c + 512, 64);
+      Tiles::template Load<3>(c + 768, 64);
+    }
+  }
+  for (int64_t kk = k_begin; kk < k_end; kk += 32) {
+    if (a_tail != nullptr && kk >= k_tail_begin) {
+      Tiles::template Load<4>(a_tail, 64);
+      Tiles::template Load<5>(a_tail + 16 * 32, 64);
+    } else {
+      Tiles::template Load<4>(a_base + kk, a_ld * 2);
+      Tiles::template Load<5>(a_base + 16 * a_ld + kk, a_ld * 2);
+    }
+    const uint16_t* b = b_base + kk * 16;  // (kk / 2) rows of 32 bf16
+    Tiles::template Load<6>(b, 64);
+    Tiles::template Dot<0, 4, 6>();
+    Tiles::template Dot<1, 5, 6>();
+    if constexpr (kPair) {
+      Tiles::template Load<7>(b + b_group_elems, 64);
+      Tiles::template Dot<2, 4, 7>();
+      Tiles::template Dot<3, 5, 7>();
+    }
+  }
+  Tiles::template Store<0>(c, 64);
+  Tiles::template Store<1>(c + 256, 64);
+  if constexpr (kPair) {
+    Tiles::template Store<2>(c + 512, 64);
+    Tiles::template Store<3>(c + 768, 64);
+  }
+}
+
+template <class Tiles>
+void AmxLinear(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
+               const float* bias, float* y) {
+  const int64_t kpad = RoundUp(k, 32);
+  const int64_t groups = CeilDiv(m, 16);
+  const int64_t group_elems = kpad * 16;  // bf16 per packed 16-row group
+  const int64_t blocks = CeilDiv(n, kBlockRows);
+  auto* xp = static_cast<uint16_t*>(ThreadScratch(1, groups * group_elems * sizeof(uint16_t)));
+  const __m512i column = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(16));
+
+#pragma omp parallel if (WorthThreads(m, n, k))
+  {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < groups * 16; ++r) {
+      PackRow(x, m, k, kpad, r, reinterpret_cast<uint32_t*>(xp));
+    }
+    // The implicit barrier above publishes xp.
+    Tiles::Configure();
+    // C tiles of one w block: [group][half of the block][16 x 16], in f32.
+    auto* cbuf = static_cast<float*>(ThreadScratch(0, groups * 2 * kTileBytes));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t n0 = blk * kBlockRows;
+      const int64_t rows = std::min(kBlockRows, n - n0);
+      const uint16_t* a_base = w + n0 * k;
+      int64_t a_ld = k;
+      const uint16_t* a_tail = nullptr;
+      if (rows < kBlockRows) {
+        // Last block: a zero-padded copy, so tile loads stay inside the mapping.
+        auto* panel = static_cast<uint16_t*>(ThreadScratch(2, kBlockRows * kpad * 2));
+        for (int64_t r = 0; r < kBlockRows; ++r) {
+          uint16_t* dst = panel + r * kpad;
+          if (r < rows) {
+            std::memcpy(dst, a_base + r * k, k * 2);
+            std::memset(dst + k, 0, (kpad - k) * 2);
+          } else {
+            std::memset(dst, 0, kpad * 2);
+          }
+        }
+        a_base = panel;
+        a_ld = kpad;
+      } else if (k != kpad) {
+        // The last k step would read past each row (and past the matrix): pad it.
+        auto* tail = static_cast<uint16_t*>(ThreadScratch(3, kBlockRows * 32 * 2));
+        const int64_t k0 = kpad - 32;
+        for (int64_t r = 0; r < kBlockRows; ++r) {
+          std::memcpy(tail + r * 32, a_base + r * k + k0, (k - k0) * 2);
+          std::memset(tail + r * 32 + (k - k0), 0, (kpad - k) * 2);
+        }
+        a_tail = tail;
+      }
+      for (int64_t k_begin = 0; k_begin < kpad; k_begin += kKPass) {
+        const int64_t k_end = std::min(kpad, k_begin + kKPass);
+        for (int64_t g = 0; g < groups; g += 2) {
+          const uint16_t* b = xp + g * group_elems;
+          float* c = cbuf + g * 2 * 256;
+          if (g + 1 < groups) {
+            MultiplyGroup<Tiles, true>(a_base, a_ld, a_tail, kpad - 32, b, group_elems,
+                                       k_begin, k_end, c);
+          } else {
+            MultiplyGroup<Tiles, false>(a_base, a_ld, a_tail, kpad - 32, b, group_elems,
+                                        k_begin, k_end, c);
+          }
+        }
+      }
+      // cbuf holds yᵀ for this block: C[half][i][j] = y[16 g + j][n0 + 16 half + i]; a
+      // gather down column j of each C tile yields 16 consecutive outputs of row 16 g + j.
+      for (int64_t row = 0; row < m; ++row) {
+        const float* c = cbuf + (row / 16) * 2 * 256 + (row % 16);
+        float* dst = y + row * n + n0;
+        for (int64_t half = 0; half * 16 < rows; ++half) {
+          const int64_t count = std::min<int64_t>(16, rows - half * 16);
+          const __mmask16 mask = count == 16 ? 0xffff : (1u << count) - 1;
+          __m512 v = _mm512_i32gather_ps(column, c + half * 256, 4);
+          if (bias != nullptr) {
+            v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + n0 + half * 16));
+          }
+          _mm512_mask_storeu_ps(dst + half * 16, mask, v);
+        }
+      }
+    }
+    Tiles::Release();
+  }
+}
+
+}  // namespace
+
+void LinearBf16Amx(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
+                   const float* bias, float* y) {
+  AmxLinear<HwTiles>(x, m, w, n, k, bias, y);
+}
+
+void LinearBf16AmxEmulatedForTesting(const float* x, int64_t m, const uint16_t* w, int64_t n,
+                                     int64_t k, const float* bias, float* y) {
+  AmxLinear<EmulatedTiles>(x, m, w, n, k, bias, y);
+}
+
+}  // namespace preft::kernels::cpu
+
+#pragma GCC pop_options

@@ -1,0 +1,130 @@
+// Baseline kernels of Linear for half-precision weights: AVX2 + FMA + F16C (the build's
+// -march=x86-64-v3 floor) and plain C++. Weights are widened to f32; x is used as is.
+
+#include <immintrin.h>
+
+#include <vector>
+
+#include "common/kernels/cpu/linear_driver.h"
+#include "common/kernels/cpu/linear_kernels.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace preft::kernels::cpu {
+namespace {
+
+inline __m128 Reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+inline float Reduce1(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <DType kW>
+inline __m256 Widen8(__m128i v) {
+  if constexpr (kW == DType::kBF16) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+  } else {
+    return _mm256_cvtph_ps(v);
+  }
+}
+
+template <DType kW>
+inline float WidenScalar(uint16_t v) {
+  return kW == DType::kBF16 ? Bf16ToF32(v) : F16ToF32(v);
+}
+
+template <DType kW, int MR, int NR>
+void HalfTile(const DotArgs& a, int64_t i0, int64_t j0) {
+  const float* x = static_cast<const float*>(a.x) + i0 * a.ldx;
+  const uint16_t* w = a.w + j0 * a.k;
+  const int64_t k = a.k, ldx = a.ldx;
+  __m256 acc[MR][NR];
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= k; c += 8) {
+    __m256 xv[MR];
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) xv[i] = _mm256_loadu_ps(x + i * ldx + c);
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      const __m256 wv =
+          Widen8<kW>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * k + c)));
+#pragma GCC unroll 4
+      for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    float* y = a.y + (i0 + i) * a.n + j0;
+    float out[NR];
+    if constexpr (NR % 4 == 0) {
+      for (int j = 0; j < NR; j += 4) {
+        _mm_storeu_ps(out + j, Reduce4(acc[i][j], acc[i][j + 1], acc[i][j + 2], acc[i][j + 3]));
+      }
+    } else {
+      for (int j = 0; j < NR; ++j) out[j] = Reduce1(acc[i][j]);
+    }
+    for (int j = 0; j < NR; ++j) {
+      float s = out[j];
+      for (int64_t t = c; t < k; ++t) s += x[i * ldx + t] * WidenScalar<kW>(w[j * k + t]);
+      y[j] = a.bias != nullptr ? s + a.bias[j0 + j] : s;
+    }
+  }
+}
+
+template <DType kW>
+constexpr DotKernelTable HalfTable() {
+  DotKernelTable t;
+  t.max_mr = 2;
+  t.nr = 4;
+  t.full[0] = HalfTile<kW, 1, 4>;
+  t.full[1] = HalfTile<kW, 2, 4>;
+  t.single[0] = HalfTile<kW, 1, 1>;
+  t.single[1] = HalfTile<kW, 2, 1>;
+  return t;
+}
+
+}  // namespace
+
+void LinearHalfAvx2(const float* x, int64_t m, const uint16_t* w, DType w_dtype, int64_t n,
+                    int64_t k, const float* bias, float* y) {
+  static const DotKernelTable kBf16 = HalfTable<DType::kBF16>();
+  static const DotKernelTable kF16 = HalfTable<DType::kF16>();
+  DotArgs args{x, k, w, w_dtype, n, k, bias, y};
+  RunDotKernel(args, m, w_dtype == DType::kBF16 ? kBf16 : kF16);
+}
+
+}  // namespace preft::kernels::cpu
+
+#pragma GCC pop_options
+
+namespace preft::kernels::cpu {
+
+void LinearHalfScalar(const float* x, int64_t m, const uint16_t* w, DType w_dtype, int64_t n,
+                      int64_t k, const float* bias, float* y) {
+#pragma omp parallel
+  {
+    std::vector<float> row(k);
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t c = 0; c < k; ++c) row[c] = LoadAsF32(w, w_dtype, j * k + c);
+      for (int64_t i = 0; i < m; ++i) {
+        const float* xi = x + i * k;
+        float acc = 0.f;
+        for (int64_t c = 0; c < k; ++c) acc += xi[c] * row[c];
+        y[i * n + j] = bias != nullptr ? acc + bias[j] : acc;
+      }
+    }
+  }
+}
+
+}  // namespace preft::kernels::cpu

@@ -1,0 +1,54 @@
+#pragma once
+
+// Shared plumbing of the Linear kernels (linear_kernels.h): blocking and threading of the
+// dot-product kernels, and per-thread scratch. Compiled for the baseline ISA, so it can be
+// called from every kernel file; the ISA-specific work sits behind function pointers.
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/kernels/dtype.h"
+
+namespace preft::kernels::cpu {
+
+inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t RoundUp(int64_t a, int64_t b) { return CeilDiv(a, b) * b; }
+
+// Operands of one Linear call as the tile functions see them. x is the kernel's own view of
+// the activations (f32, or bf16 rows padded with zeros), ldx its row stride in elements.
+struct DotArgs {
+  const void* x = nullptr;
+  int64_t ldx = 0;
+  const uint16_t* w = nullptr;
+  DType w_dtype = DType::kBF16;
+  int64_t n = 0;
+  int64_t k = 0;
+  const float* bias = nullptr;
+  float* y = nullptr;
+};
+
+// Computes y[i0 .. i0+MR, j0 .. j0+NR] over the whole of k, bias included.
+using DotTileFn = void (*)(const DotArgs& args, int64_t i0, int64_t j0);
+
+// Tile functions by row count: full[mr - 1] covers NR = nr rows of w, single[mr - 1] one row
+// (the n tail). mr runs 1 .. max_mr (at most 4).
+struct DotKernelTable {
+  int max_mr = 1;
+  int nr = 1;
+  DotTileFn full[4] = {};
+  DotTileFn single[4] = {};
+};
+
+// Splits n across the OpenMP threads (contiguous ranges of whole nr-blocks) and walks x in
+// chunks of rows small enough for L2, so w is streamed once per chunk: once in all for the
+// GEMV case.
+void RunDotKernel(const DotArgs& args, int64_t m, const DotKernelTable& table);
+
+// Whether a call of this size gains from the OpenMP threads (see linear_driver.cc).
+bool WorthThreads(int64_t m, int64_t n, int64_t k);
+
+// Scratch memory of the calling thread, 64-byte aligned, grown on demand and kept for the
+// thread's life. slot tells apart buffers that are live at the same time.
+void* ThreadScratch(int slot, size_t bytes);
+
+}  // namespace preft::kernels::cpu

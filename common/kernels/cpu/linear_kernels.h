@@ -1,0 +1,54 @@
+#pragma once
+
+// The ISA-specific kernels behind cpu::Linear (linear.h), for the dispatcher and for tests.
+// All compute y[m, n] = x[m, k] · wᵀ (+ bias[n]) with w [n, k] row-major, borrowed (never
+// copied whole), x and y f32 dense. Each runs its own OpenMP parallel region; call them from
+// one thread at a time, and only on a CPU that has the ISA in the name.
+
+#include <cstdint>
+
+#include "common/kernels/dtype.h"
+
+namespace preft::kernels::cpu {
+
+// Kernel families, weakest first. Linear picks the best one the CPU (cpu_features.h) and
+// the test cap allow.
+enum class LinearIsa : int { kScalar = 0, kAvx2, kAvx512, kAvx512Bf16, kAmx };
+
+const char* LinearIsaName(LinearIsa isa);
+
+// The level Linear uses now: the CPU's best, lowered by SetLinearIsaCapForTesting.
+LinearIsa ActiveLinearIsa();
+
+// Caps the level Linear uses (kAmx removes the cap). Tests only; not thread-safe with
+// concurrent Linear calls.
+void SetLinearIsaCapForTesting(LinearIsa cap);
+
+// Plain C++ (no SIMD assumptions). w bf16 or f16.
+void LinearHalfScalar(const float* x, int64_t m, const uint16_t* w, DType w_dtype, int64_t n,
+                      int64_t k, const float* bias, float* y);
+
+// AVX2 + FMA + F16C: w bf16 or f16 widened to f32, f32 accumulation (x not rounded).
+void LinearHalfAvx2(const float* x, int64_t m, const uint16_t* w, DType w_dtype, int64_t n,
+                    int64_t k, const float* bias, float* y);
+
+// AVX-512 F/BW/VL: as LinearHalfAvx2, 16 lanes.
+void LinearHalfAvx512(const float* x, int64_t m, const uint16_t* w, DType w_dtype, int64_t n,
+                      int64_t k, const float* bias, float* y);
+
+// AVX-512-BF16 (vdpbf16ps): w bf16, x rounded to bf16 once, f32 accumulation. Streams w once
+// per 64-row block of x, so it is the bandwidth-bound GEMV for small m.
+void LinearBf16Avx512Bf16(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
+                          const float* bias, float* y);
+
+// AMX-BF16: computes yᵀ = w · xᵀ with w tiles loaded straight from the borrowed matrix and
+// x packed per call into the VNNI layout. x rounded to bf16, f32 accumulation.
+void LinearBf16Amx(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
+                   const float* bias, float* y);
+
+// The AMX kernel's exact loop nest and packing with the tile instructions emulated in C++,
+// so its indexing is testable on CPUs without AMX. Needs AVX-512-BF16; slow.
+void LinearBf16AmxEmulatedForTesting(const float* x, int64_t m, const uint16_t* w, int64_t n,
+                                     int64_t k, const float* bias, float* y);
+
+}  // namespace preft::kernels::cpu

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# `make bench`: the engine benchmark on the qwen2.5-0.5b preset in bf16 (made if absent).
+# Usage: scripts/bench.sh BUILD_DIR [extra engine_bench flags]
+set -euo pipefail
+build=${1:-build}
+shift || true
+model=${PREFT_BENCH_MODEL:-models/qwen2.5-0.5b-bf16}
+if [[ ! -f "$model/config.json" ]]; then
+  "$build/tools/preft" make-model --preset qwen2.5-0.5b --dtype bf16 --seed 1 --out "$model"
+fi
+"$build/bench/linear_bench" || true
+"$build/bench/engine_bench" --model "$model" "$@"
