@@ -79,6 +79,10 @@ absl::Status Model::LoadWeights() {
       l.q_bias = ToF32(qb);
       l.k_bias = ToF32(kb);
       l.v_bias = ToF32(vb);
+      if (c.architecture == Architecture::kLlama) {  // HF Llama biases o_proj too; Qwen2 not
+        PREFT_ASSIGN_OR_RETURN(const TensorInfo* ob, get(p + "self_attn.o_proj.bias", {d}));
+        l.o_bias = ToF32(ob);
+      }
     }
     PREFT_ASSIGN_OR_RETURN(const TensorInfo* n1, get(p + "input_layernorm.weight", {d}));
     PREFT_ASSIGN_OR_RETURN(const TensorInfo* n2, get(p + "post_attention_layernorm.weight", {d}));
@@ -160,7 +164,7 @@ absl::Status Model::Forward(const ForwardBatch& batch, kv::KvCache* cache,
                               cs.block_tokens, c.num_kv_heads, hd};
     cpu::PagedAttention(attn_seqs.data(), static_cast<int64_t>(attn_seqs.size()), layout,
                         c.num_heads, scale);
-    cpu::Linear(attn_.data(), T, l.o, nullptr, tmp_.data());
+    cpu::Linear(attn_.data(), T, l.o, bias(l.o_bias), tmp_.data());
     cpu::AddInPlace(x_.data(), tmp_.data(), T * d);
 
     cpu::RmsNorm(x_.data(), l.post_attention_norm.data(), T, d, eps, h_.data());

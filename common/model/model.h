@@ -39,7 +39,7 @@ class Model {
  private:
   struct Layer {
     kernels::MatrixView q, k, v, o, gate, up, down;
-    std::vector<float> q_bias, k_bias, v_bias;  // empty without attention bias
+    std::vector<float> q_bias, k_bias, v_bias, o_bias;  // empty without attention bias
     std::vector<float> input_norm, post_attention_norm;
   };
 
