@@ -4,6 +4,9 @@ FUZZ_BUILD_DIR ?= build-fuzz
 JOBS ?= $(shell nproc)
 DEMO_MODEL ?= models/demo-tiny
 FUZZ_SECONDS ?= 20
+# ccache hits across clones in different folders (CI builds a fresh clone).
+export CCACHE_BASEDIR := $(CURDIR)
+export CCACHE_NOHASHDIR := 1
 
 .PHONY: all deps configure build test demo fuzz bench clean
 

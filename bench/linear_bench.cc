@@ -138,8 +138,11 @@ int main(int argc, char** argv) {
   }
 
   if (argc > 2 && std::string_view(argv[2]) == "gemv") return 0;
+  // With AVX-512-BF16, the dot kernel alone too: Linear takes the packed GEMM from some m.
+  const bool with_dot = cpu::ActiveLinearIsa() >= cpu::LinearIsa::kAvx512Bf16;
   std::printf("\nbatched, bf16 weights vs OpenBLAS sgemm on f32 copies (GFLOP/s)\n");
-  std::printf("%-22s %5s %10s %10s %9s\n", "shape", "m", "linear", "sgemm", "ratio");
+  std::printf("%-22s %5s %10s %10s %10s %9s\n", "shape", "m", "linear", "dot", "sgemm",
+              "ratio");
   for (const Shape& s : shapes) {
     WeightPool pool = MakePool(s.n, s.k, true);
     const size_t elems = static_cast<size_t>(s.n) * s.k;
@@ -154,6 +157,15 @@ int main(int argc, char** argv) {
             cpu::Linear(x.data(), m, w, nullptr, y.data());
           },
           1, 0.2, 2);
+      double sec_dot = 0;
+      if (with_dot) {
+        sec_dot = SecondsPerCall(
+            [&](int call) {
+              cpu::LinearBf16Avx512Bf16(x.data(), m, pool.bf16.data() + (call % pool.copies) * elems,
+                                        s.n, s.k, nullptr, y.data());
+            },
+            1, 0.2, 2);
+      }
       const double sec_blas = SecondsPerCall(
           [&](int call) {
             const float* w = pool.f32.data() + (call % f32_copies) * elems;
@@ -161,8 +173,9 @@ int main(int argc, char** argv) {
                         s.k, w, s.k, 0.f, y.data(), s.n);
           },
           1, 0.2, 2);
-      std::printf("%-22s %5ld %10.1f %10.1f %8.2fx\n", s.name, static_cast<long>(m),
-                  flops / sec / 1e9, flops / sec_blas / 1e9, sec_blas / sec);
+      std::printf("%-22s %5ld %10.1f %10.1f %10.1f %8.2fx\n", s.name, static_cast<long>(m),
+                  flops / sec / 1e9, with_dot ? flops / sec_dot / 1e9 : 0.0,
+                  flops / sec_blas / 1e9, sec_blas / sec);
     }
   }
   return 0;

@@ -9,6 +9,7 @@
 #include "common/base/check.h"
 #include "common/base/status_macros.h"
 #include "common/engine/sampler.h"
+#include "common/kernels/cpu/threads.h"
 
 namespace preft::engine {
 
@@ -42,6 +43,7 @@ struct Engine::Sequence {
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(model::Model* model,
                                                        const model::Tokenizer* tokenizer,
                                                        const EngineOptions& options) {
+  kernels::cpu::InitThreads(options.num_threads);
   int64_t blocks = options.kv_blocks;
   if (blocks <= 0) {
     const int64_t per_block =

@@ -25,6 +25,7 @@ struct EngineOptions {
   int64_t kv_blocks = 0;  // 0: derive from kv_bytes
   int64_t kv_bytes = int64_t{1} << 30;
   SchedulerConfig scheduler;
+  int num_threads = 0;  // compute threads; 0: all cores
 };
 
 struct EngineStats {

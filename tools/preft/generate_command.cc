@@ -1,5 +1,3 @@
-#include <omp.h>
-
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -13,8 +11,6 @@
 #include "common/model/tokenizer.h"
 #include "nlohmann/json.hpp"
 #include "tools/preft/commands.h"
-
-extern "C" void openblas_set_num_threads(int);
 
 namespace preft::tools {
 namespace {
@@ -76,10 +72,6 @@ nlohmann::json ResultToJson(const engine::GenerationResult& r, bool with_logprob
 }
 
 int RunGenerate(const GenerateFlags& f) {
-  if (f.threads > 0) {
-    omp_set_num_threads(f.threads);
-    openblas_set_num_threads(f.threads);
-  }
   auto model = model::Model::Load(f.model);
   if (!model.ok()) return Fail(std::string(model.status().message()));
   std::unique_ptr<model::Tokenizer> tokenizer;
@@ -121,6 +113,7 @@ int RunGenerate(const GenerateFlags& f) {
 
   engine::EngineOptions options;
   options.kv_bytes = f.kv_mib << 20;
+  options.num_threads = f.threads;
   auto eng = engine::Engine::Create(model->get(), tokenizer.get(), options);
   if (!eng.ok()) return Fail(std::string(eng.status().message()));
   const auto start = std::chrono::steady_clock::now();

@@ -11,8 +11,9 @@
 namespace preft::kernels::cpu {
 namespace {
 
-// Long query chunks (prefill) use two GEMMs over a gathered copy of the head's K and V;
-// short ones (decode) stream the blocks directly.
+// Long query chunks (prefill) use two single-threaded GEMMs per query head over a gathered
+// copy of the head's K and V; short ones (decode) stream the blocks directly. OpenMP spreads
+// both over sequences and heads.
 constexpr int64_t kGemmMinQueries = 8;
 
 const float* KeyBlock(const PagedKvLayout& l, const int32_t* table, int64_t b, int64_t h) {
@@ -64,59 +65,73 @@ void AttendDirect(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, in
   }
 }
 
-// Same result via gathered K/V and sgemm: S = Q Kᵀ, causal softmax, O = P V.
-void AttendGemm(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, int64_t num_heads,
-                float scale, std::vector<float>& buf) {
-  const int64_t d = l.head_dim, bt = l.block_tokens;
-  const int64_t group = num_heads / l.num_kv_heads;
-  const int64_t ctx = seq.context_len, n = seq.num_new;
-  buf.resize(2 * ctx * d + n * ctx);
-  float* keys = buf.data();
-  float* values = keys + ctx * d;
-  float* s = values + ctx * d;
+// Gathers one KV head's keys and values for positions [0, ctx) into dense [ctx, d] arrays.
+void GatherHead(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, float* keys,
+                float* values) {
+  const int64_t d = l.head_dim, bt = l.block_tokens, ctx = seq.context_len;
   for (int64_t p0 = 0; p0 < ctx; p0 += bt) {
     const int64_t len = std::min(bt, ctx - p0);
     const float* kb = KeyBlock(l, seq.block_table, p0 / bt, h);
     std::copy(kb, kb + len * d, keys + p0 * d);
     std::copy(kb + l.v_offset, kb + l.v_offset + len * d, values + p0 * d);
   }
+}
+
+// Same result as AttendDirect for one query head via the gathered K/V and two SGEMMs:
+// S = Q Kᵀ, causal softmax, O = P V.
+void AttendGemm(const AttentionSeq& seq, const PagedKvLayout& l, int64_t head, int64_t num_heads,
+                float scale, const float* keys, const float* values, std::vector<float>& s) {
+  const int64_t d = l.head_dim, ctx = seq.context_len, n = seq.num_new;
   const int64_t ld = num_heads * d;
-  for (int64_t j = 0; j < group; ++j) {
-    const int64_t head = h * group + j;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, ctx, d, scale, seq.q + head * d, ld,
-                keys, d, 0.f, s, ctx);
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t visible = ctx - n + t + 1;
-      float* row = s + t * ctx;
-      Softmax(row, visible);
-      std::fill(row + visible, row + ctx, 0.f);
-    }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, ctx, 1.f, s, ctx, values, d, 0.f,
-                seq.out + head * d, ld);
+  s.resize(n * ctx);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, ctx, d, scale, seq.q + head * d, ld,
+              keys, d, 0.f, s.data(), ctx);
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t visible = ctx - n + t + 1;
+    float* row = s.data() + t * ctx;
+    Softmax(row, visible);
+    std::fill(row + visible, row + ctx, 0.f);
   }
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, ctx, 1.f, s.data(), ctx, values, d,
+              0.f, seq.out + head * d, ld);
 }
 
 }  // namespace
 
 void PagedAttention(const AttentionSeq* seqs, int64_t num_seqs, const PagedKvLayout& layout,
                     int64_t num_heads, float scale) {
-  // Long chunks first get whole-thread GEMMs; short ones share a parallel loop.
+  const int64_t group = num_heads / layout.num_kv_heads, d = layout.head_dim;
   std::vector<std::pair<int64_t, int64_t>> direct;  // (seq, kv head)
+  std::vector<std::pair<int64_t, int64_t>> gemm;    // (seq, query head)
+  int64_t work = 0;
   for (int64_t i = 0; i < num_seqs; ++i) {
-    if (seqs[i].num_new >= kGemmMinQueries) {
-      std::vector<float> buf;
-      for (int64_t h = 0; h < layout.num_kv_heads; ++h)
-        AttendGemm(seqs[i], layout, h, num_heads, scale, buf);
-    } else {
-      for (int64_t h = 0; h < layout.num_kv_heads; ++h) direct.emplace_back(i, h);
-    }
+    const bool long_chunk = seqs[i].num_new >= kGemmMinQueries;
+    for (int64_t h = 0; h < (long_chunk ? num_heads : layout.num_kv_heads); ++h)
+      (long_chunk ? gemm : direct).emplace_back(i, h);
+    work += seqs[i].num_new * seqs[i].context_len;
   }
-#pragma omp parallel
+  // Gathered K/V per (long sequence, kv head), shared by the query heads of its group.
+  std::vector<std::vector<float>> gathered(gemm.size() / std::max<int64_t>(group, 1));
+#pragma omp parallel if (work * num_heads * d > (1 << 18))
   {
-    std::vector<float> scores;
+    std::vector<float> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (size_t g = 0; g < gathered.size(); ++g) {
+      const auto [i, head] = gemm[g * group];
+      const int64_t ctx = seqs[i].context_len;
+      gathered[g].resize(2 * ctx * d);
+      GatherHead(seqs[i], layout, head / group, gathered[g].data(), gathered[g].data() + ctx * d);
+    }
+#pragma omp for schedule(dynamic, 1) nowait
+    for (size_t w = 0; w < gemm.size(); ++w) {
+      const auto [i, head] = gemm[w];
+      const std::vector<float>& kv = gathered[w / group];
+      AttendGemm(seqs[i], layout, head, num_heads, scale, kv.data(),
+                 kv.data() + seqs[i].context_len * d, scratch);
+    }
 #pragma omp for schedule(dynamic, 1)
     for (size_t w = 0; w < direct.size(); ++w)
-      AttendDirect(seqs[direct[w].first], layout, direct[w].second, num_heads, scale, scores);
+      AttendDirect(seqs[direct[w].first], layout, direct[w].second, num_heads, scale, scratch);
   }
 }
 

@@ -14,6 +14,9 @@ namespace {
 // Up to this many rows of x, bf16 weights take the vdpbf16ps GEMV even with AMX: the call is
 // bound by streaming w, and AMX would pad x to 16 rows.
 constexpr int64_t kMaxGemvRows = 4;
+// From this many rows of x, bf16 weights without AMX take the packed GEMM: repacking w is
+// then cheaper than the dot kernel's horizontal reductions (measured with linear_bench).
+constexpr int64_t kMinPackedRows = 16;
 
 std::atomic<int> g_isa_cap{static_cast<int>(LinearIsa::kAmx)};
 
@@ -79,6 +82,10 @@ void Linear(const float* x, int64_t m, const MatrixView& w, const float* bias, f
   if (w.dtype == DType::kBF16) {
     if (isa == LinearIsa::kAmx && m > kMaxGemvRows) {
       LinearBf16Amx(x, m, wh, n, k, bias, y);
+      return;
+    }
+    if (isa >= LinearIsa::kAvx512Bf16 && m >= kMinPackedRows) {
+      LinearBf16Avx512Packed(x, m, wh, n, k, bias, y);
       return;
     }
     if (isa >= LinearIsa::kAvx512Bf16) {

@@ -193,7 +193,8 @@ constexpr DotKernelTable Bf16Table() {
   return t;
 }
 
-// Rounds rows of x to bf16 (RNE, as vdpbf16ps would) into [m, ldx] with zero padding.
+}  // namespace
+
 void ConvertRowsToBf16(const float* x, int64_t m, int64_t k, int64_t ldx, uint16_t* xb) {
 #pragma omp parallel for schedule(static) if (m * k >= (1 << 16))
   for (int64_t i = 0; i < m; ++i) {
@@ -209,8 +210,6 @@ void ConvertRowsToBf16(const float* x, int64_t m, int64_t k, int64_t ldx, uint16
     }
   }
 }
-
-}  // namespace
 
 void LinearBf16Avx512Bf16(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
                           const float* bias, float* y) {

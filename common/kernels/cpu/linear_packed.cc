@@ -1,0 +1,189 @@
+// The packed AVX-512-BF16 GEMM behind Linear for batched x (BLIS-style): panels of w are
+// repacked on the fly into the vdpbf16ps pair layout and multiplied by broadcast pairs of x,
+// so the accumulators hold rows of y and need no horizontal reduction. Compiled for
+// AVX-512-BF16 and only reached after the run-time check in linear.cc.
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+
+#include "common/kernels/cpu/linear_driver.h"
+#include "common/kernels/cpu/linear_kernels.h"
+
+// GCC 12's intrinsics headers build "undefined" vectors by self-initialisation.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+
+namespace preft::kernels::cpu {
+namespace {
+
+// Microkernel shape: kMr rows of x times kNv vectors (16 columns each) of a w panel, 24
+// accumulators: enough independent vdpbf16ps chains to cover their latency on both pipes.
+constexpr int kMr = 6;
+constexpr int kNv = 4;
+constexpr int64_t kNr = 16 * kNv;  // columns of y (rows of w) per panel
+// Elements of k per packed panel: a panel of kNr x kMaxKc bf16 (32 KB) stays in L1 while
+// every row block of x runs over it.
+constexpr int64_t kMaxKc = 8192;
+// Rows of x per work item: the w panel is packed once per item, and the item's rows of x
+// for one k block (kMaxMc x kMaxKc bf16, 192 KB) stay in L2.
+constexpr int64_t kMaxMc = 384;
+
+// Transposes 16 x 16 32-bit elements: out[c] lane r = in[r] lane c.
+inline void Transpose16x16(const __m512i (&in)[16], __m512i (&out)[16]) {
+  __m512i t[16], u[16];
+#pragma GCC unroll 8
+  for (int r = 0; r < 16; r += 2) {
+    t[r] = _mm512_unpacklo_epi32(in[r], in[r + 1]);
+    t[r + 1] = _mm512_unpackhi_epi32(in[r], in[r + 1]);
+  }
+  // u[4g + q], 128-bit lane L: rows 4g .. 4g+3 of column 4L + q.
+#pragma GCC unroll 4
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+#pragma GCC unroll 4
+  for (int q = 0; q < 4; ++q) {
+    const __m512i a_lo = _mm512_shuffle_i32x4(u[q], u[4 + q], 0x88);  // lanes 0, 2
+    const __m512i a_hi = _mm512_shuffle_i32x4(u[q], u[4 + q], 0xdd);  // lanes 1, 3
+    const __m512i b_lo = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0x88);
+    const __m512i b_hi = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0xdd);
+    out[q] = _mm512_shuffle_i32x4(a_lo, b_lo, 0x88);
+    out[8 + q] = _mm512_shuffle_i32x4(a_lo, b_lo, 0xdd);
+    out[4 + q] = _mm512_shuffle_i32x4(a_hi, b_hi, 0x88);
+    out[12 + q] = _mm512_shuffle_i32x4(a_hi, b_hi, 0xdd);
+  }
+}
+
+// Packs w[j0 .. j0+kNr, c0 .. c0+kc] into panel[kc/2 (rounded up)][kNr] pairs of bf16, rows
+// past n and elements past kc zero. Masked loads never touch w beyond the block. Prefetches
+// the same shape of block at (next_j0, next_c0) into L2, for the next PackPanel of this thread;
+// next_j0 >= n for none.
+void PackPanel(const uint16_t* w, int64_t n, int64_t k, int64_t j0, int64_t c0, int64_t kc,
+               int64_t next_j0, int64_t next_c0, uint32_t* panel) {
+  const int64_t next_rows = std::clamp<int64_t>(n - next_j0, 0, kNr);
+  const int64_t next_kc = std::min(kc, k - next_c0);
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t g = 0; g * 32 < kc; ++g) {
+    const int64_t left = kc - g * 32;
+    const __mmask32 mask = left >= 32 ? ~__mmask32{0} : (__mmask32{1} << left) - 1;
+    const int64_t pairs = std::min<int64_t>(16, (left + 1) / 2);
+    for (int v = 0; v < kNv; ++v) {
+      __m512i in[16], out[16];
+      const int64_t row0 = j0 + 16 * v;
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r) {
+        in[r] = row0 + r < n ? _mm512_maskz_loadu_epi16(mask, w + (row0 + r) * k + c0 + g * 32)
+                             : zero;
+      }
+      for (int r = 0; r < 16; ++r) {
+        if (16 * v + r < next_rows && g * 32 < next_kc) {
+          _mm_prefetch(reinterpret_cast<const char*>(w + (next_j0 + 16 * v + r) * k + next_c0 + g * 32),
+                       _MM_HINT_T1);
+        }
+      }
+      Transpose16x16(in, out);
+      uint32_t* dst = panel + g * 16 * kNr + 16 * v;
+      for (int64_t c = 0; c < pairs; ++c) _mm512_storeu_si512(dst + c * kNr, out[c]);
+    }
+  }
+}
+
+// y[i0 .. i0+R, j0 .. j0+cols] (+)= x[i0 .. i0+R, pairs p0 .. p0+np] · panel. first: the
+// first k block, which stores (with bias) instead of adding.
+template <int R>
+void PackedTile(const uint16_t* xb, int64_t ldx, const uint32_t* panel, int64_t p0, int64_t np,
+                float* y, int64_t ldy, int64_t cols, const float* bias, bool first) {
+  const uint32_t* xr[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) xr[i] = reinterpret_cast<const uint32_t*>(xb + i * ldx) + p0;
+  __m512 acc[R][kNv];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < kNv; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < np; ++p) {
+    __m512bh wv[kNv];
+#pragma GCC unroll 4
+    for (int v = 0; v < kNv; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(panel + p * kNr + 16 * v);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[i][p]));
+#pragma GCC unroll 4
+      for (int v = 0; v < kNv; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], xv, wv[v]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int v = 0; v < kNv; ++v) {
+    const int64_t left = cols - 16 * v;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+    __m512 add = _mm512_setzero_ps();
+    if (first && bias != nullptr) add = _mm512_maskz_loadu_ps(mask, bias + 16 * v);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      float* dst = y + i * ldy + 16 * v;
+      const __m512 base = first ? add : _mm512_maskz_loadu_ps(mask, dst);
+      _mm512_mask_storeu_ps(dst, mask, _mm512_add_ps(acc[i][v], base));
+    }
+  }
+}
+
+using PackedTileFn = void (*)(const uint16_t*, int64_t, const uint32_t*, int64_t, int64_t,
+                              float*, int64_t, int64_t, const float*, bool);
+constexpr PackedTileFn kTiles[kMr] = {PackedTile<1>, PackedTile<2>, PackedTile<3>,
+                                      PackedTile<4>, PackedTile<5>, PackedTile<6>};
+
+}  // namespace
+
+void LinearBf16Avx512Packed(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
+                            const float* bias, float* y) {
+  const int64_t ldx = RoundUp(k, 32);
+  auto* xb = static_cast<uint16_t*>(ThreadScratch(0, m * ldx * sizeof(uint16_t)));
+  ConvertRowsToBf16(x, m, k, ldx, xb);
+  // Even k blocks, each a multiple of 32 elements but the last.
+  const int64_t k_blocks = CeilDiv(k, kMaxKc);
+  const int64_t kc = RoundUp(CeilDiv(k, k_blocks), 32);
+  const int64_t m_chunks = CeilDiv(m, kMaxMc);
+  const int64_t mc = RoundUp(CeilDiv(m, m_chunks), kMr);
+  const int64_t panels = CeilDiv(n, kNr);
+  const bool parallel = WorthThreads(m, n, k);
+  const int64_t threads = parallel ? omp_get_max_threads() : 1;
+  const size_t panel_bytes = kc / 2 * kNr * sizeof(uint32_t);
+#pragma omp parallel if (parallel)
+  {
+    auto* panel = static_cast<uint32_t*>(ThreadScratch(1, panel_bytes));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < m_chunks * panels; ++item) {
+      const int64_t i_begin = item / panels * mc;
+      const int64_t i_end = std::min(m, i_begin + mc);
+      const int64_t j0 = item % panels * kNr;
+      const int64_t cols = std::min(kNr, n - j0);
+      const float* bias_j = bias != nullptr ? bias + j0 : nullptr;
+      for (int64_t c0 = 0; c0 < k; c0 += kc) {
+        const int64_t len = std::min(kc, k - c0);
+        // This thread's next block: the next k block of the panel, or the start of the panel
+        // it is likely to take next.
+        const bool last = c0 + kc >= k;
+        PackPanel(w, n, k, j0, c0, len, last ? j0 + threads * kNr : j0, last ? 0 : c0 + kc,
+                  panel);
+        for (int64_t i = i_begin; i < i_end; i += kMr) {
+          const int64_t rows = std::min<int64_t>(kMr, i_end - i);
+          kTiles[rows - 1](xb + i * ldx, ldx, panel, c0 / 2, CeilDiv(len, 2), y + i * n + j0, n,
+                           cols, bias_j, c0 == 0);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace preft::kernels::cpu
+
+#pragma GCC pop_options
