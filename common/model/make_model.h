@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/kernels/dtype.h"
+#include "common/model/checkpoint.h"
 #include "common/model/config.h"
 
 namespace preft::model {
@@ -28,6 +29,10 @@ struct MakeModelOptions {
   // Shard size: weights over this are split into model-0000k-of-0000n.safetensors + index.
   int64_t max_shard_bytes = int64_t{5} << 30;
 };
+
+// The standard deviation make-model draws a (non-norm) tensor with: fan-in scaled
+// (1/sqrt(in)), 2.5/sqrt(hidden) for embeddings and LM head, 0.1 for biases.
+double InitStd(const ExpectedTensor& tensor);
 
 // Writes config.json, generation_config.json, model.safetensors (or shards + index),
 // tokenizer.json and tokenizer_config.json into out_dir (created if missing).

@@ -149,6 +149,8 @@ absl::Status Model::Forward(const ForwardBatch& batch, kv::KvCache* cache,
   }
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+  // HF applies the sliding window in Mistral's mask; Qwen2's only under flash-attention.
+  const int64_t window = c.architecture == Architecture::kMistral ? c.sliding_window : 0;
   auto bias = [](const std::vector<float>& b) { return b.empty() ? nullptr : b.data(); };
 
   for (int64_t li = 0; li < c.num_layers; ++li) {
@@ -163,7 +165,7 @@ absl::Status Model::Forward(const ForwardBatch& batch, kv::KvCache* cache,
     cpu::PagedKvLayout layout{cache->layer_base(li), cs.block_floats(), cache->v_offset(),
                               cs.block_tokens, c.num_kv_heads, hd};
     cpu::PagedAttention(attn_seqs.data(), static_cast<int64_t>(attn_seqs.size()), layout,
-                        c.num_heads, scale);
+                        c.num_heads, scale, window);
     cpu::Linear(attn_.data(), T, l.o, bias(l.o_bias), tmp_.data());
     cpu::AddInPlace(x_.data(), tmp_.data(), T * d);
 

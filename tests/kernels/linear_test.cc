@@ -188,6 +188,8 @@ TEST(LinearPackedTest, MatchesReference) {
   shapes.push_back({7, 130, 1025});
   shapes.push_back({400, 70, 513});  // two row chunks
   shapes.push_back({800, 65, 257});
+  shapes.push_back({17, 70, 6500});  // two k blocks, the last odd
+  shapes.push_back({7, 129, 12289});
   int index = 0;
   for (const Shape& s : shapes) {
     // w ends exactly at its last element, so a read past it shows under sanitizers.

@@ -55,9 +55,10 @@ TEST(OpsTest, SiluMulMatchesDefinition) {
 }
 
 // Paged attention over shuffled blocks equals dense causal attention, for decode-sized and
-// prefill-sized query chunks (the two code paths), with GQA.
+// prefill-sized query chunks (the two code paths), with GQA, with and without a sliding window.
 TEST(OpsTest, PagedAttentionMatchesDenseCausalAttention) {
   const int64_t heads = 4, kv_heads = 2, hd = 16, bt = 4, num_blocks = 16;
+  for (int64_t window : {0, 5})
   for (int64_t num_new : {1, 3, 8, 21}) {
     const int64_t ctx = 25;
     const int64_t group = heads / kv_heads;
@@ -79,26 +80,28 @@ TEST(OpsTest, PagedAttentionMatchesDenseCausalAttention) {
     AttentionSeq seq{q.data(), out.data(), table.data(), num_new, ctx};
     PagedKvLayout layout{pool.data(), block_floats, kv_heads * bt * hd, bt, kv_heads, hd};
     const float scale = 1.f / std::sqrt(float(hd));
-    PagedAttention(&seq, 1, layout, heads, scale);
+    PagedAttention(&seq, 1, layout, heads, scale, window);
     for (int64_t t = 0; t < num_new; ++t) {
       const int64_t visible = ctx - num_new + t + 1;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, visible - window) : 0;
       for (int64_t h = 0; h < heads; ++h) {
         const int64_t kh = h / group;
-        std::vector<double> s(visible);
+        std::vector<double> s(visible, 0.0);
         double mx = -1e30, z = 0;
-        for (int64_t p = 0; p < visible; ++p) {
+        for (int64_t p = first; p < visible; ++p) {
           double acc = 0;
           for (int64_t i = 0; i < hd; ++i)
             acc += q[(t * heads + h) * hd + i] * keys[(p * kv_heads + kh) * hd + i];
           s[p] = acc * scale;
           mx = std::max(mx, s[p]);
         }
-        for (auto& v : s) z += v = std::exp(v - mx);
+        for (int64_t p = first; p < visible; ++p) z += s[p] = std::exp(s[p] - mx);
         for (int64_t i = 0; i < hd; ++i) {
           double o = 0;
-          for (int64_t p = 0; p < visible; ++p) o += s[p] / z * values[(p * kv_heads + kh) * hd + i];
-          ASSERT_NEAR(out[(t * heads + h) * hd + i], o, 1e-5)
-              << "num_new " << num_new << " t " << t << " head " << h << " dim " << i;
+          for (int64_t p = first; p < visible; ++p)
+            o += s[p] / z * values[(p * kv_heads + kh) * hd + i];
+          ASSERT_NEAR(out[(t * heads + h) * hd + i], o, 1e-5) << "window " << window << " num_new "
+              << num_new << " t " << t << " head " << h << " dim " << i;
         }
       }
     }

@@ -20,6 +20,11 @@ const float* KeyBlock(const PagedKvLayout& l, const int32_t* table, int64_t b, i
   return l.k_base + table[b] * l.block_stride + h * l.block_tokens * l.head_dim;
 }
 
+// First key position a query sees when it sees `visible` positions in all.
+int64_t FirstVisible(int64_t visible, int64_t window) {
+  return window > 0 && visible > window ? visible - window : 0;
+}
+
 // Softmax of s[0..n) in place, scaled; returns nothing, s becomes probabilities.
 void Softmax(float* s, int64_t n) {
   float mx = -std::numeric_limits<float>::infinity();
@@ -35,27 +40,28 @@ void Softmax(float* s, int64_t n) {
 
 // Queries of one KV head's group for a few new tokens, straight over the blocks.
 void AttendDirect(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, int64_t num_heads,
-                  float scale, std::vector<float>& scores) {
+                  float scale, int64_t window, std::vector<float>& scores) {
   const int64_t d = l.head_dim, bt = l.block_tokens;
   const int64_t group = num_heads / l.num_kv_heads;
   const int64_t ctx = seq.context_len;
   scores.resize(ctx);
   for (int64_t t = 0; t < seq.num_new; ++t) {
     const int64_t visible = ctx - seq.num_new + t + 1;
+    const int64_t first = FirstVisible(visible, window);
     for (int64_t j = 0; j < group; ++j) {
       const int64_t head = h * group + j;
       const float* q = seq.q + (t * num_heads + head) * d;
-      for (int64_t p = 0; p < visible; ++p) {
+      for (int64_t p = first; p < visible; ++p) {
         const float* k = KeyBlock(l, seq.block_table, p / bt, h) + (p % bt) * d;
         float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
         for (int64_t i = 0; i < d; ++i) acc += q[i] * k[i];
         scores[p] = acc * scale;
       }
-      Softmax(scores.data(), visible);
+      Softmax(scores.data() + first, visible - first);
       float* o = seq.out + (t * num_heads + head) * d;
       std::fill(o, o + d, 0.f);
-      for (int64_t p = 0; p < visible; ++p) {
+      for (int64_t p = first; p < visible; ++p) {
         const float* v = KeyBlock(l, seq.block_table, p / bt, h) + l.v_offset + (p % bt) * d;
         const float w = scores[p];
 #pragma omp simd
@@ -80,7 +86,8 @@ void GatherHead(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, floa
 // Same result as AttendDirect for one query head via the gathered K/V and two SGEMMs:
 // S = Q Kᵀ, causal softmax, O = P V.
 void AttendGemm(const AttentionSeq& seq, const PagedKvLayout& l, int64_t head, int64_t num_heads,
-                float scale, const float* keys, const float* values, std::vector<float>& s) {
+                float scale, int64_t window, const float* keys, const float* values,
+                std::vector<float>& s) {
   const int64_t d = l.head_dim, ctx = seq.context_len, n = seq.num_new;
   const int64_t ld = num_heads * d;
   s.resize(n * ctx);
@@ -88,8 +95,10 @@ void AttendGemm(const AttentionSeq& seq, const PagedKvLayout& l, int64_t head, i
               keys, d, 0.f, s.data(), ctx);
   for (int64_t t = 0; t < n; ++t) {
     const int64_t visible = ctx - n + t + 1;
+    const int64_t first = FirstVisible(visible, window);
     float* row = s.data() + t * ctx;
-    Softmax(row, visible);
+    std::fill(row, row + first, 0.f);
+    Softmax(row + first, visible - first);
     std::fill(row + visible, row + ctx, 0.f);
   }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, ctx, 1.f, s.data(), ctx, values, d,
@@ -99,7 +108,7 @@ void AttendGemm(const AttentionSeq& seq, const PagedKvLayout& l, int64_t head, i
 }  // namespace
 
 void PagedAttention(const AttentionSeq* seqs, int64_t num_seqs, const PagedKvLayout& layout,
-                    int64_t num_heads, float scale) {
+                    int64_t num_heads, float scale, int64_t window) {
   const int64_t group = num_heads / layout.num_kv_heads, d = layout.head_dim;
   std::vector<std::pair<int64_t, int64_t>> direct;  // (seq, kv head)
   std::vector<std::pair<int64_t, int64_t>> gemm;    // (seq, query head)
@@ -126,12 +135,13 @@ void PagedAttention(const AttentionSeq* seqs, int64_t num_seqs, const PagedKvLay
     for (size_t w = 0; w < gemm.size(); ++w) {
       const auto [i, head] = gemm[w];
       const std::vector<float>& kv = gathered[w / group];
-      AttendGemm(seqs[i], layout, head, num_heads, scale, kv.data(),
+      AttendGemm(seqs[i], layout, head, num_heads, scale, window, kv.data(),
                  kv.data() + seqs[i].context_len * d, scratch);
     }
 #pragma omp for schedule(dynamic, 1)
     for (size_t w = 0; w < direct.size(); ++w)
-      AttendDirect(seqs[direct[w].first], layout, direct[w].second, num_heads, scale, scratch);
+      AttendDirect(seqs[direct[w].first], layout, direct[w].second, num_heads, scale, window,
+                   scratch);
   }
 }
 

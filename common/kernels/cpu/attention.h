@@ -28,8 +28,10 @@ struct AttentionSeq {
   int64_t context_len = 0;
 };
 
-// Runs every sequence (parallel over sequences and KV heads). softmax scale = `scale`.
+// Runs every sequence (parallel over sequences and heads). softmax scale = `scale`. With
+// `window` > 0 (Mistral's sliding window) a query at position i sees keys j with
+// i - window < j <= i; otherwise every j <= i.
 void PagedAttention(const AttentionSeq* seqs, int64_t num_seqs, const PagedKvLayout& layout,
-                    int64_t num_heads, float scale);
+                    int64_t num_heads, float scale, int64_t window = 0);
 
 }  // namespace preft::kernels::cpu

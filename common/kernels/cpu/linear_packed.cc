@@ -7,6 +7,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include "common/kernels/cpu/linear_driver.h"
 #include "common/kernels/cpu/linear_kernels.h"
@@ -28,7 +29,7 @@ constexpr int kNv = 4;
 constexpr int64_t kNr = 16 * kNv;  // columns of y (rows of w) per panel
 // Elements of k per packed panel: a panel of kNr x kMaxKc bf16 (32 KB) stays in L1 while
 // every row block of x runs over it.
-constexpr int64_t kMaxKc = 8192;
+constexpr int64_t kMaxKc = 2048;
 // Rows of x per work item: the w panel is packed once per item, and the item's rows of x
 // for one k block (kMaxMc x kMaxKc bf16, 192 KB) stay in L2.
 constexpr int64_t kMaxMc = 384;
@@ -63,13 +64,9 @@ inline void Transpose16x16(const __m512i (&in)[16], __m512i (&out)[16]) {
 }
 
 // Packs w[j0 .. j0+kNr, c0 .. c0+kc] into panel[kc/2 (rounded up)][kNr] pairs of bf16, rows
-// past n and elements past kc zero. Masked loads never touch w beyond the block. Prefetches
-// the same shape of block at (next_j0, next_c0) into L2, for the next PackPanel of this thread;
-// next_j0 >= n for none.
+// past n and elements past kc zero. Masked loads never touch w beyond the block.
 void PackPanel(const uint16_t* w, int64_t n, int64_t k, int64_t j0, int64_t c0, int64_t kc,
-               int64_t next_j0, int64_t next_c0, uint32_t* panel) {
-  const int64_t next_rows = std::clamp<int64_t>(n - next_j0, 0, kNr);
-  const int64_t next_kc = std::min(kc, k - next_c0);
+               uint32_t* panel) {
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t g = 0; g * 32 < kc; ++g) {
     const int64_t left = kc - g * 32;
@@ -83,12 +80,6 @@ void PackPanel(const uint16_t* w, int64_t n, int64_t k, int64_t j0, int64_t c0, 
         in[r] = row0 + r < n ? _mm512_maskz_loadu_epi16(mask, w + (row0 + r) * k + c0 + g * 32)
                              : zero;
       }
-      for (int r = 0; r < 16; ++r) {
-        if (16 * v + r < next_rows && g * 32 < next_kc) {
-          _mm_prefetch(reinterpret_cast<const char*>(w + (next_j0 + 16 * v + r) * k + next_c0 + g * 32),
-                       _MM_HINT_T1);
-        }
-      }
       Transpose16x16(in, out);
       uint32_t* dst = panel + g * 16 * kNr + 16 * v;
       for (int64_t c = 0; c < pairs; ++c) _mm512_storeu_si512(dst + c * kNr, out[c]);
@@ -96,11 +87,22 @@ void PackPanel(const uint16_t* w, int64_t n, int64_t k, int64_t j0, int64_t c0, 
   }
 }
 
+// Rows of w a tile prefetches into L2 while it runs, two lines per step of k, so that the
+// loads of the next block are spread over the compute: `rows` segments of `lines` cache
+// lines, `stride` bytes apart.
+struct Prefetch {
+  const char* at = nullptr;
+  int64_t stride = 0;
+  int64_t lines = 0;
+  int64_t rows = 0;
+};
+
 // y[i0 .. i0+R, j0 .. j0+cols] (+)= x[i0 .. i0+R, pairs p0 .. p0+np] · panel. first: the
 // first k block, which stores (with bias) instead of adding.
 template <int R>
 void PackedTile(const uint16_t* xb, int64_t ldx, const uint32_t* panel, int64_t p0, int64_t np,
-                float* y, int64_t ldy, int64_t cols, const float* bias, bool first) {
+                float* y, int64_t ldy, int64_t cols, const float* bias, bool first,
+                Prefetch pf) {
   const uint32_t* xr[R];
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) xr[i] = reinterpret_cast<const uint32_t*>(xb + i * ldx) + p0;
@@ -109,7 +111,19 @@ void PackedTile(const uint16_t* xb, int64_t ldx, const uint32_t* panel, int64_t 
   for (int i = 0; i < R; ++i)
 #pragma GCC unroll 4
     for (int v = 0; v < kNv; ++v) acc[i][v] = _mm512_setzero_ps();
+  int64_t pf_line = 0;
   for (int64_t p = 0; p < np; ++p) {
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; ++q) {
+      if (pf.rows > 0) {
+        _mm_prefetch(pf.at + 64 * pf_line, _MM_HINT_T1);
+        if (++pf_line == pf.lines) {
+          pf_line = 0;
+          pf.at += pf.stride;
+          --pf.rows;
+        }
+      }
+    }
     __m512bh wv[kNv];
 #pragma GCC unroll 4
     for (int v = 0; v < kNv; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(panel + p * kNr + 16 * v);
@@ -137,7 +151,7 @@ void PackedTile(const uint16_t* xb, int64_t ldx, const uint32_t* panel, int64_t 
 }
 
 using PackedTileFn = void (*)(const uint16_t*, int64_t, const uint32_t*, int64_t, int64_t,
-                              float*, int64_t, int64_t, const float*, bool);
+                              float*, int64_t, int64_t, const float*, bool, Prefetch);
 constexpr PackedTileFn kTiles[kMr] = {PackedTile<1>, PackedTile<2>, PackedTile<3>,
                                       PackedTile<4>, PackedTile<5>, PackedTile<6>};
 
@@ -154,32 +168,47 @@ void LinearBf16Avx512Packed(const float* x, int64_t m, const uint16_t* w, int64_
   const int64_t m_chunks = CeilDiv(m, kMaxMc);
   const int64_t mc = RoundUp(CeilDiv(m, m_chunks), kMr);
   const int64_t panels = CeilDiv(n, kNr);
-  const bool parallel = WorthThreads(m, n, k);
-  const int64_t threads = parallel ? omp_get_max_threads() : 1;
+  const int64_t items = m_chunks * panels;
   const size_t panel_bytes = kc / 2 * kNr * sizeof(uint32_t);
-#pragma omp parallel if (parallel)
+  // Items (row chunk, panel) are handed out one ahead: a thread claims its next item before
+  // it works on the current one, so its tiles can prefetch the next block of w it packs.
+  std::atomic<int64_t> next_item{0};
+#pragma omp parallel if (WorthThreads(m, n, k))
   {
     auto* panel = static_cast<uint32_t*>(ThreadScratch(1, panel_bytes));
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < m_chunks * panels; ++item) {
+    int64_t item = next_item.fetch_add(1, std::memory_order_relaxed);
+    while (item < items) {
+      const int64_t after = next_item.fetch_add(1, std::memory_order_relaxed);
       const int64_t i_begin = item / panels * mc;
       const int64_t i_end = std::min(m, i_begin + mc);
       const int64_t j0 = item % panels * kNr;
       const int64_t cols = std::min(kNr, n - j0);
       const float* bias_j = bias != nullptr ? bias + j0 : nullptr;
+      const int64_t tiles = CeilDiv(i_end - i_begin, kMr);
       for (int64_t c0 = 0; c0 < k; c0 += kc) {
         const int64_t len = std::min(kc, k - c0);
-        // This thread's next block: the next k block of the panel, or the start of the panel
-        // it is likely to take next.
-        const bool last = c0 + kc >= k;
-        PackPanel(w, n, k, j0, c0, len, last ? j0 + threads * kNr : j0, last ? 0 : c0 + kc,
-                  panel);
-        for (int64_t i = i_begin; i < i_end; i += kMr) {
+        PackPanel(w, n, k, j0, c0, len, panel);
+        // The block packed next: this panel's next k block, or the next item's first.
+        int64_t next_j0 = j0, next_c0 = c0 + kc;
+        if (next_c0 >= k) {
+          next_j0 = after < items ? after % panels * kNr : n;
+          next_c0 = 0;
+        }
+        const int64_t next_rows = std::max<int64_t>(0, std::min(kNr, n - next_j0));
+        const int64_t next_lines = CeilDiv(std::min(kc, k - next_c0) * 2, 64);
+        const int64_t rows_per_tile = CeilDiv(next_rows, tiles);
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t i = i_begin + t * kMr;
           const int64_t rows = std::min<int64_t>(kMr, i_end - i);
+          const int64_t pf_row = std::min(next_rows, t * rows_per_tile);
+          const Prefetch pf{
+              reinterpret_cast<const char*>(w + (next_j0 + pf_row) * k + next_c0), k * 2,
+              next_lines, std::min(rows_per_tile, next_rows - pf_row)};
           kTiles[rows - 1](xb + i * ldx, ldx, panel, c0 / 2, CeilDiv(len, 2), y + i * n + j0, n,
-                           cols, bias_j, c0 == 0);
+                           cols, bias_j, c0 == 0, pf);
         }
       }
+      item = after;
     }
   }
 }
