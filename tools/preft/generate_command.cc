@@ -129,6 +129,7 @@ int RunGenerate(const GenerateFlags& f) {
     std::printf("%s\n", ResultToJson(r, f.logprobs >= 0).dump().c_str());
   } else {
     std::printf("\n");
+    std::fflush(stdout);  // the text first, then the summary on stderr
     std::fprintf(stderr, "[%zu prompt tokens, %zu generated, %s, %.2f s]\n", r.prompt_ids.size(),
                  r.token_ids.size(), engine::FinishReasonName(r.finish), secs);
   }

@@ -12,7 +12,8 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // CLI11 prints the message; every usage error exits 2, --help exits 0.
+    return app.exit(e) == 0 ? 0 : 2;
   }
   return exit_code;
 }

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 
 #include "common/kernels/cpu/linear_driver.h"
 #include "common/kernels/cpu/linear_kernels.h"
@@ -163,7 +164,8 @@ void LinearBf16Avx512Packed(const float* x, int64_t m, const uint16_t* w, int64_
   auto* xb = static_cast<uint16_t*>(ThreadScratch(0, m * ldx * sizeof(uint16_t)));
   ConvertRowsToBf16(x, m, k, ldx, xb);
   // Even k blocks, each a multiple of 32 elements but the last.
-  const int64_t k_blocks = CeilDiv(k, kMaxKc);
+  static const int64_t kc_max = getenv("PREFT_KC") ? atol(getenv("PREFT_KC")) : kMaxKc;  // TEMP
+  const int64_t k_blocks = CeilDiv(k, kc_max);
   const int64_t kc = RoundUp(CeilDiv(k, k_blocks), 32);
   const int64_t m_chunks = CeilDiv(m, kMaxMc);
   const int64_t mc = RoundUp(CeilDiv(m, m_chunks), kMr);

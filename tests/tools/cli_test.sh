@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The preft CLI on bad input: a clear message on stderr and a non-zero exit code, never a crash.
+# Usage: cli_test.sh PREFT_BINARY WORK_DIR
+set -u
+preft=$1
+work=$2
+rm -rf "$work" && mkdir -p "$work"
+failures=0
+checks=0
+
+# expect CODE PATTERN -- ARGS...: runs preft ARGS, checks the exit code and that stderr matches.
+expect() {
+  local want_code=$1 pattern=$2
+  checks=$((checks + 1))
+  shift 3
+  "$preft" "$@" > "$work/out" 2> "$work/err"
+  local code=$?
+  if [[ $code -ne $want_code ]] || ! grep -qE -- "$pattern" "$work/err"; then
+    echo "FAIL: preft $* -> exit $code (want $want_code), stderr:"; sed 's/^/  /' "$work/err"
+    failures=$((failures + 1))
+  else
+    echo "ok: preft $* -> exit $code: $(head -c 160 "$work/err" | head -1)"
+  fi
+}
+
+expect 0 "wrote" -- make-model --preset tiny --seed 3 --out "$work/m"
+expect 1 "gpt-5" -- make-model --preset gpt-5 --out "$work/x"
+expect 1 "/nonexistent" -- generate --model /nonexistent --prompt-ids 1,2
+expect 1 "token id 4000 is outside the vocabulary" -- generate --model "$work/m" --prompt-ids 1,4000
+expect 1 "'x' is not an integer" -- generate --model "$work/m" --prompt-ids 1,x
+expect 2 "give --prompt or --prompt-ids" -- generate --model "$work/m"
+expect 2 "required" -- generate --prompt-ids 1
+expect 2 "subcommand" -- wat
+expect 1 "top_p must be in \(0, 1\]" -- generate --model "$work/m" --prompt-ids 1 --top-p 2
+expect 1 "max_tokens must be >= 1" -- generate --model "$work/m" --prompt-ids 1 --max-tokens 0
+expect 1 "invalid UTF-8|UTF-8" -- generate --model "$work/m" --prompt $'\xff\xfe'
+expect 2 "excludes|Excludes" -- generate --model "$work/m" --prompt a --prompt-ids 1
+# A corrupt weight file names the file.
+cp -r "$work/m" "$work/bad" && truncate -s 100 "$work/bad/model.safetensors"
+expect 1 "model.safetensors" -- generate --model "$work/bad" --prompt-ids 1
+# Same seed, same tokens.
+a=$("$preft" generate --model "$work/m" --prompt-ids 5,6,7 --temperature 1 --seed 9 --max-tokens 8 --json)
+checks=$((checks + 1))
+b=$("$preft" generate --model "$work/m" --prompt-ids 5,6,7 --temperature 1 --seed 9 --max-tokens 8 --json)
+if [[ "$a" != "$b" || -z "$a" ]]; then echo "FAIL: seeded runs differ"; failures=$((failures + 1)); fi
+
+echo "$((checks - failures)) passed, $failures failed"
+[[ $failures -eq 0 ]]
