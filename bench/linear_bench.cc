@@ -1,7 +1,9 @@
 // Microbenchmark of cpu::Linear on Qwen2.5-0.5B layer shapes, against references measured in
 // the same run: a STREAM-style triad for the bandwidth-bound m = 1 case and OpenBLAS sgemm on
-// f32 copies of the weight for batched m. Weights rotate through enough copies to leave the
-// caches, as in a real forward pass. PREFT_CPU_ISA=avx2|avx512|avx512bf16|amx caps the level.
+// f32 copies of the weight for batched m. With AVX-512-BF16 the batched table also times the
+// dot kernel alone ("dot"), against which Linear's switch to the packed GEMM is judged.
+// Weights rotate through enough copies to leave the caches, as in a real forward pass.
+// PREFT_CPU_ISA=avx2|avx512|avx512bf16|amx caps the level.
 //
 //   linear_bench [triad_mib [gemv]]   (default 1024 MiB per triad array; "gemv": m = 1 only)
 
@@ -161,8 +163,8 @@ int main(int argc, char** argv) {
       if (with_dot) {
         sec_dot = SecondsPerCall(
             [&](int call) {
-              cpu::LinearBf16Avx512Bf16(x.data(), m, pool.bf16.data() + (call % pool.copies) * elems,
-                                        s.n, s.k, nullptr, y.data());
+              const uint16_t* w = pool.bf16.data() + (call % pool.copies) * elems;
+              cpu::LinearBf16Avx512Bf16(x.data(), m, w, s.n, s.k, nullptr, y.data());
             },
             1, 0.2, 2);
       }

@@ -47,6 +47,18 @@ TEST(OpsTest, RopeRotatesHalvesByPositionTimesFrequency) {
   }
 }
 
+TEST(OpsTest, FastExpIsWithinTwoUlpOfExp) {
+  double worst = 0;
+  for (float x = -87.f; x < 88.f; x += 0.0137f) {
+    const double want = std::exp(static_cast<double>(x));
+    worst = std::max(worst, std::abs(FastExp(x) - want) / want);
+  }
+  EXPECT_LT(worst, 2.5e-7);
+  EXPECT_EQ(FastExp(-1000.f), FastExp(-87.33f));  // clamped, never inf/nan
+  EXPECT_GT(FastExp(-87.33f), 0.f);
+  EXPECT_FALSE(std::isinf(FastExp(1000.f)));
+}
+
 TEST(OpsTest, SiluMulMatchesDefinition) {
   auto g = Random(50, 5), u = Random(50, 6);
   std::vector<float> out(50);

@@ -1,5 +1,7 @@
 #include "common/kernels/cpu/attention.h"
 
+#include "common/kernels/cpu/ops.h"
+
 #include <cblas.h>
 
 #include <algorithm>
@@ -30,8 +32,9 @@ void Softmax(float* s, int64_t n) {
   float mx = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
   float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) {
-    s[i] = std::exp(s[i] - mx);
+    s[i] = FastExp(s[i] - mx);
     sum += s[i];
   }
   const float inv = 1.f / sum;

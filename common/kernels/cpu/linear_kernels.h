@@ -41,10 +41,10 @@ void LinearHalfAvx512(const float* x, int64_t m, const uint16_t* w, DType w_dtyp
 void LinearBf16Avx512Bf16(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
                           const float* bias, float* y);
 
-// AVX-512-BF16, packed GEMM for batched x: panels of w (64 rows x up to 256 of k) are
+// AVX-512-BF16, packed GEMM for batched x: blocks of w (64 rows x up to 1024 of k) are
 // repacked per call into the vdpbf16ps pair layout in per-thread scratch and multiplied by
 // broadcast pairs of x into 6 x 64 tiles of y. Rounds x to bf16 like LinearBf16Avx512Bf16 and
-// beats it from about 16 rows; each w element is read once per 384 rows of x.
+// beats it from about 24 rows; each w element is read once per 768 rows of x.
 void LinearBf16Avx512Packed(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
                             const float* bias, float* y);
 

@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 
 #include "common/kernels/cpu/linear_driver.h"
 #include "common/kernels/cpu/linear_kernels.h"
@@ -28,12 +27,14 @@ namespace {
 constexpr int kMr = 6;
 constexpr int kNv = 4;
 constexpr int64_t kNr = 16 * kNv;  // columns of y (rows of w) per panel
-// Elements of k per packed panel: a panel of kNr x kMaxKc bf16 (32 KB) stays in L1 while
-// every row block of x runs over it.
-constexpr int64_t kMaxKc = 2048;
-// Rows of x per work item: the w panel is packed once per item, and the item's rows of x
-// for one k block (kMaxMc x kMaxKc bf16, 192 KB) stay in L2.
-constexpr int64_t kMaxMc = 384;
+// Elements of k per packed block of a panel: the block (kNr x kMaxKc bf16, 128 KB), the
+// next one being prefetched and a few row blocks of x share L2 (1 MB on Zen 4/5). Larger
+// blocks thrash L2 at k = 4864; smaller ones re-read and re-write y more often.
+constexpr int64_t kMaxKc = 1024;
+// Rows of x per work item: w is packed once per item, so more rows amortise the packing;
+// fewer keep the rows of x an item streams per k block closer (measured: 768 is best at
+// m = 512 and 2048).
+constexpr int64_t kMaxMc = 768;
 
 // Transposes 16 x 16 32-bit elements: out[c] lane r = in[r] lane c.
 inline void Transpose16x16(const __m512i (&in)[16], __m512i (&out)[16]) {
@@ -78,8 +79,8 @@ void PackPanel(const uint16_t* w, int64_t n, int64_t k, int64_t j0, int64_t c0, 
       const int64_t row0 = j0 + 16 * v;
 #pragma GCC unroll 16
       for (int r = 0; r < 16; ++r) {
-        in[r] = row0 + r < n ? _mm512_maskz_loadu_epi16(mask, w + (row0 + r) * k + c0 + g * 32)
-                             : zero;
+        in[r] =
+            row0 + r < n ? _mm512_maskz_loadu_epi16(mask, w + (row0 + r) * k + c0 + g * 32) : zero;
       }
       Transpose16x16(in, out);
       uint32_t* dst = panel + g * 16 * kNr + 16 * v;
@@ -88,7 +89,7 @@ void PackPanel(const uint16_t* w, int64_t n, int64_t k, int64_t j0, int64_t c0, 
   }
 }
 
-// Rows of w a tile prefetches into L2 while it runs, two lines per step of k, so that the
+// Rows of w a tile prefetches into L2 while it runs, one line per step of k, so that the
 // loads of the next block are spread over the compute: `rows` segments of `lines` cache
 // lines, `stride` bytes apart.
 struct Prefetch {
@@ -103,7 +104,8 @@ struct Prefetch {
 template <int R>
 void PackedTile(const uint16_t* xb, int64_t ldx, const uint32_t* panel, int64_t p0, int64_t np,
                 float* y, int64_t ldy, int64_t cols, const float* bias, bool first,
-                Prefetch pf) {
+                const Prefetch& prefetch) {
+  Prefetch pf = prefetch;
   const uint32_t* xr[R];
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) xr[i] = reinterpret_cast<const uint32_t*>(xb + i * ldx) + p0;
@@ -114,15 +116,12 @@ void PackedTile(const uint16_t* xb, int64_t ldx, const uint32_t* panel, int64_t 
     for (int v = 0; v < kNv; ++v) acc[i][v] = _mm512_setzero_ps();
   int64_t pf_line = 0;
   for (int64_t p = 0; p < np; ++p) {
-#pragma GCC unroll 2
-    for (int q = 0; q < 2; ++q) {
-      if (pf.rows > 0) {
-        _mm_prefetch(pf.at + 64 * pf_line, _MM_HINT_T1);
-        if (++pf_line == pf.lines) {
-          pf_line = 0;
-          pf.at += pf.stride;
-          --pf.rows;
-        }
+    if (pf.rows > 0) {
+      _mm_prefetch(pf.at + 64 * pf_line, _MM_HINT_T1);
+      if (++pf_line == pf.lines) {
+        pf_line = 0;
+        pf.at += pf.stride;
+        --pf.rows;
       }
     }
     __m512bh wv[kNv];
@@ -151,10 +150,25 @@ void PackedTile(const uint16_t* xb, int64_t ldx, const uint32_t* panel, int64_t 
   }
 }
 
-using PackedTileFn = void (*)(const uint16_t*, int64_t, const uint32_t*, int64_t, int64_t,
-                              float*, int64_t, int64_t, const float*, bool, Prefetch);
-constexpr PackedTileFn kTiles[kMr] = {PackedTile<1>, PackedTile<2>, PackedTile<3>,
-                                      PackedTile<4>, PackedTile<5>, PackedTile<6>};
+void RunTile(int64_t rows, const uint16_t* xb, int64_t ldx, const uint32_t* panel, int64_t p0,
+             int64_t np, float* y, int64_t ldy, int64_t cols, const float* bias, bool first,
+             const Prefetch& pf) {
+  switch (rows) {
+    case 6:
+      return PackedTile<6>(xb, ldx, panel, p0, np, y, ldy, cols, bias, first, pf);
+    case 5:
+      return PackedTile<5>(xb, ldx, panel, p0, np, y, ldy, cols, bias, first, pf);
+    case 4:
+      return PackedTile<4>(xb, ldx, panel, p0, np, y, ldy, cols, bias, first, pf);
+    case 3:
+      return PackedTile<3>(xb, ldx, panel, p0, np, y, ldy, cols, bias, first, pf);
+    case 2:
+      return PackedTile<2>(xb, ldx, panel, p0, np, y, ldy, cols, bias, first, pf);
+    default:
+      return PackedTile<1>(xb, ldx, panel, p0, np, y, ldy, cols, bias, first, pf);
+  }
+}
+static_assert(kMr == 6, "RunTile covers 1 .. kMr rows");
 
 }  // namespace
 
@@ -164,8 +178,7 @@ void LinearBf16Avx512Packed(const float* x, int64_t m, const uint16_t* w, int64_
   auto* xb = static_cast<uint16_t*>(ThreadScratch(0, m * ldx * sizeof(uint16_t)));
   ConvertRowsToBf16(x, m, k, ldx, xb);
   // Even k blocks, each a multiple of 32 elements but the last.
-  static const int64_t kc_max = getenv("PREFT_KC") ? atol(getenv("PREFT_KC")) : kMaxKc;  // TEMP
-  const int64_t k_blocks = CeilDiv(k, kc_max);
+  const int64_t k_blocks = CeilDiv(k, kMaxKc);
   const int64_t kc = RoundUp(CeilDiv(k, k_blocks), 32);
   const int64_t m_chunks = CeilDiv(m, kMaxMc);
   const int64_t mc = RoundUp(CeilDiv(m, m_chunks), kMr);
@@ -174,13 +187,15 @@ void LinearBf16Avx512Packed(const float* x, int64_t m, const uint16_t* w, int64_
   const size_t panel_bytes = kc / 2 * kNr * sizeof(uint32_t);
   // Items (row chunk, panel) are handed out one ahead: a thread claims its next item before
   // it works on the current one, so its tiles can prefetch the next block of w it packs.
-  std::atomic<int64_t> next_item{0};
+  // Thread t starts with item t, so that an early thread cannot claim two of a few items.
+  std::atomic<int64_t> claimed{0};
 #pragma omp parallel if (WorthThreads(m, n, k))
   {
     auto* panel = static_cast<uint32_t*>(ThreadScratch(1, panel_bytes));
-    int64_t item = next_item.fetch_add(1, std::memory_order_relaxed);
+    const int64_t team = omp_get_num_threads();
+    int64_t item = omp_get_thread_num();
     while (item < items) {
-      const int64_t after = next_item.fetch_add(1, std::memory_order_relaxed);
+      const int64_t after = team + claimed.fetch_add(1, std::memory_order_relaxed);
       const int64_t i_begin = item / panels * mc;
       const int64_t i_end = std::min(m, i_begin + mc);
       const int64_t j0 = item % panels * kNr;
@@ -203,11 +218,10 @@ void LinearBf16Avx512Packed(const float* x, int64_t m, const uint16_t* w, int64_
           const int64_t i = i_begin + t * kMr;
           const int64_t rows = std::min<int64_t>(kMr, i_end - i);
           const int64_t pf_row = std::min(next_rows, t * rows_per_tile);
-          const Prefetch pf{
-              reinterpret_cast<const char*>(w + (next_j0 + pf_row) * k + next_c0), k * 2,
-              next_lines, std::min(rows_per_tile, next_rows - pf_row)};
-          kTiles[rows - 1](xb + i * ldx, ldx, panel, c0 / 2, CeilDiv(len, 2), y + i * n + j0, n,
-                           cols, bias_j, c0 == 0, pf);
+          const Prefetch pf{reinterpret_cast<const char*>(w + (next_j0 + pf_row) * k + next_c0),
+                            k * 2, next_lines, std::min(rows_per_tile, next_rows - pf_row)};
+          RunTile(rows, xb + i * ldx, ldx, panel, c0 / 2, CeilDiv(len, 2), y + i * n + j0, n, cols,
+                  bias_j, c0 == 0, pf);
         }
       }
       item = after;

@@ -51,13 +51,14 @@ void SiluMul(const float* gate_up, int64_t num_tokens, int64_t inter, float* out
     const float* g = gate_up + t * 2 * inter;
     const float* u = g + inter;
     float* o = out + t * inter;
-    for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+#pragma omp simd
+    for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + FastExp(-g[i])) * u[i];
   }
 }
 
 void SiluMulSeparate(const float* gate, const float* up, int64_t n, float* out) {
-#pragma omp parallel for schedule(static) if (n > 65536)
-  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+#pragma omp parallel for simd schedule(static) if (n > 65536)
+  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.f + FastExp(-gate[i])) * up[i];
 }
 
 void AddInPlace(float* y, const float* x, int64_t n) {

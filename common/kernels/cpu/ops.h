@@ -3,11 +3,32 @@
 // Element-wise and normalisation ops of a decoder layer, on f32 activations.
 // Each is parallel over tokens (OpenMP) and vectorised by the compiler.
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "common/kernels/matrix.h"
 
 namespace preft::kernels::cpu {
+
+// exp(x) with ~1 ulp error (Cephes' expf polynomial), written in plain arithmetic so loops
+// over it vectorise (std::exp stays a scalar libm call without -ffast-math).
+inline float FastExp(float x) {
+  x = std::min(std::max(x, -87.33f), 88.f);  // keeps 2^n a normal float
+  const float n = static_cast<float>(static_cast<int32_t>(x * 1.44269504f + (x >= 0 ? 0.5f : -0.5f)));
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return y * scale;
+}
 
 // out[t] = x[t] * rsqrt(mean(x[t]²) + eps) * weight, rows of `dim`. out may alias x.
 void RmsNorm(const float* x, const float* weight, int64_t num_tokens, int64_t dim, float eps,
