@@ -4,8 +4,9 @@
 // Each is parallel over tokens (OpenMP) and vectorised by the compiler.
 
 #include <algorithm>
+#include <bit>
+#include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "common/kernels/matrix.h"
 
@@ -15,7 +16,7 @@ namespace preft::kernels::cpu {
 // over it vectorise (std::exp stays a scalar libm call without -ffast-math).
 inline float FastExp(float x) {
   x = std::min(std::max(x, -87.33f), 88.f);  // keeps 2^n a normal float
-  const float n = static_cast<float>(static_cast<int32_t>(x * 1.44269504f + (x >= 0 ? 0.5f : -0.5f)));
+  const float n = std::floor(x * 1.44269504f + 0.5f);
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -24,10 +25,7 @@ inline float FastExp(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   const float y = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return y * scale;
+  return y * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
 }
 
 // out[t] = x[t] * rsqrt(mean(x[t]²) + eps) * weight, rows of `dim`. out may alias x.
