@@ -2,7 +2,7 @@
 // reference measured in the same run: a memory-bandwidth probe (triad over 1 GiB arrays)
 // and the byte bound it implies for decode.
 //
-//   engine_bench --model DIR [--threads N] [--quick]
+//   engine_bench --model DIR [--threads N] [--quick] [--only-batch N (for profiling)]
 
 #include <omp.h>
 #include <sys/resource.h>
@@ -103,10 +103,12 @@ int main(int argc, char** argv) {
   std::string model_dir;
   int threads = 0;
   bool quick = false;
+  int only_batch = 0;  // profile one batched run only
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--model") && i + 1 < argc) model_dir = argv[++i];
     else if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) threads = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
+    else if (!std::strcmp(argv[i], "--only-batch") && i + 1 < argc) only_batch = std::atoi(argv[++i]);
   }
   if (model_dir.empty()) {
     std::fprintf(stderr, "usage: engine_bench --model DIR [--threads N] [--quick]\n");
@@ -127,6 +129,12 @@ int main(int argc, char** argv) {
   std::printf("model: %s, %.3f GB of weights, KV %.1f KiB/token\n", model_dir.c_str(), weight_gb,
               kv_bytes_per_token / 1024);
 
+  if (only_batch > 0) {
+    const DecodeResult r = RunBatch(model.get(), only_batch, 128, 64, only_batch * 17, 2048);
+    std::printf("%d seqs: prefill %.0f tok/s, decode %.0f tok/s\n", only_batch,
+                r.prefill_tokens_per_s, r.decode_tokens_per_s);
+    return 0;
+  }
   const DecodeResult one = RunBatch(model.get(), 1, 16, quick ? 16 : 64, 64, 512);
   const DecodeResult pre = RunBatch(model.get(), 1, 512, 1, 64, 512);
   const int new_tokens = quick ? 32 : 128;

@@ -1,7 +1,8 @@
 // Microbenchmark of cpu::Linear on Qwen2.5-0.5B layer shapes, against references measured in
 // the same run: a STREAM-style triad for the bandwidth-bound m = 1 case and OpenBLAS sgemm on
 // f32 copies of the weight for batched m. With AVX-512-BF16 the batched table also times the
-// dot kernel alone ("dot"), against which Linear's switch to the packed GEMM is judged.
+// dot kernel alone ("dot") and the w-broadcast GEMM alone ("bcast"), against which Linear's
+// choice of kernel per m is judged.
 // Weights rotate through enough copies to leave the caches, as in a real forward pass.
 // PREFT_CPU_ISA=avx2|avx512|avx512bf16|amx caps the level.
 //
@@ -143,8 +144,8 @@ int main(int argc, char** argv) {
   // With AVX-512-BF16, the dot kernel alone too: Linear takes the packed GEMM from some m.
   const bool with_dot = cpu::ActiveLinearIsa() >= cpu::LinearIsa::kAvx512Bf16;
   std::printf("\nbatched, bf16 weights vs OpenBLAS sgemm on f32 copies (GFLOP/s)\n");
-  std::printf("%-22s %5s %10s %10s %10s %9s\n", "shape", "m", "linear", "dot", "sgemm",
-              "ratio");
+  std::printf("%-22s %5s %10s %10s %10s %10s %9s\n", "shape", "m", "linear", "dot", "bcast",
+              "sgemm", "ratio");
   for (const Shape& s : shapes) {
     WeightPool pool = MakePool(s.n, s.k, true);
     const size_t elems = static_cast<size_t>(s.n) * s.k;
@@ -168,6 +169,15 @@ int main(int argc, char** argv) {
             },
             1, 0.2, 2);
       }
+      double sec_bc = 0;
+      if (with_dot) {
+        sec_bc = SecondsPerCall(
+            [&](int call) {
+              const uint16_t* w = pool.bf16.data() + (call % pool.copies) * elems;
+              cpu::LinearBf16Avx512Broadcast(x.data(), m, w, s.n, s.k, nullptr, y.data());
+            },
+            1, 0.2, 2);
+      }
       const double sec_blas = SecondsPerCall(
           [&](int call) {
             const float* w = pool.f32.data() + (call % f32_copies) * elems;
@@ -175,9 +185,9 @@ int main(int argc, char** argv) {
                         s.k, w, s.k, 0.f, y.data(), s.n);
           },
           1, 0.2, 2);
-      std::printf("%-22s %5ld %10.1f %10.1f %10.1f %8.2fx\n", s.name, static_cast<long>(m),
-                  flops / sec / 1e9, with_dot ? flops / sec_dot / 1e9 : 0.0,
-                  flops / sec_blas / 1e9, sec_blas / sec);
+      std::printf("%-22s %5ld %10.1f %10.1f %10.1f %10.1f %8.2fx\n", s.name,
+                  static_cast<long>(m), flops / sec / 1e9, with_dot ? flops / sec_dot / 1e9 : 0.0,
+                  with_dot ? flops / sec_bc / 1e9 : 0.0, flops / sec_blas / 1e9, sec_blas / sec);
     }
   }
   return 0;

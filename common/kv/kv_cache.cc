@@ -1,12 +1,12 @@
 #include "common/kv/kv_cache.h"
 
-#include <cstdlib>
+#include <sys/mman.h>
 
 #include "absl/strings/str_cat.h"
 
 namespace preft::kv {
 
-void KvCache::FreeDeleter::operator()(float* p) const { std::free(p); }
+void KvCache::Unmapper::operator()(float* p) const { ::munmap(p, bytes); }
 
 absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheShape& shape) {
   if (shape.num_layers <= 0 || shape.num_blocks <= 0 || shape.block_tokens <= 0 ||
@@ -14,12 +14,13 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheShape& sha
     return absl::InvalidArgumentError("KV cache: every dimension must be positive");
   }
   const size_t bytes = static_cast<size_t>(shape.num_blocks) * shape.bytes_per_block_all_layers();
-  // Page-aligned and untouched: pages become resident only as blocks are first written.
-  void* p = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
-  if (p == nullptr) {
-    return absl::ResourceExhaustedError(absl::StrCat("KV cache: cannot allocate ", bytes, " bytes"));
+  // Anonymous pages: zero-filled (kernels may read a block's unused slots) and resident only
+  // once first written.
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    return absl::ResourceExhaustedError(absl::StrCat("KV cache: cannot map ", bytes, " bytes"));
   }
-  return std::unique_ptr<KvCache>(new KvCache(shape, static_cast<float*>(p)));
+  return std::unique_ptr<KvCache>(new KvCache(shape, static_cast<float*>(p), bytes));
 }
 
 size_t KvCache::bytes() const {

@@ -105,7 +105,9 @@ void Model::WriteKv(const ForwardBatch& batch, int64_t layer, kv::KvCache* cache
       const int64_t pos = batch.positions[t];
       const int64_t block = s.block_table[pos / bt], slot = pos % bt;
       for (int64_t h = 0; h < kvh; ++h) {
-        std::memcpy(cache->key(layer, block, h, slot), &k_[(t * kvh + h) * hd], hd * sizeof(float));
+        float* kt = cache->key_tile(layer, block, h) + slot;
+        const float* k = &k_[(t * kvh + h) * hd];
+        for (int64_t i = 0; i < hd; ++i) kt[i * bt] = k[i];
         std::memcpy(cache->value(layer, block, h, slot), &v_[(t * kvh + h) * hd],
                     hd * sizeof(float));
       }

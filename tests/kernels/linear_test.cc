@@ -209,6 +209,42 @@ TEST(LinearPackedTest, MatchesReference) {
   }
 }
 
+// The w-broadcast GEMM on every shape, plus several k blocks (the last odd, so the last
+// element of w is read alone), partial lane chunks (m not a multiple of 16 or 64), n tails
+// of every tile height and several work items.
+TEST(LinearBroadcastTest, MatchesReference) {
+  if (!GetCpuFeatures().avx512_bf16) GTEST_SKIP() << "needs AVX-512-BF16";
+  std::mt19937 rng(11);
+  std::vector<Shape> shapes = TestShapes(1'000'000);
+  shapes.push_back({17, 33, 4864});
+  shapes.push_back({33, 100, 2080});
+  shapes.push_back({7, 130, 1025});
+  shapes.push_back({400, 70, 513});
+  shapes.push_back({800, 65, 257});
+  shapes.push_back({17, 70, 6500});
+  shapes.push_back({7, 129, 12289});
+  shapes.push_back({48, 203, 99});
+  shapes.push_back({80, 97, 2049});
+  shapes.push_back({113, 389, 65});
+  int index = 0;
+  for (const Shape& s : shapes) {
+    // w ends exactly at its last element, so a read past it shows under sanitizers.
+    const Weight w = MakeWeight(DType::kBF16, s.n, s.k, rng);
+    const std::vector<float> x = RandomVector(s.m * s.k, rng);
+    const std::vector<float> bias = RandomVector(s.n, rng);
+    const bool with_bias = (index++ % 2) == 0;
+    std::vector<float> y(s.m * s.n + 1, NAN);
+    y.back() = 12345.f;
+    LinearBf16Avx512Broadcast(x.data(), s.m, w.half.data(), s.n, s.k,
+                              with_bias ? bias.data() : nullptr, y.data());
+    EXPECT_EQ(y.back(), 12345.f) << "wrote past y, m=" << s.m << " n=" << s.n;
+    y.pop_back();
+    ExpectMatchesReference(x, w, with_bias ? bias.data() : nullptr, s, y, true, 1e-4,
+                           "avx512bf16-broadcast");
+    if (HasFailure()) return;
+  }
+}
+
 TEST(LinearTest, EmptyAndZeroK) {
   const float bias[3] = {1.f, 2.f, 3.f};
   float y[6] = {};

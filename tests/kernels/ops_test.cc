@@ -85,7 +85,7 @@ TEST(OpsTest, PagedAttentionMatchesDenseCausalAttention) {
       for (int64_t h = 0; h < kv_heads; ++h)
         for (int64_t i = 0; i < hd; ++i) {
           float* blk = pool.data() + table[p / bt] * block_floats;
-          blk[(h * bt + p % bt) * hd + i] = keys[(p * kv_heads + h) * hd + i];
+          blk[(h * hd + i) * bt + p % bt] = keys[(p * kv_heads + h) * hd + i];  // Kᵀ tile
           blk[kv_heads * bt * hd + (h * bt + p % bt) * hd + i] = values[(p * kv_heads + h) * hd + i];
         }
     std::vector<float> out(num_new * heads * hd);

@@ -93,15 +93,19 @@ TEST(KvCacheTest, LayoutSeparatesLayersBlocksHeadsAndSlots) {
   ASSERT_TRUE(cache.ok());
   KvCache& c = **cache;
   EXPECT_EQ(c.bytes(), size_t{2 * 3 * 2 * 2 * 4 * 8 * 4});
+  // Every K element (tile [dim][slot]) and V element has its own address, inside the cache.
   std::set<float*> seen;
   for (int l = 0; l < 2; ++l)
     for (int b = 0; b < 3; ++b)
       for (int h = 0; h < 2; ++h)
-        for (int s = 0; s < 4; ++s) {
-          EXPECT_TRUE(seen.insert(c.key(l, b, h, s)).second);
-          EXPECT_TRUE(seen.insert(c.value(l, b, h, s)).second);
-        }
-  EXPECT_EQ(c.key(1, 0, 0, 0), c.layer_base(1));
+        for (int s = 0; s < 4; ++s)
+          for (int i = 0; i < 8; ++i) {
+            EXPECT_TRUE(seen.insert(c.key_tile(l, b, h) + i * 4 + s).second);
+            EXPECT_TRUE(seen.insert(c.value(l, b, h, s) + i).second);
+          }
+  EXPECT_EQ(seen.size(), c.bytes() / sizeof(float));
+  EXPECT_EQ(*seen.begin(), c.layer_base(0));
+  EXPECT_EQ(c.key_tile(1, 0, 0), c.layer_base(1));
   EXPECT_EQ(KvCache::Create({0, 1, 1, 1, 1}).status().code(), absl::StatusCode::kInvalidArgument);
 }
 

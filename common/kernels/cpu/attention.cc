@@ -41,32 +41,44 @@ void Softmax(float* s, int64_t n) {
   for (int64_t i = 0; i < n; ++i) s[i] *= inv;
 }
 
-// Queries of one KV head's group for a few new tokens, straight over the blocks.
+// Queries of one KV head's group for a few new tokens, straight over the blocks: each K tile
+// ([d][bt], transposed) is loaded once for all the group's heads, and a head's scores over
+// the tile's tokens are one vector loop (no horizontal sums).
 void AttendDirect(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, int64_t num_heads,
                   float scale, int64_t window, std::vector<float>& scores) {
   const int64_t d = l.head_dim, bt = l.block_tokens;
   const int64_t group = num_heads / l.num_kv_heads;
   const int64_t ctx = seq.context_len;
-  scores.resize(ctx);
+  const int64_t stride = (ctx + bt - 1) / bt * bt;  // scores of one head, whole blocks
+  scores.resize(group * stride);
   for (int64_t t = 0; t < seq.num_new; ++t) {
     const int64_t visible = ctx - seq.num_new + t + 1;
     const int64_t first = FirstVisible(visible, window);
-    for (int64_t j = 0; j < group; ++j) {
-      const int64_t head = h * group + j;
-      const float* q = seq.q + (t * num_heads + head) * d;
-      for (int64_t p = first; p < visible; ++p) {
-        const float* k = KeyBlock(l, seq.block_table, p / bt, h) + (p % bt) * d;
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < d; ++i) acc += q[i] * k[i];
-        scores[p] = acc * scale;
+    const float* q = seq.q + (t * num_heads + h * group) * d;  // the group's heads, contiguous
+    for (int64_t b = first / bt; b * bt < visible; ++b) {
+      const float* kt = KeyBlock(l, seq.block_table, b, h);
+      for (int64_t j = 0; j < group; ++j) {
+        float* sj = scores.data() + j * stride + b * bt;
+        const float* qj = q + j * d;
+        for (int64_t tok = 0; tok < bt; ++tok) sj[tok] = 0.f;
+        for (int64_t i = 0; i < d; ++i) {
+          const float qi = qj[i] * scale;
+          const float* row = kt + i * bt;
+#pragma omp simd
+          for (int64_t tok = 0; tok < bt; ++tok) sj[tok] += qi * row[tok];
+        }
       }
-      Softmax(scores.data() + first, visible - first);
-      float* o = seq.out + (t * num_heads + head) * d;
+    }
+    for (int64_t j = 0; j < group; ++j) {
+      Softmax(scores.data() + j * stride + first, visible - first);
+      float* o = seq.out + (t * num_heads + h * group + j) * d;
       std::fill(o, o + d, 0.f);
-      for (int64_t p = first; p < visible; ++p) {
-        const float* v = KeyBlock(l, seq.block_table, p / bt, h) + l.v_offset + (p % bt) * d;
-        const float w = scores[p];
+    }
+    for (int64_t p = first; p < visible; ++p) {
+      const float* v = KeyBlock(l, seq.block_table, p / bt, h) + l.v_offset + (p % bt) * d;
+      for (int64_t j = 0; j < group; ++j) {
+        const float w = scores[j * stride + p];
+        float* o = seq.out + (t * num_heads + h * group + j) * d;
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) o[i] += w * v[i];
       }
@@ -74,14 +86,14 @@ void AttendDirect(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, in
   }
 }
 
-// Gathers one KV head's keys and values for positions [0, ctx) into dense [ctx, d] arrays.
-void GatherHead(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, float* keys,
+// Gathers one KV head's keys (as Kᵀ, [d, ctx]) and values ([ctx, d]) for positions [0, ctx).
+void GatherHead(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, float* keys_t,
                 float* values) {
   const int64_t d = l.head_dim, bt = l.block_tokens, ctx = seq.context_len;
   for (int64_t p0 = 0; p0 < ctx; p0 += bt) {
     const int64_t len = std::min(bt, ctx - p0);
     const float* kb = KeyBlock(l, seq.block_table, p0 / bt, h);
-    std::copy(kb, kb + len * d, keys + p0 * d);
+    for (int64_t i = 0; i < d; ++i) std::copy(kb + i * bt, kb + i * bt + len, keys_t + i * ctx + p0);
     std::copy(kb + l.v_offset, kb + l.v_offset + len * d, values + p0 * d);
   }
 }
@@ -89,13 +101,13 @@ void GatherHead(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, floa
 // Same result as AttendDirect for one query head via the gathered K/V and two SGEMMs:
 // S = Q Kᵀ, causal softmax, O = P V.
 void AttendGemm(const AttentionSeq& seq, const PagedKvLayout& l, int64_t head, int64_t num_heads,
-                float scale, int64_t window, const float* keys, const float* values,
+                float scale, int64_t window, const float* keys_t, const float* values,
                 std::vector<float>& s) {
   const int64_t d = l.head_dim, ctx = seq.context_len, n = seq.num_new;
   const int64_t ld = num_heads * d;
   s.resize(n * ctx);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, ctx, d, scale, seq.q + head * d, ld,
-              keys, d, 0.f, s.data(), ctx);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, ctx, d, scale, seq.q + head * d, ld,
+              keys_t, ctx, 0.f, s.data(), ctx);
   for (int64_t t = 0; t < n; ++t) {
     const int64_t visible = ctx - n + t + 1;
     const int64_t first = FirstVisible(visible, window);

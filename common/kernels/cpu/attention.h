@@ -7,8 +7,9 @@
 namespace preft::kernels::cpu {
 
 // Where one layer's K and V blocks live. Block b of a sequence holds K at
-// `k_base + block_table[b] * block_stride` laid out [kv_head][block_tokens][head_dim], and V at
-// the same place plus `v_offset`.
+// `k_base + block_table[b] * block_stride` laid out [kv_head][head_dim][block_tokens]
+// (transposed), and V at the same place plus `v_offset`, laid out
+// [kv_head][block_tokens][head_dim].
 struct PagedKvLayout {
   const float* k_base = nullptr;
   int64_t block_stride = 0;  // floats between consecutive blocks

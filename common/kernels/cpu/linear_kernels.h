@@ -48,6 +48,12 @@ void LinearBf16Avx512Bf16(const float* x, int64_t m, const uint16_t* w, int64_t 
 void LinearBf16Avx512Packed(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
                             const float* bias, float* y);
 
+// AVX-512-BF16, "w-broadcast" GEMM: computes yᵀ = w · xᵀ with x packed per call into the
+// vdpbf16ps pair layout across rows (padded to 16) and bf16 pairs of w broadcast straight
+// from the borrowed matrix, so w is never repacked. Rounds x to bf16 like the kernels above.
+void LinearBf16Avx512Broadcast(const float* x, int64_t m, const uint16_t* w, int64_t n,
+                               int64_t k, const float* bias, float* y);
+
 // Rounds rows of x [m, k] to bf16 (RNE, as vdpbf16ps would) into xb [m, ldx], ldx a multiple
 // of 32 at least k, zero-padded. Needs AVX-512-BF16; shared by the kernels above.
 void ConvertRowsToBf16(const float* x, int64_t m, int64_t k, int64_t ldx, uint16_t* xb);
