@@ -44,13 +44,16 @@ void LinearBf16Avx512Bf16(const float* x, int64_t m, const uint16_t* w, int64_t 
 // AVX-512-BF16, packed GEMM for batched x: blocks of w (64 rows x up to 1024 of k) are
 // repacked per call into the vdpbf16ps pair layout in per-thread scratch and multiplied by
 // broadcast pairs of x into 6 x 64 tiles of y. Rounds x to bf16 like LinearBf16Avx512Bf16 and
-// beats it from about 24 rows; each w element is read once per 768 rows of x.
+// beats it from about 24 rows; each w element is read once per 768 rows of x. Linear takes
+// LinearBf16Avx512Broadcast instead (level at 512 .. 2048 rows, ahead below); kept for tests
+// and the benchmark.
 void LinearBf16Avx512Packed(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
                             const float* bias, float* y);
 
 // AVX-512-BF16, "w-broadcast" GEMM: computes yᵀ = w · xᵀ with x packed per call into the
 // vdpbf16ps pair layout across rows (padded to 16) and bf16 pairs of w broadcast straight
 // from the borrowed matrix, so w is never repacked. Rounds x to bf16 like the kernels above.
+// Linear's bf16 kernel without AMX from 8 rows of x; each w element is read once per 512.
 void LinearBf16Avx512Broadcast(const float* x, int64_t m, const uint16_t* w, int64_t n,
                                int64_t k, const float* bias, float* y);
 
