@@ -19,6 +19,8 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 
+#include "common/kernels/cpu/transpose_avx512.h"
+
 namespace preft::kernels::cpu {
 namespace {
 
@@ -35,35 +37,6 @@ constexpr int64_t kMaxKc = 1024;
 // fewer keep the rows of x an item streams per k block closer (measured: 768 is best at
 // m = 512 and 2048).
 constexpr int64_t kMaxMc = 768;
-
-// Transposes 16 x 16 32-bit elements: out[c] lane r = in[r] lane c.
-inline void Transpose16x16(const __m512i (&in)[16], __m512i (&out)[16]) {
-  __m512i t[16], u[16];
-#pragma GCC unroll 8
-  for (int r = 0; r < 16; r += 2) {
-    t[r] = _mm512_unpacklo_epi32(in[r], in[r + 1]);
-    t[r + 1] = _mm512_unpackhi_epi32(in[r], in[r + 1]);
-  }
-  // u[4g + q], 128-bit lane L: rows 4g .. 4g+3 of column 4L + q.
-#pragma GCC unroll 4
-  for (int g = 0; g < 4; ++g) {
-    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-  }
-#pragma GCC unroll 4
-  for (int q = 0; q < 4; ++q) {
-    const __m512i a_lo = _mm512_shuffle_i32x4(u[q], u[4 + q], 0x88);  // lanes 0, 2
-    const __m512i a_hi = _mm512_shuffle_i32x4(u[q], u[4 + q], 0xdd);  // lanes 1, 3
-    const __m512i b_lo = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0x88);
-    const __m512i b_hi = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0xdd);
-    out[q] = _mm512_shuffle_i32x4(a_lo, b_lo, 0x88);
-    out[8 + q] = _mm512_shuffle_i32x4(a_lo, b_lo, 0xdd);
-    out[4 + q] = _mm512_shuffle_i32x4(a_hi, b_hi, 0x88);
-    out[12 + q] = _mm512_shuffle_i32x4(a_hi, b_hi, 0xdd);
-  }
-}
 
 // Packs w[j0 .. j0+kNr, c0 .. c0+kc] into panel[kc/2 (rounded up)][kNr] pairs of bf16, rows
 // past n and elements past kc zero. Masked loads never touch w beyond the block.
