@@ -101,22 +101,17 @@ absl::Status Engine::Add(Request request) {
 }
 
 absl::Status Engine::Abort(const std::string& request_id) {
-  for (auto* queue : {&running_}) {
-    for (auto it = queue->begin(); it != queue->end(); ++it) {
+  auto abort_in = [&](auto& queue) {
+    for (auto it = queue.begin(); it != queue.end(); ++it) {
       if ((*it)->request.id == request_id) {
         Finish(*it, FinishReason::kAbort, absl::CancelledError("aborted"));
-        queue->erase(it);
-        return absl::OkStatus();
+        queue.erase(it);
+        return true;
       }
     }
-  }
-  for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
-    if ((*it)->request.id == request_id) {
-      Finish(*it, FinishReason::kAbort, absl::CancelledError("aborted"));
-      waiting_.erase(it);
-      return absl::OkStatus();
-    }
-  }
+    return false;
+  };
+  if (abort_in(running_) || abort_in(waiting_)) return absl::OkStatus();
   return absl::NotFoundError(absl::StrCat("no active request '", request_id, "'"));
 }
 
