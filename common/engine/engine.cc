@@ -15,11 +15,16 @@ namespace preft::engine {
 
 const char* FinishReasonName(FinishReason r) {
   switch (r) {
-    case FinishReason::kNone: return "none";
-    case FinishReason::kLength: return "length";
-    case FinishReason::kStop: return "stop";
-    case FinishReason::kAbort: return "abort";
-    case FinishReason::kError: return "error";
+    case FinishReason::kNone:
+      return "none";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kAbort:
+      return "abort";
+    case FinishReason::kError:
+      return "error";
   }
   return "?";
 }
@@ -36,6 +41,8 @@ struct Engine::Sequence {
   std::unique_ptr<model::StreamDecoder> decoder;
   std::string text;     // emitted text
   std::string pending;  // decoded but held back: may be the start of a stop string
+  model::AdapterPositions adapter_positions = model::AdapterPositions::kAll;
+  std::vector<uint8_t> mask;  // per-step scratch: adapter mask of the tokens computed now
 
   int64_t num_generated() const { return static_cast<int64_t>(tokens.size()) - num_prompt; }
 };
@@ -51,13 +58,13 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(model::Model* model,
     blocks = options.kv_bytes / per_block;
   }
   if (blocks <= 0) return absl::InvalidArgumentError("KV cache budget holds no block");
-  PREFT_ASSIGN_OR_RETURN(auto cache,
-                         kv::KvCache::Create(model->CacheShape(blocks, options.scheduler.block_tokens)));
+  PREFT_ASSIGN_OR_RETURN(
+      auto cache, kv::KvCache::Create(model->CacheShape(blocks, options.scheduler.block_tokens)));
   return std::unique_ptr<Engine>(new Engine(model, tokenizer, options, std::move(cache)));
 }
 
-Engine::Engine(model::Model* model, const model::Tokenizer* tokenizer,
-               const EngineOptions& options, std::unique_ptr<kv::KvCache> cache)
+Engine::Engine(model::Model* model, const model::Tokenizer* tokenizer, const EngineOptions& options,
+               std::unique_ptr<kv::KvCache> cache)
     : model_(model),
       tokenizer_(tokenizer),
       options_(options),
@@ -73,14 +80,14 @@ absl::Status Engine::Add(Request request) {
   if (request.prompt_ids.empty()) return absl::InvalidArgumentError("prompt is empty");
   for (int32_t id : request.prompt_ids) {
     if (id < 0 || id >= c.vocab_size) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("prompt token id ", id, " is outside the vocabulary [0, ", c.vocab_size, ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prompt token id ", id, " is outside the vocabulary [0, ", c.vocab_size, ")"));
     }
   }
   const int64_t n = static_cast<int64_t>(request.prompt_ids.size());
   if (n >= c.max_position_embeddings) {
-    return absl::InvalidArgumentError(absl::StrCat("prompt has ", n, " tokens; the model's context is ",
-                                                   c.max_position_embeddings));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt has ", n, " tokens; the model's context is ", c.max_position_embeddings));
   }
   auto same_id = [&](const std::unique_ptr<Sequence>& s) { return s->request.id == request.id; };
   if (std::any_of(running_.begin(), running_.end(), same_id) ||
@@ -94,6 +101,9 @@ absl::Status Engine::Add(Request request) {
   seq->seed = request.sampling.seed ? *request.sampling.seed : next_seed_++;
   if (tokenizer_ != nullptr) {
     seq->decoder = std::make_unique<model::StreamDecoder>(tokenizer_, /*skip_special_tokens=*/true);
+  }
+  if (const model::AdapterWeights* a = request.adapter.weights.get()) {
+    seq->adapter_positions = request.adapter.positions.value_or(a->default_positions);
   }
   seq->request = std::move(request);
   waiting_.push_back(std::move(seq));
@@ -118,8 +128,7 @@ absl::Status Engine::Abort(const std::string& request_id) {
 void Engine::Finish(std::unique_ptr<Sequence>& seq, FinishReason reason, absl::Status status) {
   allocator_.Free(seq->blocks);
   seq->blocks.clear();
-  if (seq->request.on_token &&
-      (reason == FinishReason::kAbort || reason == FinishReason::kError)) {
+  if (seq->request.on_token && (reason == FinishReason::kAbort || reason == FinishReason::kError)) {
     TokenEvent e;
     e.request_id = seq->request.id;
     e.finish = reason;
@@ -135,6 +144,11 @@ void Engine::Finish(std::unique_ptr<Sequence>& seq, FinishReason reason, absl::S
     r.finish = reason;
     r.status = status;
     r.logprobs = std::move(seq->logprobs);
+    if (seq->request.adapter.weights) {
+      r.adapter = seq->request.adapter.name;
+      r.adapter_version = seq->request.adapter.version;
+      r.adapter_positions = seq->adapter_positions;
+    }
     finished_[r.request_id] = std::move(r);
   }
   seq.reset();
@@ -190,10 +204,10 @@ FinishReason Engine::AppendToken(Sequence& seq, int32_t token, const float* logi
     lp = &seq.logprobs.back();
   }
   FinishReason finish = FinishReason::kNone;
-  const bool is_eos = std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), token) !=
-                      c.eos_token_ids.end();
-  if ((is_eos && !sp.ignore_eos) ||
-      std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), token) != sp.stop_token_ids.end()) {
+  const bool is_eos =
+      std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), token) != c.eos_token_ids.end();
+  if ((is_eos && !sp.ignore_eos) || std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(),
+                                              token) != sp.stop_token_ids.end()) {
     finish = FinishReason::kStop;
   }
   if (finish == FinishReason::kNone && seq.num_generated() >= seq.max_new) {
@@ -267,10 +281,10 @@ absl::Status Engine::Step() {
     } else if (rejected.count(s.get())) {
       const int64_t bt = options_.scheduler.block_tokens;
       Finish(s, FinishReason::kError,
-             absl::ResourceExhaustedError(absl::StrCat(
-                 "prompt of ", s->num_prompt, " tokens needs ",
-                 (static_cast<int64_t>(s->tokens.size()) + bt) / bt, " KV blocks; the cache has ",
-                 allocator_.num_blocks())));
+             absl::ResourceExhaustedError(
+                 absl::StrCat("prompt of ", s->num_prompt, " tokens needs ",
+                              (static_cast<int64_t>(s->tokens.size()) + bt) / bt,
+                              " KV blocks; the cache has ", allocator_.num_blocks())));
     } else {
       still_waiting.push_back(std::move(s));
     }
@@ -289,9 +303,23 @@ absl::Status Engine::Step() {
     PREFT_CHECK(allocator_.Allocate(static_cast<int32_t>(new_blocks[i]), &s->blocks).ok());
     const int64_t context = s->num_computed + n;
     const bool last_chunk = context == static_cast<int64_t>(s->tokens.size());
+    const model::AdapterWeights* adapter = s->request.adapter.weights.get();
+    if (adapter != nullptr) {
+      // Prompt tokens (the ones the adapter's selection picks) always; generated tokens only
+      // when the adapter runs on all positions. Recomputed tokens after a preemption get the
+      // same mask they had the first time.
+      s->mask.resize(n);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t pos = s->num_computed + i;
+        s->mask[i] = pos < s->num_prompt ? adapter->prompt_selection.Selected(pos, s->num_prompt)
+                                         : s->adapter_positions == model::AdapterPositions::kAll;
+      }
+    }
     batch.AddSequence(s->blocks.data(), static_cast<int64_t>(s->blocks.size()),
-                      s->tokens.data() + s->num_computed, n, context, last_chunk);
-    if (s->num_computed < s->num_prompt) stats_.prompt_tokens += std::min(n, s->num_prompt - s->num_computed);
+                      s->tokens.data() + s->num_computed, n, context, last_chunk, adapter,
+                      adapter != nullptr ? s->mask.data() : nullptr);
+    if (s->num_computed < s->num_prompt)
+      stats_.prompt_tokens += std::min(n, s->num_prompt - s->num_computed);
     if (last_chunk) sampled.push_back(s);
   }
   PREFT_RETURN_IF_ERROR(model_->Forward(batch, cache_.get(), &logits_));

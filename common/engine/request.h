@@ -4,11 +4,14 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "common/engine/sampling_params.h"
+#include "common/model/adapter_weights.h"
 
 namespace preft::engine {
 
@@ -18,19 +21,30 @@ const char* FinishReasonName(FinishReason r);  // "length", "stop", "abort", "er
 // Sent after every generated token, and once more at the end if the request failed.
 struct TokenEvent {
   std::string request_id;
-  int32_t token_id = -1;        // -1 on a final error/abort event
-  std::string text_delta;       // complete UTF-8 only
+  int32_t token_id = -1;                  // -1 on a final error/abort event
+  std::string text_delta;                 // complete UTF-8 only
   const TokenLogprob* logprob = nullptr;  // when requested; valid during the callback
   FinishReason finish = FinishReason::kNone;
-  absl::Status status;          // not OK for kError
+  absl::Status status;  // not OK for kError
 };
 
 using TokenCallback = std::function<void(const TokenEvent&)>;
+
+// The adapter a request runs with. The engine holds `weights` until the request ends (an
+// adapter store's lease: that is what keeps it pinned in its compute slot).
+struct RequestAdapter {
+  std::shared_ptr<const model::AdapterWeights> weights;  // null: base model only
+  std::string name;
+  int64_t version = 0;
+  // Overrides the adapter's default positions (prompt: LoRAP/DiReFTP; all: LoRA/DiReFT).
+  std::optional<model::AdapterPositions> positions;
+};
 
 struct Request {
   std::string id;
   std::vector<int32_t> prompt_ids;
   SamplingParams sampling;
+  RequestAdapter adapter;
   TokenCallback on_token;  // called on the engine thread; must not block
 };
 
@@ -43,6 +57,10 @@ struct GenerationResult {
   FinishReason finish = FinishReason::kNone;
   absl::Status status;
   std::vector<TokenLogprob> logprobs;
+  // The adapter it ran with ("" for the base model), its version and positions.
+  std::string adapter;
+  int64_t adapter_version = 0;
+  std::optional<model::AdapterPositions> adapter_positions;
 };
 
 }  // namespace preft::engine

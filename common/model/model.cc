@@ -1,5 +1,6 @@
 #include "common/model/model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -44,7 +45,8 @@ absl::Status Model::LoadWeights() {
                  std::vector<int64_t> shape) -> absl::StatusOr<const TensorInfo*> {
     return checkpoint_->Get(name, shape);
   };
-  PREFT_ASSIGN_OR_RETURN(const TensorInfo* embed, get("model.embed_tokens.weight", {c.vocab_size, d}));
+  PREFT_ASSIGN_OR_RETURN(const TensorInfo* embed,
+                         get("model.embed_tokens.weight", {c.vocab_size, d}));
   embed_ = View(embed);
   if (c.tie_word_embeddings && !checkpoint_->Has("lm_head.weight")) {
     lm_head_ = embed_;
@@ -62,8 +64,10 @@ absl::Status Model::LoadWeights() {
       kernels::MatrixView* view;
       const char* name;
       int64_t rows, cols;
-    } mats[] = {{&l.q, "self_attn.q_proj", q_out, d},    {&l.k, "self_attn.k_proj", kv_out, d},
-                {&l.v, "self_attn.v_proj", kv_out, d},   {&l.o, "self_attn.o_proj", d, q_out},
+    } mats[] = {{&l.q, "self_attn.q_proj", q_out, d},
+                {&l.k, "self_attn.k_proj", kv_out, d},
+                {&l.v, "self_attn.v_proj", kv_out, d},
+                {&l.o, "self_attn.o_proj", d, q_out},
                 {&l.gate, "mlp.gate_proj", c.intermediate_size, d},
                 {&l.up, "mlp.up_proj", c.intermediate_size, d},
                 {&l.down, "mlp.down_proj", d, c.intermediate_size}};
@@ -115,6 +119,64 @@ void Model::WriteKv(const ForwardBatch& batch, int64_t layer, kv::KvCache* cache
   }
 }
 
+absl::Status Model::CheckAdapter(const AdapterWeights& a) const {
+  const ModelConfig& c = config_;
+  if (a.num_layers() != c.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("adapter has ", a.num_layers(), " layers; the model has ", c.num_layers));
+  }
+  const int64_t d = c.hidden_size, q_out = c.num_heads * c.head_dim;
+  const int64_t kv_out = c.num_kv_heads * c.head_dim, inter = c.intermediate_size;
+  const int64_t dims[kNumProjections][2] = {{d, q_out}, {d, kv_out}, {d, kv_out}, {q_out, d},
+                                            {d, inter}, {d, inter},  {inter, d}};
+  auto fits = [](const LowRank& lr, int64_t in, int64_t out) {
+    return lr.empty() || (lr.shrink.cols == in && lr.expand.cols == out &&
+                          lr.shrink.rows == lr.expand.rows && lr.shrink.rows > 0);
+  };
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    if (a.kind() == AdapterKind::kDireft) {
+      if (!fits(a.direft(l), d, d)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("DiReFT layer ", l, " does not fit hidden size ", d));
+      }
+      continue;
+    }
+    for (int p = 0; p < kNumProjections; ++p) {
+      if (!fits(a.lora(l, static_cast<Projection>(p)), dims[p][0], dims[p][1])) {
+        return absl::InvalidArgumentError(absl::StrCat("LoRA on layer ", l, " ",
+                                                       ProjectionName(static_cast<Projection>(p)),
+                                                       " does not fit the model"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Model::ApplyLora(int64_t li, Projection p, const float* x, int64_t in, float* y, int64_t out) {
+  groups_.clear();
+  for (const AdapterRows& ar : lora_rows_) {
+    const LowRank& lr = ar.adapter->lora(li, p);
+    if (lr.empty() || ar.rows.empty()) continue;
+    groups_.push_back({ar.rows.data(), static_cast<int64_t>(ar.rows.size()), lr.shrink, lr.expand,
+                       lr.shrink_bias, lr.scale});
+  }
+  if (!groups_.empty())
+    cpu::LowRankAdd(x, in, y, out, groups_.data(), static_cast<int64_t>(groups_.size()));
+}
+
+void Model::ApplyDireft(int64_t li, float* x) {
+  groups_.clear();
+  for (const AdapterRows& ar : direft_rows_) {
+    const LowRank& lr = ar.adapter->direft(li);
+    if (lr.empty() || ar.rows.empty()) continue;
+    groups_.push_back({ar.rows.data(), static_cast<int64_t>(ar.rows.size()), lr.shrink, lr.expand,
+                       lr.shrink_bias, lr.scale});
+  }
+  const int64_t d = config_.hidden_size;
+  if (!groups_.empty())
+    cpu::LowRankAdd(x, d, x, d, groups_.data(), static_cast<int64_t>(groups_.size()));
+}
+
 absl::Status Model::Forward(const ForwardBatch& batch, kv::KvCache* cache,
                             std::vector<float>* logits) {
   const ModelConfig& c = config_;
@@ -137,6 +199,29 @@ absl::Status Model::Forward(const ForwardBatch& batch, kv::KvCache* cache,
   gate_.resize(T * inter);
   up_.resize(T * inter);
 
+  // Group the masked rows by adapter (rows of one adapter may come from many sequences).
+  lora_rows_.clear();
+  direft_rows_.clear();
+  {
+    int64_t t = 0;
+    for (const ForwardBatch::Sequence& s : batch.sequences) {
+      if (s.adapter != nullptr) {
+        std::vector<AdapterRows>& rows =
+            s.adapter->kind() == AdapterKind::kLora ? lora_rows_ : direft_rows_;
+        auto it = std::find_if(rows.begin(), rows.end(),
+                               [&](const AdapterRows& r) { return r.adapter == s.adapter; });
+        if (it == rows.end()) {
+          PREFT_RETURN_IF_ERROR(CheckAdapter(*s.adapter));
+          rows.push_back({s.adapter, {}});
+          it = rows.end() - 1;
+        }
+        for (int64_t i = t; i < t + s.num_new; ++i)
+          if (batch.adapter_mask[i]) it->rows.push_back(static_cast<int32_t>(i));
+      }
+      t += s.num_new;
+    }
+  }
+
   cpu::GatherRows(embed_, batch.token_ids.data(), T, x_.data());
 
   std::vector<cpu::AttentionSeq> attn_seqs;
@@ -144,8 +229,8 @@ absl::Status Model::Forward(const ForwardBatch& batch, kv::KvCache* cache,
   {
     int64_t t = 0;
     for (const ForwardBatch::Sequence& s : batch.sequences) {
-      attn_seqs.push_back({&q_[t * q_out], &attn_[t * q_out], s.block_table, s.num_new,
-                           s.context_len});
+      attn_seqs.push_back(
+          {&q_[t * q_out], &attn_[t * q_out], s.block_table, s.num_new, s.context_len});
       t += s.num_new;
     }
   }
@@ -161,22 +246,34 @@ absl::Status Model::Forward(const ForwardBatch& batch, kv::KvCache* cache,
     cpu::Linear(h_.data(), T, l.q, bias(l.q_bias), q_.data());
     cpu::Linear(h_.data(), T, l.k, bias(l.k_bias), k_.data());
     cpu::Linear(h_.data(), T, l.v, bias(l.v_bias), v_.data());
+    if (!lora_rows_.empty()) {
+      ApplyLora(li, Projection::kQ, h_.data(), d, q_.data(), q_out);
+      ApplyLora(li, Projection::kK, h_.data(), d, k_.data(), kv_out);
+      ApplyLora(li, Projection::kV, h_.data(), d, v_.data(), kv_out);
+    }
     cpu::ApplyRope(batch.positions.data(), T, inv_freq_.data(), hd, q_.data(), c.num_heads,
                    k_.data(), c.num_kv_heads);
     WriteKv(batch, li, cache);
     cpu::PagedKvLayout layout{cache->layer_base(li), cs.block_floats(), cache->v_offset(),
-                              cs.block_tokens, c.num_kv_heads, hd};
+                              cs.block_tokens,       c.num_kv_heads,    hd};
     cpu::PagedAttention(attn_seqs.data(), static_cast<int64_t>(attn_seqs.size()), layout,
                         c.num_heads, scale, window);
     cpu::Linear(attn_.data(), T, l.o, bias(l.o_bias), tmp_.data());
+    if (!lora_rows_.empty()) ApplyLora(li, Projection::kO, attn_.data(), q_out, tmp_.data(), d);
     cpu::AddInPlace(x_.data(), tmp_.data(), T * d);
 
     cpu::RmsNorm(x_.data(), l.post_attention_norm.data(), T, d, eps, h_.data());
     cpu::Linear(h_.data(), T, l.gate, nullptr, gate_.data());
     cpu::Linear(h_.data(), T, l.up, nullptr, up_.data());
+    if (!lora_rows_.empty()) {
+      ApplyLora(li, Projection::kGate, h_.data(), d, gate_.data(), inter);
+      ApplyLora(li, Projection::kUp, h_.data(), d, up_.data(), inter);
+    }
     cpu::SiluMulSeparate(gate_.data(), up_.data(), T * inter, gate_.data());
     cpu::Linear(gate_.data(), T, l.down, nullptr, tmp_.data());
+    if (!lora_rows_.empty()) ApplyLora(li, Projection::kDown, gate_.data(), inter, tmp_.data(), d);
     cpu::AddInPlace(x_.data(), tmp_.data(), T * d);
+    if (!direft_rows_.empty()) ApplyDireft(li, x_.data());
   }
 
   // Only the rows that will be sampled go through the final norm and the LM head.

@@ -9,8 +9,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/kernels/cpu/low_rank.h"
 #include "common/kernels/matrix.h"
 #include "common/kv/kv_cache.h"
+#include "common/model/adapter_weights.h"
 #include "common/model/checkpoint.h"
 #include "common/model/config.h"
 #include "common/model/forward_batch.h"
@@ -26,6 +28,8 @@ class Model {
   static absl::StatusOr<std::unique_ptr<Model>> Load(const std::string& dir);
 
   const ModelConfig& config() const { return config_; }
+  // The dtype of the projection matrices (what adapters are converted to for compute).
+  kernels::DType weight_dtype() const { return layers_.front().q.dtype; }
   // Bytes of weights read by one forward (the mapped checkpoint).
   size_t weight_bytes() const { return checkpoint_->total_bytes(); }
 
@@ -33,7 +37,9 @@ class Model {
   kv::KvCacheShape CacheShape(int64_t num_blocks, int64_t block_tokens = 16) const;
 
   // Runs the batch: writes K/V of the new tokens into `cache` and puts the logits of
-  // `batch.logit_rows` into `logits` ([rows, vocab], row-major).
+  // `batch.logit_rows` into `logits` ([rows, vocab], row-major). Each sequence's adapter is
+  // applied to the tokens its mask selects: LoRA on the targeted projections, DiReFT on the
+  // intervened layers' outputs, grouped per adapter (one kernel call per projection).
   absl::Status Forward(const ForwardBatch& batch, kv::KvCache* cache, std::vector<float>* logits);
 
  private:
@@ -46,6 +52,17 @@ class Model {
   Model() = default;
   absl::Status LoadWeights();
   void WriteKv(const ForwardBatch& batch, int64_t layer, kv::KvCache* cache);
+  // InvalidArgument unless every matrix of `a` fits this model's projections.
+  absl::Status CheckAdapter(const AdapterWeights& a) const;
+
+  // The masked rows of one adapter in the current batch.
+  struct AdapterRows {
+    const AdapterWeights* adapter;
+    std::vector<int32_t> rows;
+  };
+  // Adds each adapter's update to `y` ([T, out]) for projection `p` of layer `li`.
+  void ApplyLora(int64_t li, Projection p, const float* x, int64_t in, float* y, int64_t out);
+  void ApplyDireft(int64_t li, float* x);
 
   ModelConfig config_;
   std::unique_ptr<Checkpoint> checkpoint_;
@@ -57,6 +74,8 @@ class Model {
 
   // Scratch, resized per batch.
   std::vector<float> x_, h_, q_, k_, v_, attn_, tmp_, gate_, up_;
+  std::vector<AdapterRows> lora_rows_, direft_rows_;
+  std::vector<kernels::cpu::LowRankGroup> groups_;
 };
 
 }  // namespace preft::model

@@ -12,6 +12,7 @@
 #include "common/kernels/cpu/linear_kernels.h"
 #include "common/kernels/dtype.h"
 #include "common/kernels/matrix.h"
+#include "tests/kernels/test_weights.h"
 
 namespace preft::kernels::cpu {
 namespace {
@@ -28,36 +29,6 @@ std::vector<Shape> TestShapes(int64_t max_macs) {
       for (int64_t k : {1, 31, 32, 33, 64, 100, 896, 4864})
         if (m * n * k <= max_macs) shapes.push_back({m, n, k});
   return shapes;
-}
-
-// A weight in one dtype, with the f32 values it stands for.
-struct Weight {
-  DType dtype;
-  std::vector<float> values;  // [n, k]
-  std::vector<uint16_t> half;
-  MatrixView View(int64_t n, int64_t k) const {
-    return {dtype == DType::kF32 ? static_cast<const void*>(values.data()) : half.data(), dtype,
-            n, k};
-  }
-};
-
-Weight MakeWeight(DType dtype, int64_t n, int64_t k, std::mt19937& rng) {
-  std::uniform_real_distribution<float> dist(-1.f, 1.f);
-  Weight w{dtype, std::vector<float>(n * k), {}};
-  if (dtype != DType::kF32) w.half.resize(n * k);
-  for (int64_t i = 0; i < n * k; ++i) {
-    const float v = dist(rng);
-    if (dtype == DType::kBF16) {
-      w.half[i] = F32ToBf16(v);
-      w.values[i] = Bf16ToF32(w.half[i]);
-    } else if (dtype == DType::kF16) {
-      w.half[i] = F32ToF16(v);
-      w.values[i] = F16ToF32(w.half[i]);
-    } else {
-      w.values[i] = v;
-    }
-  }
-  return w;
 }
 
 std::vector<float> RandomVector(int64_t size, std::mt19937& rng) {

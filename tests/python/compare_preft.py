@@ -213,7 +213,50 @@ def run_preset(args):
                            np.argsort(-full[i], kind="stable")[:args.logprobs]],
                 lambda i, t: float(full[i].max() - full[i][t]),
                 args.logprobs, args.tol, args.strict, v, expect_len=args.max_tokens)
+        if args.adapter_modes:
+            compare_adapters(args, mdir, seed, rng, v)
     return finish(v, f"preft vs oracle ({args.preset}, seeds {args.seeds})", args.tol)
+
+
+# mode -> (adapter kind, positions)
+ADAPTER_MODES = {"lora": ("lora", "all"), "lorap": ("lora", "prompt"),
+                 "direft": ("direft", "all"), "direftp": ("direft", "prompt")}
+
+
+def compare_adapters(args, mdir, seed, rng, v):
+    """Random adapters made by `preft make-adapter` (LoRA rank 8 on all projections; DiReFT
+    rank 4 intervening on the first 2 and last 3 prompt tokens), run by preft and the oracle."""
+    import numpy as np
+    import reference
+    adirs = {}
+    for kind, extra in (("lora", ["--rank", "8", "--alpha", "16"]),
+                        ("direft", ["--rank", "4", "--prompt-positions", "f2+l3"])):
+        adirs[kind] = os.path.join(args.workdir, f"{args.preset}-seed{seed}-{kind}")
+        run([args.preft, "make-adapter", "--model", mdir, "--kind", kind, "--seed", str(seed)]
+            + extra + ["--out", adirs[kind]])
+    oracles = {}
+    vocab = None
+    for mode in args.adapter_modes.split(","):
+        kind, positions = ADAPTER_MODES[mode]
+        if kind not in oracles:
+            oracles[kind] = reference.Model(mdir, reference.torch.float64)
+            oracles[kind].load_adapter(adirs[kind])
+        model = oracles[kind]
+        vocab = int(model.config["vocab_size"])
+        for L in (3, 17, 40):
+            prompt = [int(t) for t in rng.randint(0, vocab, size=L)]
+            got = preft_generate(args.preft, mdir, prompt, args.max_tokens, args.logprobs,
+                                 adapter=adirs[kind], positions=positions)
+            ref, full = reference.generate(model, prompt, args.max_tokens, args.logprobs,
+                                           ignore_eos=True, adapter_positions=positions,
+                                           return_full=True)
+            compare_case(
+                f"{args.preset} seed={seed} {mode} prompt_len={L}", got, ref["token_ids"],
+                lambda i, t: float(full[i][t]),
+                lambda i: [(t, float(full[i][t])) for t in
+                           np.argsort(-full[i], kind="stable")[:args.logprobs]],
+                lambda i, t: float(full[i].max() - full[i][t]),
+                args.logprobs, args.tol, args.strict, v, expect_len=args.max_tokens)
 
 
 def run_fixture(args):
@@ -275,6 +318,8 @@ def main(argv=None):
     g.add_argument("--fixture")
     ap.add_argument("--modes", default="base")
     ap.add_argument("--seeds", default="1,2")
+    ap.add_argument("--adapter-modes", default="",
+                    help="with --preset: also compare these of lora,lorap,direft,direftp")
     ap.add_argument("--workdir", default="compare-work")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--logprobs", type=int, default=5)

@@ -38,6 +38,30 @@ expect 2 "excludes|Excludes" -- generate --model "$work/m" --prompt a --prompt-i
 # A corrupt weight file names the file.
 cp -r "$work/m" "$work/bad" && truncate -s 100 "$work/bad/model.safetensors"
 expect 1 "model.safetensors" -- generate --model "$work/bad" --prompt-ids 1
+# Adapters: made, served, and refused with clear messages.
+expect 0 "wrote|" -- make-adapter --model "$work/m" --kind lora --rank 4 --seed 1 --out "$work/lora"
+expect 0 "wrote|" -- make-adapter --model "$work/m" --kind direft --rank 2 --seed 1 --out "$work/direft"
+expect 2 "kind" -- make-adapter --model "$work/m" --kind dora --seed 1 --out "$work/x"
+expect 1 "rank" -- make-adapter --model "$work/m" --kind lora --rank 0 --seed 1 --out "$work/x"
+expect 1 "/nonexistent" -- generate --model "$work/m" --prompt-ids 1,2 --adapter /nonexistent
+expect 2 "adapter-positions" -- generate --model "$work/m" --prompt-ids 1,2 --adapter "$work/lora" --adapter-positions some
+expect 1 "--adapter-positions needs --adapter" -- generate --model "$work/m" --prompt-ids 1,2 --adapter-positions prompt
+# An adapter made for another base (only config.json matters to make-adapter).
+mkdir -p "$work/other" && sed 's/"intermediate_size": *[0-9]*/"intermediate_size": 96/' "$work/m/config.json" > "$work/other/config.json"
+"$preft" make-adapter --model "$work/other" --kind lora --rank 4 --seed 1 --out "$work/lora-other" > /dev/null 2>&1
+expect 1 "shape|does not match" -- generate --model "$work/m" --prompt-ids 1,2 --adapter "$work/lora-other"
+cp -r "$work/lora" "$work/lora-bad" && truncate -s 50 "$work/lora-bad/adapter_model.safetensors"
+expect 1 "adapter_model.safetensors" -- generate --model "$work/m" --prompt-ids 1,2 --adapter "$work/lora-bad"
+expect 0 "requests" -- generate --model "$work/m" --prompt-ids 1,2,3 --max-tokens 4 --adapter "$work/lora" --adapter "$work/direft" --adapter none --concurrency 6 --adapter-positions prompt
+# --json with --concurrency: one object per line, adapters round-robin.
+checks=$((checks + 1))
+lines=$("$preft" generate --model "$work/m" --prompt-ids 1,2,3 --max-tokens 4 --adapter "$work/lora" --adapter none --concurrency 4 --json | grep -c '"token_ids"')
+with_adapter=$("$preft" generate --model "$work/m" --prompt-ids 1,2,3 --max-tokens 4 --adapter "$work/lora" --adapter none --concurrency 4 --json | grep -c '"adapter_positions":"all"')
+if [[ "$lines" != 4 || "$with_adapter" != 2 ]]; then
+  echo "FAIL: --concurrency 4 --json gave $lines results, $with_adapter with an adapter"; failures=$((failures + 1))
+else
+  echo "ok: --concurrency 4 --json -> 4 results, 2 with the adapter"
+fi
 # Same seed, same tokens.
 a=$("$preft" generate --model "$work/m" --prompt-ids 5,6,7 --temperature 1 --seed 9 --max-tokens 8 --json)
 checks=$((checks + 1))

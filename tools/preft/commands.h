@@ -8,5 +8,6 @@ namespace preft::tools {
 
 void RegisterGenerateCommand(CLI::App& app, int* exit_code);
 void RegisterMakeModelCommand(CLI::App& app, int* exit_code);
+void RegisterMakeAdapterCommand(CLI::App& app, int* exit_code);
 
 }  // namespace preft::tools

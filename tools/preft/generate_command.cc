@@ -1,11 +1,13 @@
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "common/adapters/adapter_loader.h"
 #include "common/engine/engine.h"
 #include "common/model/model.h"
 #include "common/model/tokenizer.h"
@@ -32,6 +34,9 @@ struct GenerateFlags {
   bool json = false;
   int threads = 0;
   int64_t kv_mib = 1024;
+  std::vector<std::string> adapters;  // folders; "none" = base model
+  std::string adapter_positions;      // "", "prompt" or "all"
+  int concurrency = 1;
 };
 
 int Fail(const std::string& message) {
@@ -59,6 +64,10 @@ nlohmann::json ResultToJson(const engine::GenerationResult& r, bool with_logprob
   j["token_ids"] = r.token_ids;
   j["text"] = r.text;
   j["finish_reason"] = engine::FinishReasonName(r.finish);
+  if (!r.adapter.empty()) {
+    j["adapter"] = r.adapter;
+    j["adapter_positions"] = model::AdapterPositionsName(*r.adapter_positions);
+  }
   if (with_logprobs) {
     nlohmann::json steps = nlohmann::json::array();
     for (const engine::TokenLogprob& lp : r.logprobs) {
@@ -111,22 +120,67 @@ int RunGenerate(const GenerateFlags& f) {
     };
   }
 
+  std::optional<model::AdapterPositions> positions;
+  if (!f.adapter_positions.empty()) {
+    model::AdapterPositions p;
+    if (!model::ParseAdapterPositions(f.adapter_positions, &p)) {
+      return Fail("--adapter-positions must be prompt or all, not '" + f.adapter_positions + "'");
+    }
+    positions = p;
+  }
+  std::vector<engine::RequestAdapter> adapters;
+  adapters::LoadOptions load;
+  load.dtype = (*model)->weight_dtype();
+  for (const std::string& dir : f.adapters) {
+    engine::RequestAdapter ra;
+    if (dir != "none") {
+      auto a = adapters::LoadAdapter(dir, (*model)->config(), load);
+      if (!a.ok()) return Fail(std::string(a.status().message()));
+      ra.weights = std::move(a).value();
+      ra.name = dir;
+      ra.version = 1;
+      ra.positions = positions;
+    }
+    adapters.push_back(std::move(ra));
+  }
+  if (adapters.empty() && positions) return Fail("--adapter-positions needs --adapter");
+
+  // --concurrency N runs N copies of the request in one batch, round-robin over the adapters.
+  const int n = std::max(f.concurrency, static_cast<int>(adapters.size()));
+  std::vector<engine::Request> reqs;
+  for (int i = 0; i < n; ++i) {
+    engine::Request r = req;
+    r.id = "cli-" + std::to_string(i);
+    if (!adapters.empty()) r.adapter = adapters[i % adapters.size()];
+    if (i > 0) r.on_token = nullptr;  // stream the first request only
+    reqs.push_back(std::move(r));
+  }
+
   engine::EngineOptions options;
   options.kv_bytes = f.kv_mib << 20;
   options.num_threads = f.threads;
   auto eng = engine::Engine::Create(model->get(), tokenizer.get(), options);
   if (!eng.ok()) return Fail(std::string(eng.status().message()));
   const auto start = std::chrono::steady_clock::now();
-  std::vector<engine::Request> reqs;
-  reqs.push_back(std::move(req));
   auto results = (*eng)->Generate(std::move(reqs));
   if (!results.ok()) return Fail(std::string(results.status().message()));
   const double secs =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (const engine::GenerationResult& r : *results) {
+    if (!r.status.ok()) return Fail(std::string(r.status.message()));
+  }
   const engine::GenerationResult& r = results->front();
-  if (!r.status.ok()) return Fail(std::string(r.status.message()));
   if (f.json) {
-    std::printf("%s\n", ResultToJson(r, f.logprobs >= 0).dump().c_str());
+    // One object for one request (as before); one per line for --concurrency.
+    for (const engine::GenerationResult& each : *results)
+      std::printf("%s\n", ResultToJson(each, f.logprobs >= 0).dump().c_str());
+  } else if (results->size() > 1) {
+    std::printf("\n");
+    size_t tokens = 0;
+    for (const engine::GenerationResult& each : *results) tokens += each.token_ids.size();
+    std::fflush(stdout);
+    std::fprintf(stderr, "[%zu requests, %zu tokens generated, %.2f s, %.1f tok/s]\n",
+                 results->size(), tokens, secs, tokens / secs);
   } else {
     std::printf("\n");
     std::fflush(stdout);  // the text first, then the summary on stderr
@@ -142,7 +196,8 @@ void RegisterGenerateCommand(CLI::App& app, int* exit_code) {
   auto* cmd = app.add_subcommand("generate", "Generate from one prompt on a local model folder");
   auto f = std::make_shared<GenerateFlags>();
   cmd->add_option("--model", f->model, "Hugging Face model folder")->required();
-  auto* prompt = cmd->add_option("--prompt", f->prompt, "Prompt text (tokenized with the model's tokenizer.json)");
+  auto* prompt = cmd->add_option("--prompt", f->prompt,
+                                 "Prompt text (tokenized with the model's tokenizer.json)");
   auto* ids = cmd->add_option("--prompt-ids", f->prompt_ids, "Prompt as comma-separated token ids");
   prompt->excludes(ids);
   cmd->add_option("--max-tokens", f->max_tokens, "Most tokens to generate")->capture_default_str();
@@ -164,6 +219,16 @@ void RegisterGenerateCommand(CLI::App& app, int* exit_code) {
                 "Print one JSON object: prompt_ids, token_ids, text, finish_reason[, logprobs]");
   cmd->add_option("--threads", f->threads, "Compute threads (default: all cores)");
   cmd->add_option("--kv-mib", f->kv_mib, "KV cache size in MiB")->capture_default_str();
+  cmd->add_option("--adapter", f->adapters,
+                  "Adapter folder (PEFT LoRA or DiReFT; repeatable, 'none' = base model)");
+  cmd->add_option("--adapter-positions", f->adapter_positions,
+                  "Apply adapters to prompt tokens only (LoRAP/DiReFTP) or all tokens; default: "
+                  "the adapter's own preft_positions")
+      ->check(CLI::IsMember({"prompt", "all"}));
+  cmd->add_option("--concurrency", f->concurrency,
+                  "Run this many copies of the request in one batch, round-robin over --adapter")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   cmd->callback([f, exit_code, prompt, ids] {
     if (prompt->count() == 0 && ids->count() == 0) {
       std::fprintf(stderr, "preft generate: give --prompt or --prompt-ids\n");

@@ -9,6 +9,7 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   preft::tools::RegisterGenerateCommand(app, &exit_code);
   preft::tools::RegisterMakeModelCommand(app, &exit_code);
+  preft::tools::RegisterMakeAdapterCommand(app, &exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -7,6 +7,7 @@
 
 #include "common/kernels/cpu/linear_driver.h"
 #include "common/kernels/cpu/linear_kernels.h"
+#include "common/kernels/cpu/simd_avx2.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -17,22 +18,6 @@ namespace {
 inline __m128 Reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
-inline float Reduce1(__m256 a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-template <DType kW>
-inline __m256 Widen8(__m128i v) {
-  if constexpr (kW == DType::kBF16) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-  } else {
-    return _mm256_cvtph_ps(v);
-  }
 }
 
 template <DType kW>

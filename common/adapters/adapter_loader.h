@@ -1,0 +1,35 @@
+#pragma once
+
+// Reads adapter folders from disk and validates them against a base model:
+//  - LoRA: Hugging Face PEFT (`adapter_config.json` + `adapter_model.safetensors`, legacy
+//    `adapter_model.bin` refused with a message), r / lora_alpha / target_modules (list or
+//    regex) / use_rslora / rank_pattern / alpha_pattern / fan_in_fan_out / bias "none".
+//  - DiReFT: `adapter_config.json` with "peft_type": "DIREFT" and per-layer
+//    `layers.{i}.direft.{learned_source.weight, learned_source.bias, proj_layer.weight}`.
+// Formats are documented in docs/ADAPTERS.md. Unsupported features are refused with an error
+// that names them; an adapter for another base model fails here, never at forward time.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/kernels/dtype.h"
+#include "common/model/adapter_weights.h"
+#include "common/model/config.h"
+
+namespace preft::adapters {
+
+struct LoadOptions {
+  int64_t max_rank = 128;                       // ranks above are refused
+  kernels::DType dtype = kernels::DType::kF32;  // matrices are converted to this dtype
+};
+
+// Loads the adapter in `dir` for a model with config `base`. Errors name the file and the
+// problem: InvalidArgument for bad or mismatched content, NotFound for missing files,
+// Unimplemented for features preft does not serve (DoRA, modules_to_save, ...).
+absl::StatusOr<std::unique_ptr<model::AdapterWeights>> LoadAdapter(const std::string& dir,
+                                                                   const model::ModelConfig& base,
+                                                                   const LoadOptions& options = {});
+
+}  // namespace preft::adapters

@@ -1,0 +1,136 @@
+#include "common/kernels/cpu/low_rank.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "common/base/check.h"
+#include "common/kernels/cpu/simd_avx2.h"
+
+namespace preft::kernels::cpu {
+namespace {
+
+// Rows handled by one work item: enough to reuse each loaded shrink/expand row a few times,
+// few enough that a 64-row prompt chunk still spreads over the threads.
+constexpr int64_t kRowsPerItem = 8;
+constexpr int64_t kMaxRank = 1024;
+
+// z[r][k] = x[rows[r]] . S[k] (+ b[k]) for up to kRowsPerItem rows, four rows per pass over S.
+template <DType T>
+void Shrink(const float* x, int64_t x_stride, const int32_t* rows, int64_t n, const MatrixView& s,
+            const float* bias, float* z) {
+  const int64_t rank = s.rows, in = s.cols, vec_end = in & ~int64_t{7};
+  for (int64_t k = 0; k < rank; ++k) {
+    const void* srow = static_cast<const uint8_t*>(s.data) + k * in * DTypeSize(T);
+    for (int64_t r0 = 0; r0 < n; r0 += 4) {
+      const int64_t m = std::min<int64_t>(4, n - r0);
+      const float* xr[4];
+      for (int64_t j = 0; j < 4; ++j) xr[j] = x + rows[r0 + std::min(j, m - 1)] * x_stride;
+      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                       _mm256_setzero_ps()};
+      for (int64_t i = 0; i < vec_end; i += 8) {
+        const __m256 w = Load8<T>(srow, i);
+        for (int64_t j = 0; j < 4; ++j)
+          acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xr[j] + i), acc[j]);
+      }
+      for (int64_t j = 0; j < m; ++j) {
+        float sum = Reduce1(acc[j]);
+        for (int64_t i = vec_end; i < in; ++i) sum += LoadAsF32(srow, T, i) * xr[j][i];
+        z[(r0 + j) * rank + k] = sum + (bias != nullptr ? bias[k] : 0.0f);
+      }
+    }
+  }
+}
+
+// y[rows[r]] += scale * z[r] E, 32 outputs at a time with the rank loop inside.
+template <DType T>
+void Expand(const float* z, const int32_t* rows, int64_t n, const MatrixView& e, float scale,
+            float* y, int64_t y_stride) {
+  const int64_t rank = e.rows, out = e.cols, vec_end = out & ~int64_t{31};
+  const size_t row_bytes = out * DTypeSize(T);
+  const uint8_t* base = static_cast<const uint8_t*>(e.data);
+  for (int64_t r = 0; r < n; ++r) {
+    float* yr = y + rows[r] * y_stride;
+    const float* zr = z + r * rank;
+    for (int64_t o = 0; o < vec_end; o += 32) {
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps(),
+             acc3 = _mm256_setzero_ps();
+      for (int64_t k = 0; k < rank; ++k) {
+        const void* erow = base + k * row_bytes;
+        const __m256 zk = _mm256_set1_ps(zr[k]);
+        acc0 = _mm256_fmadd_ps(zk, Load8<T>(erow, o), acc0);
+        acc1 = _mm256_fmadd_ps(zk, Load8<T>(erow, o + 8), acc1);
+        acc2 = _mm256_fmadd_ps(zk, Load8<T>(erow, o + 16), acc2);
+        acc3 = _mm256_fmadd_ps(zk, Load8<T>(erow, o + 24), acc3);
+      }
+      const __m256 sc = _mm256_set1_ps(scale);
+      _mm256_storeu_ps(yr + o, _mm256_fmadd_ps(sc, acc0, _mm256_loadu_ps(yr + o)));
+      _mm256_storeu_ps(yr + o + 8, _mm256_fmadd_ps(sc, acc1, _mm256_loadu_ps(yr + o + 8)));
+      _mm256_storeu_ps(yr + o + 16, _mm256_fmadd_ps(sc, acc2, _mm256_loadu_ps(yr + o + 16)));
+      _mm256_storeu_ps(yr + o + 24, _mm256_fmadd_ps(sc, acc3, _mm256_loadu_ps(yr + o + 24)));
+    }
+    for (int64_t o = vec_end; o < out; ++o) {
+      float sum = 0;
+      for (int64_t k = 0; k < rank; ++k) sum += zr[k] * LoadAsF32(base + k * row_bytes, T, o);
+      yr[o] += scale * sum;
+    }
+  }
+}
+
+template <DType T>
+void RunItem(const float* x, int64_t x_stride, float* y, int64_t y_stride, const LowRankGroup& g,
+             int64_t begin, int64_t end, float* z) {
+  Shrink<T>(x, x_stride, g.rows + begin, end - begin, g.shrink, g.shrink_bias, z);
+  Expand<T>(z, g.rows + begin, end - begin, g.expand, g.scale, y, y_stride);
+}
+
+struct Item {
+  int32_t group;
+  int32_t begin, end;
+};
+
+}  // namespace
+
+void LowRankAdd(const float* x, int64_t x_stride, float* y, int64_t y_stride,
+                const LowRankGroup* groups, int64_t num_groups) {
+  std::vector<Item> items;
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const LowRankGroup& gr = groups[g];
+    PREFT_CHECK(gr.shrink.rows == gr.expand.rows && gr.shrink.rows <= kMaxRank);
+    PREFT_CHECK(gr.shrink.dtype == gr.expand.dtype);
+    for (int64_t b = 0; b < gr.num_rows; b += kRowsPerItem) {
+      items.push_back({static_cast<int32_t>(g), static_cast<int32_t>(b),
+                       static_cast<int32_t>(std::min(gr.num_rows, b + kRowsPerItem))});
+    }
+  }
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  auto run = [&](int64_t i, float* z) {
+    const LowRankGroup& g = groups[items[i].group];
+    switch (g.shrink.dtype) {
+      case DType::kF32:
+        RunItem<DType::kF32>(x, x_stride, y, y_stride, g, items[i].begin, items[i].end, z);
+        break;
+      case DType::kBF16:
+        RunItem<DType::kBF16>(x, x_stride, y, y_stride, g, items[i].begin, items[i].end, z);
+        break;
+      case DType::kF16:
+        RunItem<DType::kF16>(x, x_stride, y, y_stride, g, items[i].begin, items[i].end, z);
+        break;
+    }
+  };
+  // Tiny work (one decode row, say) is not worth waking the thread team.
+  if (num_items <= 1) {
+    alignas(64) float z[kRowsPerItem * kMaxRank];
+    for (int64_t i = 0; i < num_items; ++i) run(i, z);
+    return;
+  }
+#pragma omp parallel
+  {
+    alignas(64) float z[kRowsPerItem * kMaxRank];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_items; ++i) run(i, z);
+  }
+}
+
+}  // namespace preft::kernels::cpu

@@ -1,0 +1,32 @@
+#pragma once
+
+// Grouped low-rank updates, the CPU form of Punica/S-LoRA's SGMV (many rows per group: prompt
+// chunks) and BGMV (one row per group: decode): every group has its own pair of small
+// matrices and its own rows, and one call serves a whole heterogeneous batch.
+//
+//   for each group g, row i in g.rows:  y[i] += g.scale * ((x[i] S_g^T + b_g) E_g)
+//
+// S = shrink [rank, in], E = expand [rank, out] (f32, bf16 or f16), b = shrink bias (f32,
+// optional). LoRA: S = A, E = B^T. DiReFT: S = W1, b = b1, E = W2, with y == x (in place).
+
+#include <cstdint>
+
+#include "common/kernels/matrix.h"
+
+namespace preft::kernels::cpu {
+
+struct LowRankGroup {
+  const int32_t* rows = nullptr;  // row indices into x and y; distinct across groups
+  int64_t num_rows = 0;
+  MatrixView shrink;
+  MatrixView expand;
+  const float* shrink_bias = nullptr;
+  float scale = 1.0f;
+};
+
+// x: [*, in] with row stride x_stride; y: [*, out] with row stride y_stride. x and y may be
+// the same buffer (then in == out): each row is read in full before it is written.
+void LowRankAdd(const float* x, int64_t x_stride, float* y, int64_t y_stride,
+                const LowRankGroup* groups, int64_t num_groups);
+
+}  // namespace preft::kernels::cpu

@@ -1,0 +1,159 @@
+#include "common/model/adapter_weights.h"
+
+#include <algorithm>
+#include <cstring>
+#include <regex>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/check.h"
+
+namespace preft::model {
+
+const char* AdapterKindName(AdapterKind k) { return k == AdapterKind::kLora ? "lora" : "direft"; }
+
+const char* AdapterPositionsName(AdapterPositions p) {
+  return p == AdapterPositions::kPrompt ? "prompt" : "all";
+}
+
+bool ParseAdapterPositions(const std::string& s, AdapterPositions* out) {
+  if (s == "prompt") {
+    *out = AdapterPositions::kPrompt;
+  } else if (s == "all") {
+    *out = AdapterPositions::kAll;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+const char* ProjectionName(Projection p) {
+  static const char* const kNames[kNumProjections] = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
+                                                      "gate_proj", "up_proj", "down_proj"};
+  return kNames[static_cast<int>(p)];
+}
+
+bool PromptSelection::Selected(int64_t position, int64_t prompt_len) const {
+  if (all) return true;
+  const int64_t first_n = std::min(prompt_len / 2, first);
+  const int64_t last_n = std::min(prompt_len / 2, last);
+  return position < first_n || (position >= prompt_len - last_n && position < prompt_len);
+}
+
+std::string PromptSelection::ToString() const {
+  if (all) return "all";
+  std::string s;
+  if (first > 0) s = absl::StrCat("f", first);
+  if (last > 0) absl::StrAppend(&s, s.empty() ? "" : "+", "l", last);
+  return s.empty() ? "f0" : s;
+}
+
+bool PromptSelection::Parse(const std::string& s, PromptSelection* out) {
+  if (s == "all") {
+    *out = PromptSelection{};
+    return true;
+  }
+  static const std::regex kSpec("(?:f([0-9]{1,9}))?\\+?(?:l([0-9]{1,9}))?");
+  std::smatch m;
+  if (s.empty() || !std::regex_match(s, m, kSpec) || (!m[1].matched && !m[2].matched)) return false;
+  // "fN+lM" needs its '+', "fN" and "lM" must not have one.
+  if ((s.find('+') != std::string::npos) != (m[1].matched && m[2].matched)) return false;
+  PromptSelection sel;
+  sel.all = false;
+  sel.first = m[1].matched ? std::stoll(m[1].str()) : 0;
+  sel.last = m[2].matched ? std::stoll(m[2].str()) : 0;
+  *out = sel;
+  return true;
+}
+
+AdapterWeights::AdapterWeights(AdapterKind kind, int64_t num_layers)
+    : kind_(kind), num_layers_(num_layers) {
+  if (kind == AdapterKind::kLora) {
+    lora_.resize(num_layers);
+  } else {
+    direft_.resize(num_layers);
+  }
+}
+
+kernels::MatrixView AdapterWeights::AllocateMatrix(kernels::DType dtype, int64_t rows,
+                                                   int64_t cols) {
+  if (!has_matrix_) dtype_ = dtype;
+  has_matrix_ = true;
+  PREFT_CHECK(dtype == dtype_);  // one dtype per adapter
+  const size_t n = static_cast<size_t>(rows * cols) * kernels::DTypeSize(dtype);
+  buffers_.push_back(std::make_unique<uint8_t[]>(n));  // value-initialised: zeroed
+  bytes_ += n;
+  return {buffers_.back().get(), dtype, rows, cols};
+}
+
+float* AdapterWeights::AllocateFloats(int64_t n) {
+  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+  buffers_.push_back(std::make_unique<uint8_t[]>(bytes));
+  bytes_ += bytes;
+  return reinterpret_cast<float*>(buffers_.back().get());
+}
+
+int64_t AdapterWeights::max_rank() const {
+  int64_t r = 0;
+  for (const auto& layer : lora_)
+    for (const LowRank& lr : layer) r = std::max(r, lr.rank());
+  for (const LowRank& lr : direft_) r = std::max(r, lr.rank());
+  return r;
+}
+
+namespace {
+
+kernels::MatrixView CopyMatrix(const kernels::MatrixView& src, kernels::DType dtype,
+                               AdapterWeights* dst) {
+  kernels::MatrixView out = dst->AllocateMatrix(dtype, src.rows, src.cols);
+  const int64_t n = src.rows * src.cols;
+  void* data = const_cast<void*>(out.data);
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = kernels::LoadAsF32(src.data, src.dtype, i);
+    switch (dtype) {
+      case kernels::DType::kF32:
+        static_cast<float*>(data)[i] = v;
+        break;
+      case kernels::DType::kBF16:
+        static_cast<uint16_t*>(data)[i] = kernels::F32ToBf16(v);
+        break;
+      case kernels::DType::kF16:
+        static_cast<uint16_t*>(data)[i] = kernels::F32ToF16(v);
+        break;
+    }
+  }
+  return out;
+}
+
+LowRank CopyLowRank(const LowRank& src, kernels::DType dtype, AdapterWeights* dst) {
+  LowRank out;
+  if (src.empty()) return out;
+  out.shrink = CopyMatrix(src.shrink, dtype, dst);
+  out.expand = CopyMatrix(src.expand, dtype, dst);
+  out.scale = src.scale;
+  if (src.shrink_bias != nullptr) {
+    float* b = dst->AllocateFloats(src.rank());
+    std::memcpy(b, src.shrink_bias, src.rank() * sizeof(float));
+    out.shrink_bias = b;
+  }
+  return out;
+}
+
+}  // namespace
+
+std::unique_ptr<AdapterWeights> AdapterWeights::ConvertTo(kernels::DType dtype) const {
+  auto out = std::make_unique<AdapterWeights>(kind_, num_layers_);
+  out->default_positions = default_positions;
+  out->prompt_selection = prompt_selection;
+  out->dtype_ = dtype;
+  for (int64_t l = 0; l < num_layers_; ++l) {
+    if (kind_ == AdapterKind::kLora) {
+      for (int p = 0; p < kNumProjections; ++p)
+        out->lora_[l][p] = CopyLowRank(lora_[l][p], dtype, out.get());
+    } else {
+      out->direft_[l] = CopyLowRank(direft_[l], dtype, out.get());
+    }
+  }
+  return out;
+}
+
+}  // namespace preft::model

@@ -1,0 +1,103 @@
+#pragma once
+
+// An adapter's weights as the forward pass consumes them: LoRA low-rank pairs on any of the
+// seven projections of each layer, or DiReFT low-rank updates on layer outputs. Both are
+// "y += scale * ((x S^T + b) E)" with S = shrink [rank, in] and E = expand [rank, out];
+// LoRA: S = A, E = B^T, b = 0, scale = alpha/r (or alpha/sqrt(r)); DiReFT: S = W1, b = b1,
+// E = W2, scale = 1, applied in place to the layer's output residual stream.
+// Loading and validation live in common/adapters; this is only the in-memory form.
+
+#include <array>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/kernels/dtype.h"
+#include "common/kernels/matrix.h"
+
+namespace preft::model {
+
+enum class AdapterKind { kLora, kDireft };
+const char* AdapterKindName(AdapterKind k);  // "lora", "direft"
+
+// Where a request's adapter applies: prompt tokens only (PreFT: LoRAP, DiReFTP) or every token.
+enum class AdapterPositions { kPrompt, kAll };
+const char* AdapterPositionsName(AdapterPositions p);  // "prompt", "all"
+bool ParseAdapterPositions(const std::string& s, AdapterPositions* out);
+
+// The projections LoRA may target, in Hugging Face module order.
+enum class Projection : int { kQ, kK, kV, kO, kGate, kUp, kDown };
+inline constexpr int kNumProjections = 7;
+const char* ProjectionName(Projection p);  // "q_proj", ..., "down_proj"
+
+struct LowRank {
+  kernels::MatrixView shrink;          // [rank, in]
+  kernels::MatrixView expand;          // [rank, out]
+  const float* shrink_bias = nullptr;  // [rank], f32; null = none
+  float scale = 1.0f;
+
+  bool empty() const { return shrink.data == nullptr; }
+  int64_t rank() const { return shrink.rows; }
+};
+
+// Which prompt positions are intervened: all, or pyreft's "fN+lM" (the first N and the last M,
+// each clamped to prompt_len / 2 as pyreft's get_intervention_locations does).
+struct PromptSelection {
+  bool all = true;
+  int64_t first = 0;
+  int64_t last = 0;
+
+  bool Selected(int64_t position, int64_t prompt_len) const;
+  std::string ToString() const;  // "all" or "f3+l2"
+  // "all", "fN+lM", "fN", "lM"; false on anything else.
+  static bool Parse(const std::string& s, PromptSelection* out);
+};
+
+class AdapterWeights {
+ public:
+  AdapterWeights(AdapterKind kind, int64_t num_layers);
+
+  AdapterKind kind() const { return kind_; }
+  int64_t num_layers() const { return num_layers_; }
+  kernels::DType dtype() const { return dtype_; }
+
+  // Default positions (from the config's "preft_positions"; a request may override them).
+  AdapterPositions default_positions = AdapterPositions::kAll;
+  // DiReFT only: which prompt tokens are intervened.
+  PromptSelection prompt_selection;
+
+  // LoRA: lora(layer, p); empty() when the projection is not targeted in that layer.
+  const LowRank& lora(int64_t layer, Projection p) const {
+    return lora_[layer][static_cast<int>(p)];
+  }
+  LowRank& mutable_lora(int64_t layer, Projection p) { return lora_[layer][static_cast<int>(p)]; }
+  // DiReFT: direft(layer); empty() when the layer is not intervened.
+  const LowRank& direft(int64_t layer) const { return direft_[layer]; }
+  LowRank& mutable_direft(int64_t layer) { return direft_[layer]; }
+
+  // Zeroed storage owned by this object, for the views above.
+  kernels::MatrixView AllocateMatrix(kernels::DType dtype, int64_t rows, int64_t cols);
+  float* AllocateFloats(int64_t n);
+
+  // A deep copy with every matrix converted to `dtype` (biases stay f32): what a compute slot
+  // holds for a model whose matrices are in `dtype`.
+  std::unique_ptr<AdapterWeights> ConvertTo(kernels::DType dtype) const;
+
+  int64_t max_rank() const;
+  // Bytes of storage (what the adapter store budgets).
+  size_t bytes() const { return bytes_; }
+
+ private:
+  AdapterKind kind_;
+  int64_t num_layers_;
+  kernels::DType dtype_ = kernels::DType::kF32;  // of the matrices (set by AllocateMatrix)
+  bool has_matrix_ = false;
+  std::vector<std::array<LowRank, kNumProjections>> lora_;
+  std::vector<LowRank> direft_;
+  std::deque<std::unique_ptr<uint8_t[]>> buffers_;
+  size_t bytes_ = 0;
+};
+
+}  // namespace preft::model

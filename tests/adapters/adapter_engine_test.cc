@@ -1,0 +1,391 @@
+// Adapters through the engine: the fixture's six reference modes, LoRA against merged
+// weights, LoRAP/DiReFTP against "adapted prefill, then base decode", and batch invariance
+// across 32 adapters mixed with base-only requests.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/adapters/adapter_loader.h"
+#include "common/adapters/make_adapter.h"
+#include "common/base/mapped_file.h"
+#include "common/engine/engine.h"
+#include "common/engine/sampler.h"
+#include "common/model/make_model.h"
+#include "common/model/model.h"
+#include "common/model/safetensors.h"
+#include "nlohmann/json.hpp"
+#include "tests/testing/fixtures.h"
+
+namespace preft {
+namespace {
+
+namespace fs = std::filesystem;
+using engine::Engine;
+using engine::GenerationResult;
+using engine::Request;
+using model::AdapterPositions;
+using model::AdapterWeights;
+using model::Model;
+
+std::shared_ptr<const AdapterWeights> Load(const std::string& dir, const model::ModelConfig& c) {
+  auto a = adapters::LoadAdapter(dir, c);
+  EXPECT_TRUE(a.ok()) << a.status();
+  return a.ok() ? std::shared_ptr<const AdapterWeights>(std::move(a).value()) : nullptr;
+}
+
+std::unique_ptr<Engine> MakeEngine(Model* m, int64_t kv_blocks = 256, int64_t batch_tokens = 512) {
+  engine::EngineOptions o;
+  o.kv_blocks = kv_blocks;
+  o.scheduler.max_batch_tokens = batch_tokens;
+  auto e = Engine::Create(m, nullptr, o);
+  EXPECT_TRUE(e.ok()) << e.status();
+  return std::move(e).value();
+}
+
+Request MakeRequest(const std::string& id, std::vector<int32_t> prompt, int max_tokens,
+                    std::shared_ptr<const AdapterWeights> adapter = nullptr,
+                    std::optional<AdapterPositions> positions = std::nullopt) {
+  Request r;
+  r.id = id;
+  r.prompt_ids = std::move(prompt);
+  r.sampling.max_tokens = max_tokens;
+  r.sampling.ignore_eos = true;
+  r.sampling.logprobs = 5;
+  r.adapter.weights = std::move(adapter);
+  r.adapter.name = id;
+  r.adapter.positions = positions;
+  return r;
+}
+
+std::vector<GenerationResult> RunAll(Engine* e, std::vector<Request> reqs) {
+  auto out = e->Generate(std::move(reqs));
+  EXPECT_TRUE(out.ok()) << out.status();
+  return out.ok() ? std::move(out).value() : std::vector<GenerationResult>{};
+}
+
+// Tokens equal and the chosen and top-5 logprobs within `tol`.
+void ExpectSameGeneration(const GenerationResult& got, const GenerationResult& want, double tol,
+                          const std::string& what) {
+  ASSERT_EQ(got.token_ids, want.token_ids) << what;
+  ASSERT_EQ(got.logprobs.size(), want.logprobs.size()) << what;
+  for (size_t i = 0; i < got.logprobs.size(); ++i) {
+    EXPECT_NEAR(got.logprobs[i].logprob, want.logprobs[i].logprob, tol) << what << " step " << i;
+    for (size_t k = 0; k < got.logprobs[i].top.size(); ++k) {
+      EXPECT_EQ(got.logprobs[i].top[k].first, want.logprobs[i].top[k].first) << what;
+      EXPECT_NEAR(got.logprobs[i].top[k].second, want.logprobs[i].top[k].second, tol) << what;
+    }
+  }
+}
+
+std::string TempDir(const std::string& name) {
+  const std::string dir = ::testing::TempDir() + "/preft_adapter_engine_" + name;
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+// A copy of the fixture model with every LoRA module merged: W += s * B A.
+std::string WriteMergedModel(const std::string& base_dir, const AdapterWeights& lora,
+                             const std::string& out_dir) {
+  auto file = model::SafetensorsFile::Open(base_dir + "/model.safetensors");
+  EXPECT_TRUE(file.ok()) << file.status();
+  std::map<std::string, std::vector<float>> values;
+  for (const auto& [name, t] : (*file)->tensors()) {
+    std::vector<float>& v = values[name];
+    v.resize(t.num_elements());
+    for (size_t i = 0; i < v.size(); ++i) v[i] = kernels::LoadAsF32(t.data, t.dtype, i);
+  }
+  for (int64_t l = 0; l < lora.num_layers(); ++l) {
+    for (int p = 0; p < model::kNumProjections; ++p) {
+      const auto proj = static_cast<model::Projection>(p);
+      const model::LowRank& lr = lora.lora(l, proj);
+      if (lr.empty()) continue;
+      const bool attn = p <= static_cast<int>(model::Projection::kO);
+      const std::string name = "model.layers." + std::to_string(l) +
+                               (attn ? ".self_attn." : ".mlp.") + model::ProjectionName(proj) +
+                               ".weight";
+      std::vector<float>& w = values.at(name);
+      const int64_t out = lr.expand.cols, in = lr.shrink.cols;
+      for (int64_t o = 0; o < out; ++o)
+        for (int64_t i = 0; i < in; ++i) {
+          double s = 0;
+          for (int64_t k = 0; k < lr.rank(); ++k)
+            s += double(kernels::LoadAsF32(lr.expand.data, lr.expand.dtype, k * out + o)) *
+                 kernels::LoadAsF32(lr.shrink.data, lr.shrink.dtype, k * in + i);
+          w[o * in + i] += static_cast<float>(lr.scale * s);
+        }
+    }
+  }
+  std::vector<model::TensorToWrite> tensors;
+  for (const auto& [name, t] : (*file)->tensors())
+    tensors.push_back({name, kernels::DType::kF32, t.shape, values.at(name).data()});
+  EXPECT_TRUE(model::WriteSafetensors(out_dir + "/model.safetensors", tensors).ok());
+  fs::copy_file(base_dir + "/config.json", out_dir + "/config.json",
+                fs::copy_options::overwrite_existing);
+  return out_dir;
+}
+
+// Greedy generation where the prompt's KV comes from `prefill_model` (with `adapter` on every
+// prompt token, if given) and every generated token runs on `decode_model` without adapter:
+// the definition of PreFT, built directly on Model::Forward.
+GenerationResult PrefillThenBaseDecode(Model* prefill_model, const AdapterWeights* adapter,
+                                       Model* decode_model, const std::vector<int32_t>& prompt,
+                                       int max_tokens) {
+  const model::ModelConfig& c = decode_model->config();
+  auto cache = kv::KvCache::Create(decode_model->CacheShape(16));
+  EXPECT_TRUE(cache.ok());
+  std::vector<int32_t> blocks(16);
+  for (int32_t i = 0; i < 16; ++i) blocks[i] = i;
+  GenerationResult r;
+  std::vector<float> logits;
+  std::vector<int32_t> tokens = prompt;
+  model::ForwardBatch prefill;
+  prefill.AddSequence(blocks.data(), 16, prompt.data(), static_cast<int64_t>(prompt.size()),
+                      static_cast<int64_t>(prompt.size()), true, adapter, nullptr);
+  EXPECT_TRUE(prefill_model->Forward(prefill, cache->get(), &logits).ok());
+  for (int step = 0; step < max_tokens; ++step) {
+    const engine::TokenLogprob lp = engine::ComputeLogprobs(logits.data(), c.vocab_size, -1, 5);
+    const int32_t next = lp.top[0].first;
+    r.token_ids.push_back(next);
+    r.logprobs.push_back(engine::ComputeLogprobs(logits.data(), c.vocab_size, next, 5));
+    tokens.push_back(next);
+    if (step + 1 == max_tokens) break;
+    model::ForwardBatch decode;
+    decode.AddSequence(blocks.data(), 16, &tokens.back(), 1, static_cast<int64_t>(tokens.size()),
+                       true);
+    EXPECT_TRUE(decode_model->Forward(decode, cache->get(), &logits).ok());
+  }
+  return r;
+}
+
+class AdapterEngineTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    auto m = Model::Load(testing::TinyLlamaFixture());
+    ASSERT_TRUE(m.ok()) << m.status();
+    base_ = std::move(m).value().release();
+  }
+  static Model* base_;
+};
+Model* AdapterEngineTest::base_ = nullptr;
+
+const std::vector<std::vector<int32_t>> kPrompts = {
+    {5, 9, 200},
+    {17, 5, 99, 23, 8, 41, 7, 2, 250, 12, 64, 3, 3, 90, 91, 92, 93, 11},  // crosses a KV block
+    {1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 16, 17, 18,
+     19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35}};
+
+// Every case of the fixture's reference.json (base, lora, lora_rs, lorap, direft, direftp),
+// first one request at a time, then all of them in one heterogeneous batch.
+TEST_F(AdapterEngineTest, ReproducesEveryFixtureMode) {
+  const std::string dir = testing::TinyLlamaFixture();
+  auto text = base::ReadFileToString(dir + "/reference.json");
+  ASSERT_TRUE(text.ok());
+  const nlohmann::json ref = nlohmann::json::parse(*text);
+  std::map<std::string, std::shared_ptr<const AdapterWeights>> adapters;
+  std::vector<Request> reqs;
+  std::vector<GenerationResult> want;
+  std::map<std::string, int> modes;
+  for (const auto& c : ref["cases"]) {
+    std::shared_ptr<const AdapterWeights> a;
+    std::optional<AdapterPositions> pos;
+    if (!c["adapter"].is_null()) {
+      const std::string name = c["adapter"];
+      if (!adapters.count(name)) adapters[name] = Load(dir + "/" + name, base_->config());
+      a = adapters[name];
+      AdapterPositions p;
+      ASSERT_TRUE(model::ParseAdapterPositions(c["adapter_positions"], &p));
+      pos = p;
+    }
+    ++modes[c["mode"]];
+    const std::string id = "case" + std::to_string(reqs.size());
+    reqs.push_back(
+        MakeRequest(id, c["prompt_ids"], static_cast<int>(c["token_ids"].size()), a, pos));
+    GenerationResult w;
+    w.token_ids = c["token_ids"].get<std::vector<int32_t>>();
+    for (const auto& s : c["logprobs"]) {
+      engine::TokenLogprob lp;
+      lp.token_id = s["token_id"];
+      lp.logprob = s["logprob"];
+      for (const auto& t : s["top"]) lp.top.push_back({t[0].get<int32_t>(), t[1].get<double>()});
+      w.logprobs.push_back(lp);
+    }
+    want.push_back(std::move(w));
+  }
+  EXPECT_EQ(modes.size(), 6u);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    auto e = MakeEngine(base_);
+    const auto got = RunAll(e.get(), {reqs[i]});
+    ASSERT_EQ(got.size(), 1u);
+    ExpectSameGeneration(got[0], want[i], 1e-4,
+                         "alone: " + ref["cases"][i]["mode"].get<std::string>());
+  }
+  auto e = MakeEngine(base_, 256, 32);  // small chunks: prompts split across steps
+  const auto got = RunAll(e.get(), reqs);
+  ASSERT_EQ(got.size(), reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i)
+    ExpectSameGeneration(got[i], want[i], 1e-4,
+                         "batched: " + ref["cases"][i]["mode"].get<std::string>());
+}
+
+// All-position LoRA is the base model with merged weights W + s·BA.
+TEST_F(AdapterEngineTest, AllPositionLoraEqualsMergedWeights) {
+  const std::string fixture = testing::TinyLlamaFixture();
+  for (const char* name : {"lora", "lora_rs"}) {
+    auto lora = Load(fixture + "/" + name, base_->config());
+    ASSERT_TRUE(lora);
+    auto merged =
+        Model::Load(WriteMergedModel(fixture, *lora, TempDir(std::string("merged_") + name)));
+    ASSERT_TRUE(merged.ok()) << merged.status();
+    auto e_base = MakeEngine(base_);
+    auto e_merged = MakeEngine(merged->get());
+    for (size_t i = 0; i < kPrompts.size(); ++i) {
+      const auto got =
+          RunAll(e_base.get(), {MakeRequest("a", kPrompts[i], 16, lora, AdapterPositions::kAll)});
+      const auto want = RunAll(e_merged.get(), {MakeRequest("m", kPrompts[i], 16)});
+      ExpectSameGeneration(got.at(0), want.at(0), 1e-4,
+                           std::string(name) + " prompt " + std::to_string(i));
+    }
+  }
+}
+
+// LoRAP: the first token is the merged model's; every later step equals a run whose prompt KV
+// comes from the merged model and whose decode uses the base weights.
+TEST_F(AdapterEngineTest, LorapEqualsMergedPrefillThenBaseDecode) {
+  const std::string fixture = testing::TinyLlamaFixture();
+  auto lora = Load(fixture + "/lora", base_->config());
+  ASSERT_TRUE(lora);
+  auto merged = Model::Load(WriteMergedModel(fixture, *lora, TempDir("merged_lorap")));
+  ASSERT_TRUE(merged.ok());
+  auto e = MakeEngine(base_);
+  auto e_merged = MakeEngine(merged->get());
+  for (size_t i = 0; i < kPrompts.size(); ++i) {
+    const auto got =
+        RunAll(e.get(), {MakeRequest("p", kPrompts[i], 16, lora, AdapterPositions::kPrompt)});
+    const auto merged_run = RunAll(e_merged.get(), {MakeRequest("m", kPrompts[i], 1)});
+    EXPECT_EQ(got.at(0).token_ids.at(0), merged_run.at(0).token_ids.at(0));
+    const GenerationResult want =
+        PrefillThenBaseDecode(merged->get(), nullptr, base_, kPrompts[i], 16);
+    ExpectSameGeneration(got.at(0), want, 1e-4, "lorap prompt " + std::to_string(i));
+    // And it is a different generation from all-position LoRA (the mask matters).
+    const auto all =
+        RunAll(e.get(), {MakeRequest("a", kPrompts[i], 16, lora, AdapterPositions::kAll)});
+    EXPECT_NE(all.at(0).token_ids, got.at(0).token_ids) << "prompt " << i;
+  }
+}
+
+// DiReFTP: the intervention on prompt positions only, then plain base decode.
+TEST_F(AdapterEngineTest, DireftpEqualsAdaptedPrefillThenBaseDecode) {
+  auto direft = Load(testing::TinyLlamaFixture() + "/direft", base_->config());
+  ASSERT_TRUE(direft);
+  auto e = MakeEngine(base_);
+  for (size_t i = 0; i < kPrompts.size(); ++i) {
+    const auto got =
+        RunAll(e.get(), {MakeRequest("p", kPrompts[i], 16, direft, AdapterPositions::kPrompt)});
+    const GenerationResult want =
+        PrefillThenBaseDecode(base_, direft.get(), base_, kPrompts[i], 16);
+    ExpectSameGeneration(got.at(0), want, 1e-4, "direftp prompt " + std::to_string(i));
+    const auto all =
+        RunAll(e.get(), {MakeRequest("a", kPrompts[i], 16, direft, AdapterPositions::kAll)});
+    EXPECT_NE(all.at(0).token_ids, got.at(0).token_ids) << "prompt " << i;
+  }
+}
+
+// A request's tokens are the same alone and inside a batch of 32 requests on 32 different
+// adapters (LoRA of mixed ranks and targets, DiReFT, prompt and all positions) plus base-only
+// requests, greedy and seeded; also when the KV cache is small enough to force preemptions.
+TEST_F(AdapterEngineTest, TokensAreIdenticalAloneAndAmong32Adapters) {
+  const std::string dir = TempDir("batch32");
+  model::MakeModelOptions mo;
+  mo.preset = "tiny";
+  mo.seed = 3;
+  mo.out_dir = dir + "/model";
+  ASSERT_TRUE(model::MakeModel(mo).ok());
+  auto m = Model::Load(mo.out_dir);
+  ASSERT_TRUE(m.ok()) << m.status();
+  const model::ModelConfig& c = (*m)->config();
+
+  std::vector<Request> reqs;
+  for (int i = 0; i < 40; ++i) {
+    std::shared_ptr<const AdapterWeights> a;
+    std::optional<AdapterPositions> pos;
+    if (i < 32) {
+      adapters::RandomAdapterSpec spec;
+      spec.seed = 100 + i;
+      if (i % 2 == 0) {
+        spec.kind = model::AdapterKind::kLora;
+        spec.rank = (i % 3 == 0) ? 4 : (i % 3 == 1) ? 8 : 16;
+        if (i % 4 == 0) spec.targets = {model::Projection::kQ, model::Projection::kV};
+      } else {
+        spec.kind = model::AdapterKind::kDireft;
+        spec.rank = (i % 4 == 1) ? 2 : 4;
+        if (i % 8 == 3) spec.prompt_positions = "f3+l2";
+      }
+      const std::string adir = dir + "/adapter" + std::to_string(i);
+      ASSERT_TRUE(adapters::WriteRandomAdapter(c, spec, adir).ok());
+      a = Load(adir, c);
+      ASSERT_TRUE(a);
+      pos = (i % 3 == 0) ? AdapterPositions::kAll : AdapterPositions::kPrompt;
+    }
+    std::vector<int32_t> prompt;
+    const int n = 3 + (i * 7) % 40;
+    for (int k = 0; k < n; ++k)
+      prompt.push_back((k * 31 + i * 17) % static_cast<int>(c.vocab_size - 2));
+    Request r = MakeRequest("r" + std::to_string(i), prompt, 12, a, pos);
+    r.sampling.logprobs.reset();
+    if (i % 2 == 1) {  // seeded sampling for half of them
+      r.sampling.temperature = 0.9f;
+      r.sampling.top_p = 0.95f;
+      r.sampling.seed = 1000 + i;
+    }
+    reqs.push_back(std::move(r));
+  }
+  std::vector<std::vector<int32_t>> alone;
+  for (const Request& r : reqs) {
+    auto e = MakeEngine(m->get());
+    alone.push_back(RunAll(e.get(), {r}).at(0).token_ids);
+  }
+  // Adapters must matter for this to mean anything: most adapted requests differ from base.
+  int differs = 0;
+  for (int i = 0; i < 32; ++i) {
+    Request base = reqs[i];
+    base.adapter = {};
+    auto e = MakeEngine(m->get());
+    differs += RunAll(e.get(), {base}).at(0).token_ids != alone[i];
+  }
+  EXPECT_GE(differs, 24);
+
+  for (int64_t kv_blocks : {256, 24}) {  // 24 blocks: preemption and recomputation
+    auto e = MakeEngine(m->get(), kv_blocks, 64);
+    const auto together = RunAll(e.get(), reqs);
+    ASSERT_EQ(together.size(), reqs.size());
+    for (size_t i = 0; i < reqs.size(); ++i)
+      EXPECT_EQ(together[i].token_ids, alone[i]) << reqs[i].id << " kv_blocks " << kv_blocks;
+    if (kv_blocks == 24) {
+      EXPECT_GT(e->stats().preemptions, 0);
+    }
+  }
+}
+
+TEST_F(AdapterEngineTest, ResultReportsAdapterVersionAndPositions) {
+  auto direft = Load(testing::TinyLlamaFixture() + "/direft", base_->config());
+  ASSERT_TRUE(direft);
+  auto e = MakeEngine(base_);
+  Request r = MakeRequest("v", kPrompts[0], 2, direft, std::nullopt);
+  r.adapter.name = "user-7";
+  r.adapter.version = 3;
+  const auto out = RunAll(e.get(), {r});
+  EXPECT_EQ(out.at(0).adapter, "user-7");
+  EXPECT_EQ(out.at(0).adapter_version, 3);
+  ASSERT_TRUE(out.at(0).adapter_positions.has_value());
+  EXPECT_EQ(*out.at(0).adapter_positions, direft->default_positions);
+}
+
+}  // namespace
+}  // namespace preft

@@ -1,0 +1,138 @@
+#include "common/kernels/cpu/low_rank.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "common/kernels/dtype.h"
+#include "tests/kernels/test_weights.h"
+
+namespace preft::kernels::cpu {
+namespace {
+
+// A [rows, cols] matrix in one dtype with its f32 values.
+struct Mat : Weight {
+  int64_t rows, cols;
+  MatrixView View() const { return Weight::View(rows, cols); }
+};
+
+Mat MakeMat(DType dtype, int64_t rows, int64_t cols, std::mt19937& rng) {
+  return {MakeWeight(dtype, rows, cols, rng), rows, cols};
+}
+
+struct Case {
+  int64_t rank;
+  std::vector<int32_t> rows;
+  Mat shrink, expand;
+  std::vector<float> bias;
+  float scale;
+};
+
+// y[row] += scale * ((x[row] S^T + b) E), in double.
+void Reference(const std::vector<float>& x, int64_t in, std::vector<double>* y, int64_t out,
+               const Case& c) {
+  for (int32_t row : c.rows) {
+    std::vector<double> z(c.rank);
+    for (int64_t k = 0; k < c.rank; ++k) {
+      double s = c.bias.empty() ? 0.0 : c.bias[k];
+      for (int64_t i = 0; i < in; ++i) s += double(x[row * in + i]) * c.shrink.values[k * in + i];
+      z[k] = s;
+    }
+    for (int64_t o = 0; o < out; ++o) {
+      double s = 0;
+      for (int64_t k = 0; k < c.rank; ++k) s += z[k] * c.expand.values[k * out + o];
+      (*y)[row * out + o] += c.scale * s;
+    }
+  }
+}
+
+class LowRankTest : public ::testing::TestWithParam<DType> {};
+
+// Many groups with different ranks, row counts (1 row: BGMV; many: SGMV) and interleaved rows,
+// over dimensions with and without vector tails.
+TEST_P(LowRankTest, MatchesReferenceForMixedGroups) {
+  const DType dtype = GetParam();
+  std::mt19937 rng(7);
+  for (auto [in, out] : {std::pair<int64_t, int64_t>{64, 32}, {96, 160}, {37, 45}, {896, 128}}) {
+    const int64_t num_rows = 70;
+    std::vector<float> x(num_rows * in);
+    std::normal_distribution<float> dist(0.f, 1.f);
+    for (float& v : x) v = dist(rng);
+    std::vector<float> y(num_rows * out);
+    for (float& v : y) v = dist(rng);
+    std::vector<double> expect(y.begin(), y.end());
+
+    // Rows dealt round-robin to groups of sizes 1, 1, 3, 20, 40 (some rows left untouched).
+    std::vector<Case> cases;
+    const int64_t ranks[] = {1, 16, 4, 8, 64};
+    const int64_t sizes[] = {1, 1, 3, 20, 40};
+    std::vector<int32_t> perm(num_rows);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    size_t next = 0;
+    for (int g = 0; g < 5; ++g) {
+      Case c{
+          ranks[g], {},      MakeMat(dtype, ranks[g], in, rng), MakeMat(dtype, ranks[g], out, rng),
+          {},       0.5f + g};
+      for (int64_t i = 0; i < sizes[g] && next < perm.size(); ++i) c.rows.push_back(perm[next++]);
+      if (g % 2 == 1) {
+        c.bias.resize(c.rank);
+        for (float& b : c.bias) b = dist(rng);
+      }
+      cases.push_back(std::move(c));
+    }
+    std::vector<LowRankGroup> groups;
+    for (const Case& c : cases) {
+      Reference(x, in, &expect, out, c);
+      groups.push_back({c.rows.data(), static_cast<int64_t>(c.rows.size()), c.shrink.View(),
+                        c.expand.View(), c.bias.empty() ? nullptr : c.bias.data(), c.scale});
+    }
+    LowRankAdd(x.data(), in, y.data(), out, groups.data(), static_cast<int64_t>(groups.size()));
+    for (int64_t i = 0; i < num_rows * out; ++i) {
+      ASSERT_NEAR(y[i], expect[i], 1e-3 * (1 + std::abs(expect[i])))
+          << "in=" << in << " out=" << out << " element " << i;
+    }
+  }
+}
+
+// DiReFT updates the residual stream in place: x and y are one buffer.
+TEST_P(LowRankTest, InPlaceUpdateReadsEachRowBeforeWritingIt) {
+  const DType dtype = GetParam();
+  std::mt19937 rng(11);
+  const int64_t d = 72, rank = 4, num_rows = 19;
+  std::vector<float> x(num_rows * d);
+  std::normal_distribution<float> dist(0.f, 1.f);
+  for (float& v : x) v = dist(rng);
+  Case c{
+      rank, {}, MakeMat(dtype, rank, d, rng), MakeMat(dtype, rank, d, rng), {1.f, -2.f, 0.5f, 0.f},
+      1.0f};
+  for (int32_t r = 0; r < num_rows; r += 2) c.rows.push_back(r);
+  std::vector<double> expect(x.begin(), x.end());
+  Reference(x, d, &expect, d, c);
+  LowRankGroup g{c.rows.data(),   static_cast<int64_t>(c.rows.size()),
+                 c.shrink.View(), c.expand.View(),
+                 c.bias.data(),   c.scale};
+  LowRankAdd(x.data(), d, x.data(), d, &g, 1);
+  for (int64_t i = 0; i < num_rows * d; ++i)
+    ASSERT_NEAR(x[i], expect[i], 1e-3 * (1 + std::abs(expect[i]))) << "element " << i;
+}
+
+TEST(LowRankTest, EmptyGroupsAndNoGroupsLeaveOutputAlone) {
+  std::vector<float> x(8 * 16, 1.f), y(8 * 16, 3.f);
+  std::mt19937 rng(1);
+  Mat s = MakeMat(DType::kF32, 2, 16, rng), e = MakeMat(DType::kF32, 2, 16, rng);
+  LowRankGroup g{nullptr, 0, s.View(), e.View(), nullptr, 1.f};
+  LowRankAdd(x.data(), 16, y.data(), 16, &g, 1);
+  LowRankAdd(x.data(), 16, y.data(), 16, nullptr, 0);
+  for (float v : y) ASSERT_EQ(v, 3.f);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, LowRankTest,
+                         ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
+                         [](const auto& info) { return std::string(DTypeName(info.param)); });
+
+}  // namespace
+}  // namespace preft::kernels::cpu
