@@ -63,8 +63,6 @@ struct Entry {
   int64_t last_version = 0;
 };
 
-}  // namespace
-
 // Everything the loader threads and the leases share. Leases hold a shared_ptr to it, so a
 // lease released after the store is gone still finds it.
 class StoreCore : public std::enable_shared_from_this<StoreCore> {
@@ -129,6 +127,8 @@ class StoreCore : public std::enable_shared_from_this<StoreCore> {
   std::list<VersionPtr> compute_lru_ ABSL_GUARDED_BY(mu_);  // current versions only
   AdapterStoreStats stats_ ABSL_GUARDED_BY(mu_);
 };
+
+}  // namespace
 
 absl::Status StoreCore::Register(const std::string& name, const std::string& dir) {
   absl::MutexLock lock(&mu_);

@@ -5,6 +5,8 @@
 //   dtype; what a forward reads). An adapter leased by a running request is pinned in its
 //   compute slot; concurrent requests for a missing adapter share one load; loads run on the
 //   store's own threads, so the engine thread never waits on disk.
+// Every Acquire refreshes the version's place in both LRU lists (a hot adapter keeps its host
+// copy too). A copy waiting for compute room is held outside the budget until admitted.
 // Versions: Update() swaps an adapter's weights atomically under a new version; leases taken
 // before keep the old weights alive until released (requests finish on the version they
 // started with).
