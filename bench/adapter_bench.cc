@@ -11,6 +11,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -35,9 +36,17 @@ using preft::model::AdapterWeights;
 
 struct RunResult {
   double e2e_tokens_per_s = 0;  // generated tokens / wall time
-  double decode_step_s = 0;     // mean time of steps with decode rows only
+  double decode_step_s = 0;     // median time of full decode-only steps (robust to noise)
   int64_t decode_steps = 0;
 };
+
+// The better of two runs of one configuration (the host is shared and noisy).
+RunResult Best(const RunResult& a, const RunResult& b) {
+  if (a.decode_steps == 0) return b;
+  RunResult r = a.e2e_tokens_per_s >= b.e2e_tokens_per_s ? a : b;
+  r.decode_step_s = std::min(a.decode_step_s, b.decode_step_s);
+  return r;
+}
 
 struct Mode {
   std::string name;
@@ -69,7 +78,7 @@ RunResult Run(preft::model::Model* model,
     if (!eng->Add(std::move(r)).ok()) std::abort();
   }
   RunResult res;
-  double decode_s = 0;
+  std::vector<double> decode_steps;
   const auto start = Clock::now();
   while (eng->HasWork()) {
     const int64_t p0 = eng->stats().prompt_tokens;
@@ -77,12 +86,16 @@ RunResult Run(preft::model::Model* model,
     if (!eng->Step().ok()) std::abort();
     const double s = Seconds(t0, Clock::now());
     if (eng->stats().prompt_tokens == p0 && eng->num_running() == requests) {
-      decode_s += s;  // full decode batches only: comparable across modes
-      ++res.decode_steps;
+      decode_steps.push_back(s);  // full decode batches only: comparable across modes
     }
   }
   res.e2e_tokens_per_s = eng->stats().generated_tokens / Seconds(start, Clock::now());
-  res.decode_step_s = res.decode_steps > 0 ? decode_s / res.decode_steps : 0;
+  res.decode_steps = static_cast<int64_t>(decode_steps.size());
+  if (!decode_steps.empty()) {
+    std::nth_element(decode_steps.begin(), decode_steps.begin() + decode_steps.size() / 2,
+                     decode_steps.end());
+    res.decode_step_s = decode_steps[decode_steps.size() / 2];
+  }
   return res;
 }
 
@@ -127,6 +140,7 @@ int main(int argc, char** argv) {
   int requests = 64, prompt_len = 128, new_tokens = 128, lora_rank = 16, direft_rank = 4;
   std::vector<int> ns = {1, 8, 64};
   bool quick = false;
+  int repeats = 1;
   app.add_option("--model", model_dir, "Model folder")->required();
   app.add_option("--adapters", adapters_dir, "Folder for the benchmark's adapters");
   app.add_option("--requests", requests, "Concurrent requests");
@@ -135,6 +149,8 @@ int main(int argc, char** argv) {
   app.add_option("--ns", ns, "Numbers of distinct adapters")->delimiter(',');
   app.add_option("--lora-rank", lora_rank);
   app.add_option("--direft-rank", direft_rank);
+  app.add_option("--repeats", repeats,
+                 "Rounds over every configuration; each figure is the best round");
   app.add_flag("--quick", quick, "16 requests, 32 + 32 tokens, N in 1,16 (a smoke run)");
   CLI11_PARSE(app, argc, argv);
   if (quick) {
@@ -168,20 +184,29 @@ int main(int argc, char** argv) {
                                    {"DiReFTP", K::kDireft, true, AdapterPositions::kPrompt},
                                    {"LoRA (multi-LoRA)", K::kLora, true, AdapterPositions::kAll},
                                    {"DiReFT", K::kDireft, true, AdapterPositions::kAll}};
-  const RunResult b = Run(model, {}, base, requests, prompt_len, new_tokens);
-  std::printf("| N | mode | tok/s | / base | decode step ms |\n|---|---|---|---|---|\n");
-  std::printf("| - | base | %.1f | 1.00 | %.1f |\n", b.e2e_tokens_per_s, b.decode_step_s * 1e3);
+  // Every round runs every configuration once, base first and last, so slow spells of the
+  // shared host hit all configurations alike; each figure is the best of its rounds.
+  RunResult b;
   std::map<int, std::map<std::string, RunResult>> all;
+  for (int round = 0; round < repeats; ++round) {
+    b = Best(b, Run(model, {}, base, requests, prompt_len, new_tokens));
+    for (int n : ns) {
+      for (const Mode& m : modes) {
+        const auto& pool = m.kind == K::kLora ? lora : direft;
+        std::vector<std::shared_ptr<const AdapterWeights>> set(pool.begin(), pool.begin() + n);
+        all[n][m.name] = Best(all[n][m.name], Run(model, set, m, requests, prompt_len, new_tokens));
+        std::fprintf(stderr, "round %d: N=%d %s done\n", round, n, m.name.c_str());
+      }
+    }
+    b = Best(b, Run(model, {}, base, requests, prompt_len, new_tokens));
+  }
+  std::printf("| N | mode | tok/s | / base | decode step ms (median) |\n|---|---|---|---|---|\n");
+  std::printf("| - | base | %.1f | 1.00 | %.1f |\n", b.e2e_tokens_per_s, b.decode_step_s * 1e3);
   for (int n : ns) {
     for (const Mode& m : modes) {
-      std::vector<std::shared_ptr<const AdapterWeights>> set(
-          (m.kind == K::kLora ? lora : direft).begin(),
-          (m.kind == K::kLora ? lora : direft).begin() + n);
-      const RunResult r = Run(model, set, m, requests, prompt_len, new_tokens);
-      all[n][m.name] = r;
+      const RunResult& r = all[n][m.name];
       std::printf("| %d | %s | %.1f | %.2f | %.1f |\n", n, m.name.c_str(), r.e2e_tokens_per_s,
                   r.e2e_tokens_per_s / b.e2e_tokens_per_s, r.decode_step_s * 1e3);
-      std::fflush(stdout);
     }
   }
   std::printf(

@@ -18,5 +18,21 @@ echo "== seeded sampling (temperature 0.8, top-p 0.9): same seed, same tokens"
   --temperature 0.8 --top-p 0.9 --seed 42
 echo "== JSON with logprobs"
 "$preft" generate --model "$model" --prompt-ids 1,2,3,4 --max-tokens 4 --logprobs 2 --json
+adapters=$(dirname "$model")/demo-adapters
+if [[ ! -f "$adapters/lora/adapter_config.json" ]]; then
+  echo "== making two demo adapters (random PEFT LoRA rank 8, DiReFT rank 4)"
+  "$preft" make-adapter --model "$model" --kind lora --rank 8 --seed 1 --out "$adapters/lora"
+  "$preft" make-adapter --model "$model" --kind direft --rank 4 --seed 2 --out "$adapters/direft"
+fi
+echo "== the same prompt: base model, LoRAP (adapter on prompt tokens only), all-position LoRA"
+"$preft" generate --model "$model" --prompt "The quick brown fox" --max-tokens 12
+"$preft" generate --model "$model" --prompt "The quick brown fox" --max-tokens 12 \
+  --adapter "$adapters/lora" --adapter-positions prompt
+"$preft" generate --model "$model" --prompt "The quick brown fox" --max-tokens 12 \
+  --adapter "$adapters/lora" --adapter-positions all
+echo "== one mixed batch: LoRAP, DiReFTP and base-only requests together (JSON, one per line)"
+"$preft" generate --model "$model" --prompt-ids 1,2,3,4 --max-tokens 6 --json \
+  --adapter "$adapters/lora" --adapter "$adapters/direft" --adapter none \
+  --adapter-positions prompt --concurrency 3
 echo "== bad input gets a clear error (exit code shown)"
 "$preft" generate --model "$model" --prompt-ids 1,2,999999 --max-tokens 4 || echo "exit code $?"

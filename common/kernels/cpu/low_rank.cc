@@ -21,6 +21,25 @@ template <DType T>
 void Shrink(const float* x, int64_t x_stride, const int32_t* rows, int64_t n, const MatrixView& s,
             const float* bias, float* z) {
   const int64_t rank = s.rows, in = s.cols, vec_end = in & ~int64_t{7};
+  if (n == 1) {  // a decode row (BGMV): bandwidth-bound on S, two chains for latency
+    const float* xr = x + rows[0] * x_stride;
+    const int64_t vec2_end = in & ~int64_t{15};
+    for (int64_t k = 0; k < rank; ++k) {
+      const void* srow = static_cast<const uint8_t*>(s.data) + k * in * DTypeSize(T);
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      int64_t i = 0;
+      for (; i < vec2_end; i += 16) {
+        a0 = _mm256_fmadd_ps(Load8<T>(srow, i), _mm256_loadu_ps(xr + i), a0);
+        a1 = _mm256_fmadd_ps(Load8<T>(srow, i + 8), _mm256_loadu_ps(xr + i + 8), a1);
+      }
+      for (; i < vec_end; i += 8)
+        a0 = _mm256_fmadd_ps(Load8<T>(srow, i), _mm256_loadu_ps(xr + i), a0);
+      float sum = Reduce1(_mm256_add_ps(a0, a1));
+      for (; i < in; ++i) sum += LoadAsF32(srow, T, i) * xr[i];
+      z[k] = sum + (bias != nullptr ? bias[k] : 0.0f);
+    }
+    return;
+  }
   for (int64_t k = 0; k < rank; ++k) {
     const void* srow = static_cast<const uint8_t*>(s.data) + k * in * DTypeSize(T);
     for (int64_t r0 = 0; r0 < n; r0 += 4) {
@@ -43,37 +62,44 @@ void Shrink(const float* x, int64_t x_stride, const int32_t* rows, int64_t n, co
   }
 }
 
-// y[rows[r]] += scale * z[r] E, 32 outputs at a time with the rank loop inside.
+// y[rows[r]] += scale * z[r] E, four rows per pass over E (each loaded E vector feeds four
+// rows' accumulators), 16 outputs at a time with the rank loop inside.
 template <DType T>
 void Expand(const float* z, const int32_t* rows, int64_t n, const MatrixView& e, float scale,
             float* y, int64_t y_stride) {
-  const int64_t rank = e.rows, out = e.cols, vec_end = out & ~int64_t{31};
+  const int64_t rank = e.rows, out = e.cols, vec_end = out & ~int64_t{15};
   const size_t row_bytes = out * DTypeSize(T);
   const uint8_t* base = static_cast<const uint8_t*>(e.data);
-  for (int64_t r = 0; r < n; ++r) {
-    float* yr = y + rows[r] * y_stride;
-    const float* zr = z + r * rank;
-    for (int64_t o = 0; o < vec_end; o += 32) {
-      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps(),
-             acc3 = _mm256_setzero_ps();
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int64_t r0 = 0; r0 < n; r0 += 4) {
+    const int64_t m = std::min<int64_t>(4, n - r0);
+    const float* zr[4];
+    for (int64_t j = 0; j < 4; ++j) zr[j] = z + (r0 + std::min(j, m - 1)) * rank;
+    for (int64_t o = 0; o < vec_end; o += 16) {
+      __m256 acc[4][2];
+      for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
       for (int64_t k = 0; k < rank; ++k) {
         const void* erow = base + k * row_bytes;
-        const __m256 zk = _mm256_set1_ps(zr[k]);
-        acc0 = _mm256_fmadd_ps(zk, Load8<T>(erow, o), acc0);
-        acc1 = _mm256_fmadd_ps(zk, Load8<T>(erow, o + 8), acc1);
-        acc2 = _mm256_fmadd_ps(zk, Load8<T>(erow, o + 16), acc2);
-        acc3 = _mm256_fmadd_ps(zk, Load8<T>(erow, o + 24), acc3);
+        const __m256 e0 = Load8<T>(erow, o), e1 = Load8<T>(erow, o + 8);
+        for (int64_t j = 0; j < 4; ++j) {
+          const __m256 zk = _mm256_broadcast_ss(zr[j] + k);
+          acc[j][0] = _mm256_fmadd_ps(zk, e0, acc[j][0]);
+          acc[j][1] = _mm256_fmadd_ps(zk, e1, acc[j][1]);
+        }
       }
-      const __m256 sc = _mm256_set1_ps(scale);
-      _mm256_storeu_ps(yr + o, _mm256_fmadd_ps(sc, acc0, _mm256_loadu_ps(yr + o)));
-      _mm256_storeu_ps(yr + o + 8, _mm256_fmadd_ps(sc, acc1, _mm256_loadu_ps(yr + o + 8)));
-      _mm256_storeu_ps(yr + o + 16, _mm256_fmadd_ps(sc, acc2, _mm256_loadu_ps(yr + o + 16)));
-      _mm256_storeu_ps(yr + o + 24, _mm256_fmadd_ps(sc, acc3, _mm256_loadu_ps(yr + o + 24)));
+      for (int64_t j = 0; j < m; ++j) {
+        float* yr = y + rows[r0 + j] * y_stride + o;
+        _mm256_storeu_ps(yr, _mm256_fmadd_ps(sc, acc[j][0], _mm256_loadu_ps(yr)));
+        _mm256_storeu_ps(yr + 8, _mm256_fmadd_ps(sc, acc[j][1], _mm256_loadu_ps(yr + 8)));
+      }
     }
-    for (int64_t o = vec_end; o < out; ++o) {
-      float sum = 0;
-      for (int64_t k = 0; k < rank; ++k) sum += zr[k] * LoadAsF32(base + k * row_bytes, T, o);
-      yr[o] += scale * sum;
+    for (int64_t j = 0; j < m; ++j) {
+      float* yr = y + rows[r0 + j] * y_stride;
+      for (int64_t o = vec_end; o < out; ++o) {
+        float sum = 0;
+        for (int64_t k = 0; k < rank; ++k) sum += zr[j][k] * LoadAsF32(base + k * row_bytes, T, o);
+        yr[o] += scale * sum;
+      }
     }
   }
 }
