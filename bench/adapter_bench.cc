@@ -35,18 +35,10 @@ using preft::model::AdapterPositions;
 using preft::model::AdapterWeights;
 
 struct RunResult {
-  double e2e_tokens_per_s = 0;  // generated tokens / wall time
-  double decode_step_s = 0;     // median time of full decode-only steps (robust to noise)
+  double e2e_tokens_per_s = 0;  // generated tokens / the engine's summed step time
+  double decode_step_s = 0;     // median time of full decode-only steps
   int64_t decode_steps = 0;
 };
-
-// The better of two runs of one configuration (the host is shared and noisy).
-RunResult Best(const RunResult& a, const RunResult& b) {
-  if (a.decode_steps == 0) return b;
-  RunResult r = a.e2e_tokens_per_s >= b.e2e_tokens_per_s ? a : b;
-  r.decode_step_s = std::min(a.decode_step_s, b.decode_step_s);
-  return r;
-}
 
 struct Mode {
   std::string name;
@@ -55,49 +47,65 @@ struct Mode {
   AdapterPositions positions;
 };
 
-RunResult Run(preft::model::Model* model,
-              const std::vector<std::shared_ptr<const AdapterWeights>>& adapters, const Mode& mode,
-              int requests, int prompt_len, int new_tokens) {
-  preft::engine::EngineOptions o;
-  o.kv_blocks = requests * ((prompt_len + new_tokens) / 16 + 2);
-  o.scheduler.max_batch_tokens = 512;
-  auto eng = preft::engine::Engine::Create(model, nullptr, o).value();
-  const int32_t vocab = static_cast<int32_t>(model->config().vocab_size);
-  for (int i = 0; i < requests; ++i) {
-    preft::engine::Request r;
-    r.id = "r" + std::to_string(i);
-    for (int t = 0; t < prompt_len; ++t)
-      r.prompt_ids.push_back((t * 7919 + i * 104729) % (vocab - 1000));
-    r.sampling.max_tokens = new_tokens;
-    r.sampling.ignore_eos = true;
-    if (mode.adapter) {
-      r.adapter.weights = adapters[i % adapters.size()];
-      r.adapter.name = "a" + std::to_string(i % adapters.size());
-      r.adapter.positions = mode.positions;
+// One configuration's engine, loaded with its requests, and its step timings.
+class Run {
+ public:
+  Run(preft::model::Model* model,
+      const std::vector<std::shared_ptr<const AdapterWeights>>& adapters, const Mode& mode,
+      int requests, int prompt_len, int new_tokens)
+      : requests_(requests) {
+    preft::engine::EngineOptions o;
+    o.kv_blocks = requests * ((prompt_len + new_tokens) / 16 + 2);
+    o.scheduler.max_batch_tokens = 512;
+    engine_ = preft::engine::Engine::Create(model, nullptr, o).value();
+    const int32_t vocab = static_cast<int32_t>(model->config().vocab_size);
+    for (int i = 0; i < requests; ++i) {
+      preft::engine::Request r;
+      r.id = "r" + std::to_string(i);
+      for (int t = 0; t < prompt_len; ++t)
+        r.prompt_ids.push_back((t * 7919 + i * 104729) % (vocab - 1000));
+      r.sampling.max_tokens = new_tokens;
+      r.sampling.ignore_eos = true;
+      if (mode.adapter) {
+        r.adapter.weights = adapters[i % adapters.size()];
+        r.adapter.name = "a" + std::to_string(i % adapters.size());
+        r.adapter.positions = mode.positions;
+      }
+      if (!engine_->Add(std::move(r)).ok()) std::abort();
     }
-    if (!eng->Add(std::move(r)).ok()) std::abort();
   }
-  RunResult res;
-  std::vector<double> decode_steps;
-  const auto start = Clock::now();
-  while (eng->HasWork()) {
-    const int64_t p0 = eng->stats().prompt_tokens;
+
+  bool HasWork() const { return engine_->HasWork(); }
+
+  void Step() {
+    const int64_t p0 = engine_->stats().prompt_tokens;
     const auto t0 = Clock::now();
-    if (!eng->Step().ok()) std::abort();
+    if (!engine_->Step().ok()) std::abort();
     const double s = Seconds(t0, Clock::now());
-    if (eng->stats().prompt_tokens == p0 && eng->num_running() == requests) {
-      decode_steps.push_back(s);  // full decode batches only: comparable across modes
+    busy_s_ += s;
+    if (engine_->stats().prompt_tokens == p0 && engine_->num_running() == requests_) {
+      decode_steps_.push_back(s);  // full decode batches only: comparable across modes
     }
   }
-  res.e2e_tokens_per_s = eng->stats().generated_tokens / Seconds(start, Clock::now());
-  res.decode_steps = static_cast<int64_t>(decode_steps.size());
-  if (!decode_steps.empty()) {
-    std::nth_element(decode_steps.begin(), decode_steps.begin() + decode_steps.size() / 2,
-                     decode_steps.end());
-    res.decode_step_s = decode_steps[decode_steps.size() / 2];
+
+  RunResult Result() {
+    RunResult r;
+    r.e2e_tokens_per_s = engine_->stats().generated_tokens / busy_s_;
+    r.decode_steps = static_cast<int64_t>(decode_steps_.size());
+    if (!decode_steps_.empty()) {
+      std::nth_element(decode_steps_.begin(), decode_steps_.begin() + decode_steps_.size() / 2,
+                       decode_steps_.end());
+      r.decode_step_s = decode_steps_[decode_steps_.size() / 2];
+    }
+    return r;
   }
-  return res;
-}
+
+ private:
+  int requests_;
+  std::unique_ptr<preft::engine::Engine> engine_;
+  double busy_s_ = 0;
+  std::vector<double> decode_steps_;
+};
 
 std::vector<std::shared_ptr<const AdapterWeights>> LoadAdapters(const preft::model::Model& model,
                                                                 const std::string& root,
@@ -140,7 +148,6 @@ int main(int argc, char** argv) {
   int requests = 64, prompt_len = 128, new_tokens = 128, lora_rank = 16, direft_rank = 4;
   std::vector<int> ns = {1, 8, 64};
   bool quick = false;
-  int repeats = 1;
   app.add_option("--model", model_dir, "Model folder")->required();
   app.add_option("--adapters", adapters_dir, "Folder for the benchmark's adapters");
   app.add_option("--requests", requests, "Concurrent requests");
@@ -149,8 +156,6 @@ int main(int argc, char** argv) {
   app.add_option("--ns", ns, "Numbers of distinct adapters")->delimiter(',');
   app.add_option("--lora-rank", lora_rank);
   app.add_option("--direft-rank", direft_rank);
-  app.add_option("--repeats", repeats,
-                 "Rounds over every configuration; each figure is the best round");
   app.add_flag("--quick", quick, "16 requests, 32 + 32 tokens, N in 1,16 (a smoke run)");
   CLI11_PARSE(app, argc, argv);
   if (quick) {
@@ -184,22 +189,34 @@ int main(int argc, char** argv) {
                                    {"DiReFTP", K::kDireft, true, AdapterPositions::kPrompt},
                                    {"LoRA (multi-LoRA)", K::kLora, true, AdapterPositions::kAll},
                                    {"DiReFT", K::kDireft, true, AdapterPositions::kAll}};
-  // Every round runs every configuration once, base first and last, so slow spells of the
-  // shared host hit all configurations alike; each figure is the best of its rounds.
-  RunResult b;
-  std::map<int, std::map<std::string, RunResult>> all;
-  for (int round = 0; round < repeats; ++round) {
-    b = Best(b, Run(model, {}, base, requests, prompt_len, new_tokens));
-    for (int n : ns) {
-      for (const Mode& m : modes) {
-        const auto& pool = m.kind == K::kLora ? lora : direft;
-        std::vector<std::shared_ptr<const AdapterWeights>> set(pool.begin(), pool.begin() + n);
-        all[n][m.name] = Best(all[n][m.name], Run(model, set, m, requests, prompt_len, new_tokens));
-        std::fprintf(stderr, "round %d: N=%d %s done\n", round, n, m.name.c_str());
-      }
+  // Every configuration has its own engine and they advance in lockstep, one step each in
+  // turn, so slow spells of the shared host hit all of them alike; a configuration's
+  // throughput is its generated tokens over the time its own steps took.
+  std::vector<std::unique_ptr<Run>> runs;
+  std::vector<std::pair<int, const Mode*>> keys;
+  runs.push_back(std::make_unique<Run>(model, std::vector<std::shared_ptr<const AdapterWeights>>{},
+                                       base, requests, prompt_len, new_tokens));
+  keys.emplace_back(0, &base);
+  for (int n : ns) {
+    for (const Mode& m : modes) {
+      const auto& pool = m.kind == K::kLora ? lora : direft;
+      std::vector<std::shared_ptr<const AdapterWeights>> set(pool.begin(), pool.begin() + n);
+      runs.push_back(std::make_unique<Run>(model, set, m, requests, prompt_len, new_tokens));
+      keys.emplace_back(n, &m);
     }
-    b = Best(b, Run(model, {}, base, requests, prompt_len, new_tokens));
   }
+  for (bool work = true; work;) {
+    work = false;
+    for (auto& r : runs) {
+      if (!r->HasWork()) continue;
+      r->Step();
+      work = true;
+    }
+  }
+  const RunResult b = runs[0]->Result();
+  std::map<int, std::map<std::string, RunResult>> all;
+  for (size_t i = 1; i < runs.size(); ++i)
+    all[keys[i].first][keys[i].second->name] = runs[i]->Result();
   std::printf("| N | mode | tok/s | / base | decode step ms (median) |\n|---|---|---|---|---|\n");
   std::printf("| - | base | %.1f | 1.00 | %.1f |\n", b.e2e_tokens_per_s, b.decode_step_s * 1e3);
   for (int n : ns) {

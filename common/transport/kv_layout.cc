@@ -1,0 +1,77 @@
+#include <cstdint>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/transport/kv_transport.h"
+
+namespace preft::transport {
+namespace {
+
+// FNV-1a, 64 bit: stable across processes, builds and machines (std::hash is none of these).
+constexpr uint64_t kFnvOffset = 14695981039346656037ull;
+constexpr uint64_t kFnvPrime = 1099511628211ull;
+
+void Mix(uint64_t* h, const std::string& field) {
+  // Length-prefixed, so no two field lists share a byte string ("ab","c" vs "a","bc").
+  const std::string bytes = absl::StrCat(field.size(), ":", field, ";");
+  for (unsigned char c : bytes) {
+    *h ^= c;
+    *h *= kFnvPrime;
+  }
+}
+
+}  // namespace
+
+KvLayout KvLayout::ForCache(const kv::KvCacheShape& shape, const std::string& model) {
+  KvLayout layout;
+  layout.model = model;
+  layout.num_layers = shape.num_layers;
+  layout.num_kv_heads = shape.num_kv_heads;
+  layout.head_dim = shape.head_dim;
+  layout.block_tokens = shape.block_tokens;
+  return layout;
+}
+
+uint64_t KvLayout::Hash() const {
+  uint64_t h = kFnvOffset;
+  Mix(&h, "preft.kv_layout");
+  Mix(&h, model);
+  Mix(&h, dtype);
+  Mix(&h, absl::StrCat(num_layers));
+  Mix(&h, absl::StrCat(num_kv_heads));
+  Mix(&h, absl::StrCat(head_dim));
+  Mix(&h, absl::StrCat(block_tokens));
+  Mix(&h, absl::StrCat(layout_version));
+  return h;
+}
+
+std::string KvLayout::ToString() const {
+  return absl::StrCat("{model=", model, " dtype=", dtype, " layers=", num_layers,
+                      " kv_heads=", num_kv_heads, " head_dim=", head_dim,
+                      " block_tokens=", block_tokens, " layout=v", layout_version, "}");
+}
+
+absl::Status ValidateTransfer(const BlockTransfer& transfer, int64_t src_num_blocks,
+                              int64_t dst_num_blocks) {
+  if (transfer.src_blocks.size() != transfer.dst_blocks.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "KV transfer ", transfer.reservation_id, ": src_blocks has ", transfer.src_blocks.size(),
+        " ids but dst_blocks has ", transfer.dst_blocks.size()));
+  }
+  for (size_t i = 0; i < transfer.src_blocks.size(); ++i) {
+    const int32_t src = transfer.src_blocks[i], dst = transfer.dst_blocks[i];
+    if (src < 0 || src >= src_num_blocks) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("KV transfer ", transfer.reservation_id, ": src_blocks[", i, "] = ", src,
+                       " is not a block of the local cache (", src_num_blocks, " blocks)"));
+    }
+    if (dst < 0 || dst >= dst_num_blocks) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("KV transfer ", transfer.reservation_id, ": dst_blocks[", i, "] = ", dst,
+                       " is not a block of the peer's cache (", dst_num_blocks, " blocks)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace preft::transport
