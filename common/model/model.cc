@@ -152,16 +152,19 @@ absl::Status Model::CheckAdapter(const AdapterWeights& a) const {
   return absl::OkStatus();
 }
 
-void Model::ApplyLora(int64_t li, Projection p, const float* x, int64_t in, float* y, int64_t out) {
+void Model::ApplyLora(int64_t li, const float* x, int64_t in,
+                      std::initializer_list<LoraTarget> targets) {
   groups_.clear();
-  for (const AdapterRows& ar : lora_rows_) {
-    const LowRank& lr = ar.adapter->lora(li, p);
-    if (lr.empty() || ar.rows.empty()) continue;
-    groups_.push_back({ar.rows.data(), static_cast<int64_t>(ar.rows.size()), lr.shrink, lr.expand,
-                       lr.shrink_bias, lr.scale});
+  for (const LoraTarget& t : targets) {
+    for (const AdapterRows& ar : lora_rows_) {
+      const LowRank& lr = ar.adapter->lora(li, t.projection);
+      if (lr.empty() || ar.rows.empty()) continue;
+      groups_.push_back({ar.rows.data(), static_cast<int64_t>(ar.rows.size()), lr.shrink, lr.expand,
+                         lr.shrink_bias, lr.scale, t.y, t.out});
+    }
   }
   if (!groups_.empty())
-    cpu::LowRankAdd(x, in, y, out, groups_.data(), static_cast<int64_t>(groups_.size()));
+    cpu::LowRankAdd(x, in, nullptr, 0, groups_.data(), static_cast<int64_t>(groups_.size()));
 }
 
 void Model::ApplyDireft(int64_t li, float* x) {
@@ -247,9 +250,10 @@ absl::Status Model::Forward(const ForwardBatch& batch, kv::KvCache* cache,
     cpu::Linear(h_.data(), T, l.k, bias(l.k_bias), k_.data());
     cpu::Linear(h_.data(), T, l.v, bias(l.v_bias), v_.data());
     if (!lora_rows_.empty()) {
-      ApplyLora(li, Projection::kQ, h_.data(), d, q_.data(), q_out);
-      ApplyLora(li, Projection::kK, h_.data(), d, k_.data(), kv_out);
-      ApplyLora(li, Projection::kV, h_.data(), d, v_.data(), kv_out);
+      ApplyLora(li, h_.data(), d,
+                {{Projection::kQ, q_.data(), q_out},
+                 {Projection::kK, k_.data(), kv_out},
+                 {Projection::kV, v_.data(), kv_out}});
     }
     cpu::ApplyRope(batch.positions.data(), T, inv_freq_.data(), hd, q_.data(), c.num_heads,
                    k_.data(), c.num_kv_heads);
@@ -259,19 +263,20 @@ absl::Status Model::Forward(const ForwardBatch& batch, kv::KvCache* cache,
     cpu::PagedAttention(attn_seqs.data(), static_cast<int64_t>(attn_seqs.size()), layout,
                         c.num_heads, scale, window);
     cpu::Linear(attn_.data(), T, l.o, bias(l.o_bias), tmp_.data());
-    if (!lora_rows_.empty()) ApplyLora(li, Projection::kO, attn_.data(), q_out, tmp_.data(), d);
+    if (!lora_rows_.empty()) ApplyLora(li, attn_.data(), q_out, {{Projection::kO, tmp_.data(), d}});
     cpu::AddInPlace(x_.data(), tmp_.data(), T * d);
 
     cpu::RmsNorm(x_.data(), l.post_attention_norm.data(), T, d, eps, h_.data());
     cpu::Linear(h_.data(), T, l.gate, nullptr, gate_.data());
     cpu::Linear(h_.data(), T, l.up, nullptr, up_.data());
     if (!lora_rows_.empty()) {
-      ApplyLora(li, Projection::kGate, h_.data(), d, gate_.data(), inter);
-      ApplyLora(li, Projection::kUp, h_.data(), d, up_.data(), inter);
+      ApplyLora(li, h_.data(), d,
+                {{Projection::kGate, gate_.data(), inter}, {Projection::kUp, up_.data(), inter}});
     }
     cpu::SiluMulSeparate(gate_.data(), up_.data(), T * inter, gate_.data());
     cpu::Linear(gate_.data(), T, l.down, nullptr, tmp_.data());
-    if (!lora_rows_.empty()) ApplyLora(li, Projection::kDown, gate_.data(), inter, tmp_.data(), d);
+    if (!lora_rows_.empty())
+      ApplyLora(li, gate_.data(), inter, {{Projection::kDown, tmp_.data(), d}});
     cpu::AddInPlace(x_.data(), tmp_.data(), T * d);
     if (!direft_rows_.empty()) ApplyDireft(li, x_.data());
   }

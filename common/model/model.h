@@ -4,6 +4,7 @@
 // checkpoint: one Forward runs a ForwardBatch and writes its K/V into a paged cache.
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -60,8 +61,14 @@ class Model {
     const AdapterWeights* adapter;
     std::vector<int32_t> rows;
   };
-  // Adds each adapter's update to `y` ([T, out]) for projection `p` of layer `li`.
-  void ApplyLora(int64_t li, Projection p, const float* x, int64_t in, float* y, int64_t out);
+  // Adds every adapter's update for projections of layer `li` that read the same input `x`
+  // ([T, in]) to their outputs ([T, out]), in one kernel call.
+  struct LoraTarget {
+    Projection projection;
+    float* y;
+    int64_t out;
+  };
+  void ApplyLora(int64_t li, const float* x, int64_t in, std::initializer_list<LoraTarget> targets);
   void ApplyDireft(int64_t li, float* x);
 
   ModelConfig config_;

@@ -108,7 +108,8 @@ template <DType T>
 void RunItem(const float* x, int64_t x_stride, float* y, int64_t y_stride, const LowRankGroup& g,
              int64_t begin, int64_t end, float* z) {
   Shrink<T>(x, x_stride, g.rows + begin, end - begin, g.shrink, g.shrink_bias, z);
-  Expand<T>(z, g.rows + begin, end - begin, g.expand, g.scale, y, y_stride);
+  Expand<T>(z, g.rows + begin, end - begin, g.expand, g.scale, g.y != nullptr ? g.y : y,
+            g.y != nullptr ? g.y_stride : y_stride);
 }
 
 struct Item {

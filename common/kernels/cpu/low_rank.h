@@ -22,6 +22,10 @@ struct LowRankGroup {
   MatrixView expand;
   const float* shrink_bias = nullptr;
   float scale = 1.0f;
+  // This group's output rows, when they are not the call's `y` (so one call can update q, k
+  // and v, which share their input, each with its own adapters).
+  float* y = nullptr;
+  int64_t y_stride = 0;
 };
 
 // x: [*, in] with row stride x_stride; y: [*, out] with row stride y_stride. x and y may be
