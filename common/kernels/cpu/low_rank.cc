@@ -40,23 +40,33 @@ void Shrink(const float* x, int64_t x_stride, const int32_t* rows, int64_t n, co
     }
     return;
   }
-  for (int64_t k = 0; k < rank; ++k) {
-    const void* srow = static_cast<const uint8_t*>(s.data) + k * in * DTypeSize(T);
+  // Two rank rows x four activation rows per pass: each loaded x vector feeds two rank rows,
+  // each loaded S vector four activation rows (8 FMAs per 6 loads).
+  const size_t srow_bytes = in * DTypeSize(T);
+  for (int64_t k = 0; k < rank; k += 2) {
+    const int64_t kn = std::min<int64_t>(2, rank - k);
+    const void* srow[2] = {static_cast<const uint8_t*>(s.data) + k * srow_bytes,
+                           static_cast<const uint8_t*>(s.data) + (k + kn - 1) * srow_bytes};
     for (int64_t r0 = 0; r0 < n; r0 += 4) {
       const int64_t m = std::min<int64_t>(4, n - r0);
       const float* xr[4];
       for (int64_t j = 0; j < 4; ++j) xr[j] = x + rows[r0 + std::min(j, m - 1)] * x_stride;
-      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                       _mm256_setzero_ps()};
+      __m256 acc[4][2];
+      for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
       for (int64_t i = 0; i < vec_end; i += 8) {
-        const __m256 w = Load8<T>(srow, i);
-        for (int64_t j = 0; j < 4; ++j)
-          acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xr[j] + i), acc[j]);
+        const __m256 w0 = Load8<T>(srow[0], i), w1 = Load8<T>(srow[1], i);
+        for (int64_t j = 0; j < 4; ++j) {
+          const __m256 xv = _mm256_loadu_ps(xr[j] + i);
+          acc[j][0] = _mm256_fmadd_ps(w0, xv, acc[j][0]);
+          acc[j][1] = _mm256_fmadd_ps(w1, xv, acc[j][1]);
+        }
       }
       for (int64_t j = 0; j < m; ++j) {
-        float sum = Reduce1(acc[j]);
-        for (int64_t i = vec_end; i < in; ++i) sum += LoadAsF32(srow, T, i) * xr[j][i];
-        z[(r0 + j) * rank + k] = sum + (bias != nullptr ? bias[k] : 0.0f);
+        for (int64_t q = 0; q < kn; ++q) {
+          float sum = Reduce1(acc[j][q]);
+          for (int64_t i = vec_end; i < in; ++i) sum += LoadAsF32(srow[q], T, i) * xr[j][i];
+          z[(r0 + j) * rank + k + q] = sum + (bias != nullptr ? bias[k + q] : 0.0f);
+        }
       }
     }
   }
