@@ -1,7 +1,6 @@
 #include "common/adapters/loader_util.h"
 
 #include <cmath>
-#include <cstring>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -131,18 +130,6 @@ absl::Status ExpectShape(const model::TensorInfo& t, const std::vector<int64_t>&
 
 namespace {
 
-// Element i of a tensor whose data may be unaligned (safetensors offsets need not be).
-float LoadElement(const void* data, kernels::DType dtype, int64_t i) {
-  if (dtype == kernels::DType::kF32) {
-    float f;
-    std::memcpy(&f, static_cast<const uint8_t*>(data) + i * 4, 4);
-    return f;
-  }
-  uint16_t h;
-  std::memcpy(&h, static_cast<const uint8_t*>(data) + i * 2, 2);
-  return dtype == kernels::DType::kBF16 ? kernels::Bf16ToF32(h) : kernels::F16ToF32(h);
-}
-
 absl::Status NonFinite(const model::TensorInfo& t, int64_t i, float v) {
   std::string where = absl::StrCat(i);
   if (t.shape.size() == 2 && t.shape[1] > 0) {
@@ -168,26 +155,14 @@ absl::StatusOr<kernels::MatrixView> CopyMatrix(const model::TensorInfo& t, bool 
   for (int64_t i = 0; i < rows; ++i) {
     for (int64_t j = 0; j < cols; ++j) {
       const int64_t src = i * cols + j;
-      const float v = LoadElement(t.data, t.dtype, src);
+      const float v = kernels::LoadAsF32(t.data, t.dtype, src);
       if (!std::isfinite(v)) return NonFinite(t, src, v);
       const int64_t o = transpose ? j * rows + i : src;
-      switch (dtype) {
-        case kernels::DType::kF32:
-          static_cast<float*>(data)[o] = v;
-          break;
-        case kernels::DType::kBF16:
-          static_cast<uint16_t*>(data)[o] = kernels::F32ToBf16(v);
-          break;
-        case kernels::DType::kF16: {
-          const uint16_t h = kernels::F32ToF16(v);
-          if ((h & 0x7c00u) == 0x7c00u) {
-            return absl::InvalidArgumentError(absl::StrCat(t.file, ": tensor '", t.name, "' value ",
-                                                           v, " at element [", i, ", ", j,
-                                                           "] overflows f16"));
-          }
-          static_cast<uint16_t*>(data)[o] = h;
-          break;
-        }
+      kernels::StoreFromF32(data, dtype, o, v);
+      if (dtype == kernels::DType::kF16 && !std::isfinite(kernels::LoadAsF32(data, dtype, o))) {
+        return absl::InvalidArgumentError(absl::StrCat(t.file, ": tensor '", t.name, "' value ", v,
+                                                       " at element [", i, ", ", j,
+                                                       "] overflows f16"));
       }
     }
   }
@@ -198,7 +173,7 @@ absl::StatusOr<const float*> CopyVector(const model::TensorInfo& t, model::Adapt
   const int64_t n = t.num_elements();
   float* out = dst->AllocateFloats(n);
   for (int64_t i = 0; i < n; ++i) {
-    const float v = LoadElement(t.data, t.dtype, i);
+    const float v = kernels::LoadAsF32(t.data, t.dtype, i);
     if (!std::isfinite(v)) return NonFinite(t, i, v);
     out[i] = v;
   }

@@ -127,18 +127,7 @@ absl::Status WriteTensors(const std::string& path, const std::map<std::string, R
     bytes.resize(static_cast<size_t>(n) * kernels::DTypeSize(s->dtype));
     Normal normal(SplitMix64(seed ^ HashName(s->name)));
     for (int64_t i = 0; i < n; ++i) {
-      const float v = static_cast<float>(normal.Next() * t.std);
-      switch (s->dtype) {
-        case DType::kF32:
-          reinterpret_cast<float*>(bytes.data())[i] = v;
-          break;
-        case DType::kBF16:
-          reinterpret_cast<uint16_t*>(bytes.data())[i] = kernels::F32ToBf16(v);
-          break;
-        case DType::kF16:
-          reinterpret_cast<uint16_t*>(bytes.data())[i] = kernels::F32ToF16(v);
-          break;
-      }
+      kernels::StoreFromF32(bytes.data(), s->dtype, i, static_cast<float>(normal.Next() * t.std));
     }
     PREFT_RETURN_IF_ERROR(writer->Append(bytes.data(), bytes.size()));
   }

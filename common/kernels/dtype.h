@@ -97,14 +97,27 @@ inline uint16_t F32ToF16(float f) {
   return static_cast<uint16_t>(half);
 }
 
-// Reads element i of a typed buffer as float.
+// Reads element i of a typed buffer as float. The buffer may be unaligned (safetensors data
+// offsets need not be), so elements are copied out, not dereferenced.
 inline float LoadAsF32(const void* data, DType t, size_t i) {
-  switch (t) {
-    case DType::kF32: return static_cast<const float*>(data)[i];
-    case DType::kF16: return F16ToF32(static_cast<const uint16_t*>(data)[i]);
-    case DType::kBF16: return Bf16ToF32(static_cast<const uint16_t*>(data)[i]);
+  const uint8_t* p = static_cast<const uint8_t*>(data) + i * DTypeSize(t);
+  if (t == DType::kF32) {
+    float f;
+    std::memcpy(&f, p, sizeof(f));
+    return f;
   }
-  return 0.f;
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  return t == DType::kBF16 ? Bf16ToF32(h) : F16ToF32(h);
+}
+
+// Writes v as element i of a typed buffer (bf16 and f16 rounded to nearest even).
+inline void StoreFromF32(void* data, DType t, size_t i, float v) {
+  switch (t) {
+    case DType::kF32: static_cast<float*>(data)[i] = v; break;
+    case DType::kF16: static_cast<uint16_t*>(data)[i] = F32ToF16(v); break;
+    case DType::kBF16: static_cast<uint16_t*>(data)[i] = F32ToBf16(v); break;
+  }
 }
 
 }  // namespace preft::kernels

@@ -107,20 +107,8 @@ kernels::MatrixView CopyMatrix(const kernels::MatrixView& src, kernels::DType dt
   kernels::MatrixView out = dst->AllocateMatrix(dtype, src.rows, src.cols);
   const int64_t n = src.rows * src.cols;
   void* data = const_cast<void*>(out.data);
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = kernels::LoadAsF32(src.data, src.dtype, i);
-    switch (dtype) {
-      case kernels::DType::kF32:
-        static_cast<float*>(data)[i] = v;
-        break;
-      case kernels::DType::kBF16:
-        static_cast<uint16_t*>(data)[i] = kernels::F32ToBf16(v);
-        break;
-      case kernels::DType::kF16:
-        static_cast<uint16_t*>(data)[i] = kernels::F32ToF16(v);
-        break;
-    }
-  }
+  for (int64_t i = 0; i < n; ++i)
+    kernels::StoreFromF32(data, dtype, i, kernels::LoadAsF32(src.data, src.dtype, i));
   return out;
 }
 
