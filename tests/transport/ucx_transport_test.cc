@@ -34,7 +34,6 @@ using testing::kWait;
 using testing::NoticeLog;
 using testing::Shape;
 
-
 UcxTransportOptions Options(const std::string& tls) {
   UcxTransportOptions options;
   options.tls = tls;
@@ -52,16 +51,33 @@ absl::Status WriteAndWait(KvTransport& t, PeerId peer, const BlockTransfer& tran
 
 class UcxTransportTest : public ::testing::TestWithParam<std::string> {};
 
-TEST_P(UcxTransportTest, CopiesBlocksByteExactBetweenTwoWorkers) {
-  auto src = Cache(16), dst = Cache(20);
-  const KvLayout layout = KvLayout::ForCache(src->shape(), "tiny");
+// Two UcxTransports over `tls` on caches of the given sizes, both started and the sender
+// connected to the receiver (peer < 0 if connecting failed).
+struct UcxPair {
+  UcxPair(const std::string& tls, int64_t src_blocks, int64_t dst_blocks)
+      : src(Cache(src_blocks)),
+        dst(Cache(dst_blocks)),
+        sender(Options(tls)),
+        receiver(Options(tls)) {
+    const KvLayout layout = KvLayout::ForCache(src->shape(), "tiny");
+    EXPECT_TRUE(sender.Start(src.get(), layout, nullptr).ok());
+    EXPECT_TRUE(receiver.Start(dst.get(), layout, notices.Callback()).ok());
+    absl::StatusOr<PeerId> connected = sender.Connect(receiver.LocalAddress());
+    EXPECT_TRUE(connected.ok()) << connected.status();
+    peer = connected.value_or(-1);
+  }
+
+  std::unique_ptr<kv::KvCache> src, dst;
   NoticeLog notices;
-  UcxTransport sender(Options(GetParam())), receiver(Options(GetParam()));
-  ASSERT_TRUE(sender.Start(src.get(), layout, nullptr).ok());
-  ASSERT_TRUE(receiver.Start(dst.get(), layout, notices.Callback()).ok());
+  UcxTransport sender, receiver;
+  PeerId peer = -1;
+};
+
+TEST_P(UcxTransportTest, CopiesBlocksByteExactBetweenTwoWorkers) {
+  UcxPair pair(GetParam(), 16, 20);
+  auto& [src, dst, notices, sender, receiver, peer] = pair;
   EXPECT_EQ(receiver.name(), absl::StrCat("ucx(", GetParam(), ")"));
-  absl::StatusOr<PeerId> peer = sender.Connect(receiver.LocalAddress());
-  ASSERT_TRUE(peer.ok()) << peer.status();
+  ASSERT_GE(peer, 0);
 
   BlockTransfer t;
   t.reservation_id = 42;
@@ -70,7 +86,7 @@ TEST_P(UcxTransportTest, CopiesBlocksByteExactBetweenTwoWorkers) {
   t.dst_blocks = {7, 8, 9, 19, 11, 1, 2};
   for (size_t i = 0; i < t.src_blocks.size(); ++i) FillPattern(*src, t.src_blocks[i], 5, i);
   DoneWaiter done;
-  sender.Write(*peer, t, done.Callback());
+  sender.Write(peer, t, done.Callback());
   std::optional<absl::Status> status = done.Wait();
   ASSERT_TRUE(status.has_value()) << "done never fired";
   ASSERT_TRUE(status->ok()) << *status;
@@ -93,13 +109,8 @@ TEST_P(UcxTransportTest, CopiesBlocksByteExactBetweenTwoWorkers) {
 }
 
 TEST_P(UcxTransportTest, ManyWritesInFlight) {
-  auto src = Cache(32), dst = Cache(32);
-  const KvLayout layout = KvLayout::ForCache(src->shape(), "tiny");
-  NoticeLog notices;
-  UcxTransport sender(Options(GetParam())), receiver(Options(GetParam()));
-  ASSERT_TRUE(sender.Start(src.get(), layout, nullptr).ok());
-  ASSERT_TRUE(receiver.Start(dst.get(), layout, notices.Callback()).ok());
-  PeerId peer = sender.Connect(receiver.LocalAddress()).value_or(-1);
+  UcxPair pair(GetParam(), 32, 32);
+  auto& [src, dst, notices, sender, receiver, peer] = pair;
   ASSERT_GE(peer, 0);
   std::vector<std::unique_ptr<DoneWaiter>> waiters;
   for (int i = 0; i < 32; ++i) {
@@ -122,13 +133,8 @@ TEST_P(UcxTransportTest, ManyWritesInFlight) {
 }
 
 TEST_P(UcxTransportTest, BadBlockIdsAreInvalidArgument) {
-  auto src = Cache(16), dst = Cache(8);
-  const KvLayout layout = KvLayout::ForCache(src->shape(), "tiny");
-  NoticeLog notices;
-  UcxTransport sender(Options(GetParam())), receiver(Options(GetParam()));
-  ASSERT_TRUE(sender.Start(src.get(), layout, nullptr).ok());
-  ASSERT_TRUE(receiver.Start(dst.get(), layout, notices.Callback()).ok());
-  PeerId peer = sender.Connect(receiver.LocalAddress()).value_or(-1);
+  UcxPair pair(GetParam(), 16, 8);
+  auto& [src, dst, notices, sender, receiver, peer] = pair;
   ASSERT_GE(peer, 0);
   FillPattern(*src, 1, 1, 0);
   BlockTransfer t;
