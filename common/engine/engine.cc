@@ -43,6 +43,7 @@ struct Engine::Sequence {
   std::string pending;  // decoded but held back: may be the start of a stop string
   model::AdapterPositions adapter_positions = model::AdapterPositions::kAll;
   std::vector<uint8_t> mask;  // per-step scratch: adapter mask of the tokens computed now
+  bool imported = false;      // prompt KV computed elsewhere: never recomputed here
 
   int64_t num_generated() const { return static_cast<int64_t>(tokens.size()) - num_prompt; }
 };
@@ -94,6 +95,13 @@ absl::Status Engine::Add(Request request) {
       std::any_of(waiting_.begin(), waiting_.end(), same_id)) {
     return absl::AlreadyExistsError(absl::StrCat("request id '", request.id, "' is in use"));
   }
+  if (prefilled_.count(request.id)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("request id '", request.id, "' still holds prefilled blocks"));
+  }
+  if (request.imported && request.on_prefilled) {
+    return absl::InvalidArgumentError("a request cannot be both prefill-only and imported");
+  }
   auto seq = std::make_unique<Sequence>();
   seq->tokens = request.prompt_ids;
   seq->num_prompt = n;
@@ -106,8 +114,98 @@ absl::Status Engine::Add(Request request) {
     seq->adapter_positions = request.adapter.positions.value_or(a->default_positions);
   }
   seq->request = std::move(request);
+  if (seq->request.imported) return AddImported(std::move(seq));
   waiting_.push_back(std::move(seq));
   return absl::OkStatus();
+}
+
+absl::Status Engine::AddImported(std::unique_ptr<Sequence> seq) {
+  const ImportedPrompt& in = *seq->request.imported;
+  const int64_t bt = options_.scheduler.block_tokens;
+  const int64_t need = (seq->num_prompt + bt) / bt;  // the prompt and the first token
+  if (static_cast<int64_t>(in.blocks.size()) < need) {
+    return absl::InvalidArgumentError(absl::StrCat("imported prompt of ", seq->num_prompt,
+                                                   " tokens needs ", need, " blocks, got ",
+                                                   in.blocks.size()));
+  }
+  std::set<int32_t> seen;
+  for (int32_t b : in.blocks) {
+    if (b < 0 || b >= allocator_.num_blocks() || !allocator_.IsAllocated(b) ||
+        !seen.insert(b).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("imported block ", b, " is not a distinct reserved block"));
+    }
+  }
+  const int64_t vocab = model_->config().vocab_size;
+  if (in.first_token < 0 || in.first_token >= vocab) {
+    return absl::InvalidArgumentError(absl::StrCat("first token id ", in.first_token,
+                                                   " is outside the vocabulary [0, ", vocab, ")"));
+  }
+  if (seq->request.sampling.logprobs && !in.first_logprob) {
+    return absl::InvalidArgumentError(
+        "imported prompt has no first-token logprob but the request asks for logprobs");
+  }
+  seq->blocks = in.blocks;
+  seq->num_computed = seq->num_prompt;
+  seq->imported = true;
+  const int32_t first = in.first_token;
+  const std::optional<TokenLogprob> first_logprob = in.first_logprob;
+  const FinishReason finish = AppendToken(*seq, first, /*logits=*/nullptr, first_logprob);
+  if (finish != FinishReason::kNone) {
+    Finish(seq, finish, absl::OkStatus());
+  } else {
+    running_.push_back(std::move(seq));
+  }
+  return absl::OkStatus();
+}
+
+void Engine::FailAll(const absl::Status& status) {
+  for (auto& s : running_) Finish(s, FinishReason::kError, status);
+  for (auto& s : waiting_) Finish(s, FinishReason::kError, status);
+  running_.clear();
+  waiting_.clear();
+}
+
+absl::StatusOr<std::vector<int32_t>> Engine::ReserveBlocks(int64_t n) {
+  if (n <= 0 || n > allocator_.num_blocks()) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot reserve ", n, " blocks of a cache of ",
+                                                   allocator_.num_blocks()));
+  }
+  std::vector<int32_t> blocks;
+  PREFT_RETURN_IF_ERROR(allocator_.Allocate(static_cast<int32_t>(n), &blocks));
+  return blocks;
+}
+
+void Engine::FreeBlocks(const std::vector<int32_t>& blocks) { allocator_.Free(blocks); }
+
+absl::Status Engine::ReleasePrefilled(const std::string& request_id) {
+  auto it = prefilled_.find(request_id);
+  if (it == prefilled_.end()) {
+    return absl::NotFoundError(absl::StrCat("no prefilled blocks held for '", request_id, "'"));
+  }
+  allocator_.Free(it->second);
+  prefilled_.erase(it);
+  return absl::OkStatus();
+}
+
+void Engine::HandOverPrefilled(std::unique_ptr<Sequence>& seq, int32_t token,
+                               const float* logits) {
+  const SamplingParams& sp = seq->request.sampling;
+  PrefilledPrompt p;
+  p.request_id = seq->request.id;
+  p.first_token = token;
+  if (sp.logprobs) {
+    p.first_logprob = ComputeLogprobs(logits, model_->config().vocab_size, token, *sp.logprobs);
+  }
+  p.num_tokens = seq->num_prompt;
+  p.seed = seq->seed;
+  p.blocks = std::move(seq->blocks);
+  seq->blocks.clear();
+  prefilled_[p.request_id] = p.blocks;
+  ++stats_.generated_tokens;
+  seq->request.on_prefilled(p);
+  seq->tokens.push_back(token);  // the result (Generate) shows the first token
+  Finish(seq, FinishReason::kLength, absl::OkStatus());
 }
 
 absl::Status Engine::Abort(const std::string& request_id) {
@@ -193,14 +291,16 @@ std::string TakeText(const std::vector<std::string>& stops, bool final, std::str
 
 }  // namespace
 
-FinishReason Engine::AppendToken(Sequence& seq, int32_t token, const float* logits) {
+FinishReason Engine::AppendToken(Sequence& seq, int32_t token, const float* logits,
+                                 const std::optional<TokenLogprob>& logprob) {
   const SamplingParams& sp = seq.request.sampling;
   const model::ModelConfig& c = model_->config();
   seq.tokens.push_back(token);
   ++stats_.generated_tokens;
   const TokenLogprob* lp = nullptr;
   if (sp.logprobs) {
-    seq.logprobs.push_back(ComputeLogprobs(logits, c.vocab_size, token, *sp.logprobs));
+    seq.logprobs.push_back(logprob ? *logprob
+                                   : ComputeLogprobs(logits, c.vocab_size, token, *sp.logprobs));
     lp = &seq.logprobs.back();
   }
   FinishReason finish = FinishReason::kNone;
@@ -267,7 +367,11 @@ absl::Status Engine::Step() {
   std::vector<std::unique_ptr<Sequence>> still_running;
   std::vector<std::unique_ptr<Sequence>> back_to_waiting;
   for (auto& s : running_) {
-    if (preempted.count(s.get())) {
+    if (preempted.count(s.get()) && s->imported) {
+      Finish(s, FinishReason::kError,
+             absl::ResourceExhaustedError("out of KV blocks: an imported prompt cannot be "
+                                          "recomputed here (reserve its blocks up front)"));
+    } else if (preempted.count(s.get())) {
       Preempt(*s);
       back_to_waiting.push_back(std::move(s));
     } else {
@@ -328,19 +432,29 @@ absl::Status Engine::Step() {
 
   const int64_t vocab = model_->config().vocab_size;
   std::map<Sequence*, FinishReason> done;
+  std::map<Sequence*, int32_t> prefill_done;  // prefill-only: hand over instead of decoding
+  std::map<Sequence*, const float*> rows;
   for (size_t r = 0; r < sampled.size(); ++r) {
+    rows[sampled[r]] = logits_.data() + r * vocab;
     Sequence* s = sampled[r];
     const float* row = logits_.data() + r * vocab;
     const int32_t token = SampleToken(row, vocab, s->request.sampling, s->seed,
                                       static_cast<uint64_t>(s->num_generated()), &sample_scratch_);
+    if (s->request.on_prefilled) {
+      prefill_done[s] = token;
+      continue;
+    }
     const FinishReason finish = AppendToken(*s, token, row);
     if (finish != FinishReason::kNone) done[s] = finish;
   }
-  if (!done.empty()) {
+  if (!done.empty() || !prefill_done.empty()) {
     std::vector<std::unique_ptr<Sequence>> keep;
     for (auto& s : running_) {
       auto it = done.find(s.get());
-      if (it != done.end()) {
+      auto pit = prefill_done.find(s.get());
+      if (pit != prefill_done.end()) {
+        HandOverPrefilled(s, pit->second, rows[s.get()]);
+      } else if (it != done.end()) {
         Finish(s, it->second, absl::OkStatus());
       } else {
         keep.push_back(std::move(s));

@@ -50,6 +50,21 @@ class Engine {
   // Finishes the request with kAbort (NotFound if unknown or already done).
   absl::Status Abort(const std::string& request_id);
 
+  // Ends every active request with kError and `status` (the engine thread hit an error it
+  // cannot recover from, or the worker is shutting down).
+  void FailAll(const absl::Status& status);
+
+  // Disaggregated serving. Decode tier: blocks a peer writes a prompt's KV into, later handed
+  // to Add in Request::imported (or given back with FreeBlocks). ResourceExhausted if not free.
+  absl::StatusOr<std::vector<int32_t>> ReserveBlocks(int64_t n);
+  void FreeBlocks(const std::vector<int32_t>& blocks);
+  // Prefill tier: frees the blocks a prefill-only request kept (after its KV was sent).
+  // NotFound if none are held under that id.
+  absl::Status ReleasePrefilled(const std::string& request_id);
+  int64_t num_prefilled_held() const { return static_cast<int64_t>(prefilled_.size()); }
+  kv::KvCache* cache() { return cache_.get(); }
+  const model::Model& model() const { return *model_; }
+
   bool HasWork() const { return !running_.empty() || !waiting_.empty(); }
   // Schedules and runs one forward, samples, emits events, retires finished requests.
   absl::Status Step();
@@ -70,7 +85,11 @@ class Engine {
   void Finish(std::unique_ptr<Sequence>& seq, FinishReason reason, absl::Status status);
   // Appends a sampled token and emits its event; returns why the sequence is done (kNone:
   // it goes on).
-  FinishReason AppendToken(Sequence& seq, int32_t token, const float* logits);
+  // `logprob` is used as given when set (an imported first token), else computed from `logits`.
+  FinishReason AppendToken(Sequence& seq, int32_t token, const float* logits,
+                           const std::optional<TokenLogprob>& logprob = std::nullopt);
+  absl::Status AddImported(std::unique_ptr<Sequence> seq);
+  void HandOverPrefilled(std::unique_ptr<Sequence>& seq, int32_t token, const float* logits);
   void Preempt(Sequence& seq);
 
   model::Model* model_;
@@ -80,6 +99,7 @@ class Engine {
   kv::BlockAllocator allocator_;
   std::deque<std::unique_ptr<Sequence>> waiting_;  // arrival order (preempted go to the front)
   std::vector<std::unique_ptr<Sequence>> running_;  // arrival order
+  std::map<std::string, std::vector<int32_t>> prefilled_;  // blocks held for ReleasePrefilled
   std::map<std::string, GenerationResult> finished_;  // collected for Generate
   bool collect_results_ = false;
   uint64_t next_seed_;

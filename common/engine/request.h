@@ -40,12 +40,38 @@ struct RequestAdapter {
   std::optional<model::AdapterPositions> positions;
 };
 
+// Prefill tier (DESIGN.md §4): what a prefill-only request hands over once its prompt is in the
+// cache and its first token is sampled.
+struct PrefilledPrompt {
+  std::string request_id;
+  int32_t first_token = -1;
+  std::optional<TokenLogprob> first_logprob;  // when the request asked for logprobs
+  std::vector<int32_t> blocks;                // the prompt's KV, in position order
+  int64_t num_tokens = 0;                     // prompt tokens in those blocks
+  uint64_t seed = 0;                          // the sampling seed used (decode continues it)
+};
+
+// Decode tier: a prompt whose KV another worker computed into blocks of this engine's cache.
+struct ImportedPrompt {
+  std::vector<int32_t> blocks;  // from Engine::ReserveBlocks; the engine owns them once added
+  int32_t first_token = -1;     // sampled by the prefill worker
+  std::optional<TokenLogprob> first_logprob;
+};
+
 struct Request {
   std::string id;
   std::vector<int32_t> prompt_ids;
   SamplingParams sampling;
   RequestAdapter adapter;
   TokenCallback on_token;  // called on the engine thread; must not block
+  // Prefill only: run the prompt, sample the first token, call this (on the engine thread)
+  // instead of decoding, and keep the prompt's blocks until Engine::ReleasePrefilled. No token
+  // event is sent; errors still end with one.
+  std::function<void(const PrefilledPrompt&)> on_prefilled;
+  // Decode from an imported prompt: the prompt is not computed here; generation starts by
+  // emitting `imported->first_token`. Such a sequence is never recomputed (its KV may come from
+  // an adapter this engine does not hold): callers reserve the blocks it will ever need.
+  std::optional<ImportedPrompt> imported;
 };
 
 // The whole result of a finished request (what `preft generate --json` prints).

@@ -6,31 +6,13 @@
 #include <string>
 #include <vector>
 
-#include "tests/testing/fixtures.h"
+#include "tests/engine/tiny_engine_fixture.h"
 
 namespace preft::engine {
 namespace {
 
-class EngineTest : public ::testing::Test {
+class EngineTest : public TinyEngineTest {
  protected:
-  static void SetUpTestSuite() {
-    auto m = model::Model::Load(testing::TinyLlamaFixture());
-    ASSERT_TRUE(m.ok()) << m.status();
-    model_ = std::move(m).value().release();
-    auto t = model::Tokenizer::LoadFromModelDir(testing::TinyLlamaFixture());
-    ASSERT_TRUE(t.ok()) << t.status();
-    tokenizer_ = std::move(t).value().release();
-  }
-
-  static std::unique_ptr<Engine> MakeEngine(int64_t kv_blocks, int64_t batch_tokens = 512) {
-    EngineOptions o;
-    o.kv_blocks = kv_blocks;
-    o.scheduler.max_batch_tokens = batch_tokens;
-    auto e = Engine::Create(model_, tokenizer_, o);
-    EXPECT_TRUE(e.ok()) << e.status();
-    return std::move(e).value();
-  }
-
   static Request MakeRequest(const std::string& id, int n_prompt, int max_tokens, float temp,
                              uint64_t seed) {
     Request r;
@@ -51,11 +33,7 @@ class EngineTest : public ::testing::Test {
     return out->front().token_ids;
   }
 
-  static model::Model* model_;
-  static model::Tokenizer* tokenizer_;
 };
-model::Model* EngineTest::model_ = nullptr;
-model::Tokenizer* EngineTest::tokenizer_ = nullptr;
 
 // A request's tokens do not depend on its batch: alone vs among 15 others, with chunked
 // prefill (small token budget) mixing prompt chunks and decode rows, greedy and seeded.

@@ -1,0 +1,75 @@
+#include "common/adapters/versioned_adapters.h"
+
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+
+namespace preft::adapters {
+
+std::string VersionKey(const std::string& name, int64_t version) {
+  return absl::StrCat(name, "@v", version);
+}
+
+absl::StatusOr<std::string> ResolveUnderRoot(const std::string& root, const std::string& dir) {
+  namespace fs = std::filesystem;
+  if (root.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("adapter path '", dir, "' refused: no adapter root is configured"));
+  }
+  std::error_code ec;
+  const fs::path canonical_root = fs::canonical(root, ec);
+  if (ec) return absl::NotFoundError(absl::StrCat("adapter root '", root, "': ", ec.message()));
+  const fs::path path = fs::path(dir).is_absolute() ? fs::path(dir) : canonical_root / dir;
+  const fs::path canonical = fs::canonical(path, ec);
+  if (ec) return absl::NotFoundError(absl::StrCat("adapter path '", dir, "': ", ec.message()));
+  const std::string r = canonical_root.string() + "/";
+  if (canonical.string().compare(0, r.size(), r) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("adapter path '", dir, "' (", canonical.string(),
+                                                   ") is outside the adapter root '",
+                                                   canonical_root.string(), "'"));
+  }
+  if (!fs::is_directory(canonical, ec)) {
+    return absl::InvalidArgumentError(absl::StrCat("adapter path '", dir, "' is not a folder"));
+  }
+  return canonical.string();
+}
+
+void VersionedAdapters::Acquire(const std::string& name, int64_t version, const std::string& dir,
+                                AdapterStore::AcquireCallback done) {
+  absl::StatusOr<std::string> path = ResolveUnderRoot(root_, dir);
+  if (!path.ok()) {
+    done(path.status());
+    return;
+  }
+  const std::string key = VersionKey(name, version);
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = newest_.find(name);
+    const int64_t newest = it == newest_.end() ? 0 : it->second;
+    if (version < newest) {
+      done(absl::FailedPreconditionError(absl::StrCat("adapter '", name, "' version ", version,
+                                                      " was superseded by version ", newest)));
+      return;
+    }
+    if (version > newest) {
+      // AlreadyExists is fine (a racing caller registered it first).
+      (void)store_->Register(key, *path);
+      if (newest > 0) (void)store_->Unregister(VersionKey(name, newest));
+      newest_[name] = version;
+    }
+  }
+  store_->Acquire(key, [done = std::move(done), name, version](absl::StatusOr<AdapterLease> l) {
+    if (l.ok()) {  // report the router's name and version, not the store key
+      l->name = name;
+      l->version = version;
+    }
+    done(std::move(l));
+  });
+}
+
+std::map<std::string, int64_t> VersionedAdapters::versions() const {
+  absl::MutexLock lock(&mu_);
+  return newest_;
+}
+
+}  // namespace preft::adapters

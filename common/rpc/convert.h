@@ -1,0 +1,38 @@
+#pragma once
+
+// Engine and transport types <-> their protos (preft.v1 / preft.worker.v1), converted once at
+// the edge of every service.
+
+#include <optional>
+#include <string>
+
+#include "common/engine/request.h"
+#include "common/engine/sampling_params.h"
+#include "common/model/adapter_weights.h"
+#include "common/transport/kv_transport.h"
+#include "proto/preft/v1/preft.pb.h"
+#include "proto/preft/v1/worker.pb.h"
+
+namespace preft::rpc {
+
+// Unset fields take the engine's defaults. Values are range-checked later by
+// SamplingParams::Validate (which names the field).
+engine::SamplingParams FromProto(const v1::SamplingParams& p);
+// Every field set (seed included when known), so the far side uses exactly these.
+v1::SamplingParams ToProto(const engine::SamplingParams& s);
+
+engine::TokenLogprob FromProto(const v1::TokenLogprob& p);
+v1::TokenLogprob ToProto(const engine::TokenLogprob& l);
+
+// UNSPECIFIED: nullopt (the adapter's default).
+std::optional<model::AdapterPositions> FromProto(v1::AdapterPositions p);
+v1::AdapterPositions ToProto(std::optional<model::AdapterPositions> p);
+
+// kNone and kError have no proto value (an error is the call's status): UNSPECIFIED.
+v1::FinishReason ToProto(engine::FinishReason r);
+
+// The endpoint a worker advertises for its transport and cache layout.
+worker::v1::TransportEndpoint MakeEndpoint(const transport::KvTransport& transport,
+                                           const transport::KvLayout& layout);
+
+}  // namespace preft::rpc

@@ -1,0 +1,73 @@
+#include "common/serving/worker_setup.h"
+
+#include <signal.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/hash/hash.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/base/status_macros.h"
+#include "common/transport/inproc_transport.h"
+#include "common/transport/ucx/ucx_transport.h"
+
+namespace preft::serving {
+
+absl::StatusOr<LoadedModel> LoadModel(const std::string& dir) {
+  LoadedModel out;
+  PREFT_ASSIGN_OR_RETURN(out.model, model::Model::Load(dir));
+  if (std::filesystem::exists(std::filesystem::path(dir) / "tokenizer.json")) {
+    PREFT_ASSIGN_OR_RETURN(out.tokenizer, model::Tokenizer::LoadFromModelDir(dir));
+  }
+  std::ifstream config(std::filesystem::path(dir) / "config.json", std::ios::binary);
+  std::stringstream bytes;
+  bytes << config.rdbuf();
+  std::string weights;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    if (entry.path().extension() == ".safetensors") {
+      absl::StrAppend(&weights, entry.path().filename().string(), ":", entry.file_size(ec), ";");
+    }
+  }
+  const uint64_t h = absl::HashOf(bytes.str(), weights);
+  out.fingerprint = absl::StrFormat("%s-%016x", out.model->config().architecture_name, h);
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<transport::KvTransport>> MakeTransport(const TransportFlags& flags) {
+  if (flags.kind == "inproc") return std::make_unique<transport::InprocTransport>();
+  if (flags.kind == "ucx") {
+    transport::UcxTransportOptions o;
+    o.tls = flags.ucx_tls;
+    o.net_devices = flags.ucx_net_devices;
+    return std::make_unique<transport::UcxTransport>(o);
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown transport '", flags.kind, "' (expected ucx or inproc)"));
+}
+
+transport::KvLayout LayoutFor(engine::Engine& engine, const std::string& fingerprint) {
+  return transport::KvLayout::ForCache(engine.cache()->shape(), fingerprint);
+}
+
+void BlockTerminationSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+}
+
+int WaitForTerminationSignal() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  int sig = 0;
+  sigwait(&set, &sig);
+  return sig;
+}
+
+}  // namespace preft::serving

@@ -1,0 +1,48 @@
+#pragma once
+
+// What every preft worker process does the same way before it serves: load the base model
+// and tokenizer, size the engine, pick the KV transport, describe the KV layout, and wait for
+// SIGTERM. Shared by preft-prefill, preft-decode and `preft serve`.
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/engine/engine.h"
+#include "common/model/model.h"
+#include "common/model/tokenizer.h"
+#include "common/transport/kv_transport.h"
+
+namespace preft::serving {
+
+struct LoadedModel {
+  std::unique_ptr<model::Model> model;
+  std::unique_ptr<model::Tokenizer> tokenizer;  // null if the folder has no tokenizer.json
+  // Identifies the base weights in KV layouts: two workers exchange KV only if they agree.
+  // Architecture, a hash of config.json and the weight files' sizes (no full-file hash: a
+  // real checkpoint is gigabytes).
+  std::string fingerprint;
+};
+
+// Errors name the folder and the problem (the loaders' messages).
+absl::StatusOr<LoadedModel> LoadModel(const std::string& dir);
+
+struct TransportFlags {
+  std::string kind = "ucx";  // "ucx" or "inproc" (one process only)
+  std::string ucx_tls;       // UCX_TLS for this worker ("" = environment / UCX default)
+  std::string ucx_net_devices;
+};
+
+// InvalidArgument for an unknown kind.
+absl::StatusOr<std::unique_ptr<transport::KvTransport>> MakeTransport(const TransportFlags& flags);
+
+// The engine cache's layout under `fingerprint`.
+transport::KvLayout LayoutFor(engine::Engine& engine, const std::string& fingerprint);
+
+// Blocks SIGTERM and SIGINT in the calling thread (call it in main before starting threads,
+// so they inherit the mask) ...
+void BlockTerminationSignals();
+// ... and waits for one; returns its number.
+int WaitForTerminationSignal();
+
+}  // namespace preft::serving

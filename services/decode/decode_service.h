@@ -1,0 +1,84 @@
+#pragma once
+
+// The decode tier (DESIGN.md §4): owns a KV pool, lends blocks to prefill workers under
+// reservations, and decodes every user together on the base model.
+//
+// A reservation's life: Reserve allocates the blocks the request can ever need (prompt +
+// max_new_tokens, so an imported prompt is never preempted: it could not be recomputed here)
+// under a lease and generation 1 -> a prefill worker writes the prompt's KV into the first
+// blocks and its DONE notice (reservation id, generation) arrives through the transport ->
+// Start commits the reservation (waiting for DONE until the lease ends) and the engine decodes
+// from the imported prompt, streaming tokens. Release, lease expiry or a cancelled Start before
+// commit abort the reservation: its blocks are quarantined (no write of a dead prefill can still
+// land in a block reused by someone else) and then freed. Reserve with `retry_of` keeps the
+// reservation id, bumps the generation and swaps in fresh blocks (the old ones are quarantined):
+// late writes and DONE notices of the old generation cannot touch the new attempt.
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/adapters/adapter_store.h"
+#include "common/engine/engine.h"
+#include "common/transport/kv_transport.h"
+#include "proto/preft/v1/worker.grpc.pb.h"
+
+namespace preft::decode {
+
+struct DecodeServiceOptions {
+  absl::Duration default_lease = absl::Seconds(10);  // when ReserveRequest.lease_ms is 0
+  absl::Duration max_lease = absl::Seconds(60);      // longer requests are clipped to this
+  // How long an aborted reservation's blocks stay unusable before they are freed: longer than
+  // any write of a prefill worker can take to land (the transport's transfer timeout).
+  absl::Duration quarantine = absl::Seconds(2);
+  // The all-position baseline: decode applies the request's adapter to generated tokens, so it
+  // needs an adapter store. Off (PreFT): StartRequest.adapter must be empty.
+  bool all_position_adapters = false;
+  adapters::AdapterStoreOptions store;
+};
+
+// Thread-safe (a gRPC callback service). Takes ownership of the engine (run by its own
+// EngineLoop thread) and of the transport, which Create starts on the engine's cache.
+class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
+ public:
+  static absl::StatusOr<std::unique_ptr<DecodeService>> Create(
+      std::unique_ptr<engine::Engine> engine, std::unique_ptr<transport::KvTransport> transport,
+      const transport::KvLayout& layout, const DecodeServiceOptions& options);
+  // Fails running streams with UNAVAILABLE, stops the engine and the transport.
+  ~DecodeService() override;
+
+  // Graceful drain (SIGTERM): Reserve answers UNAVAILABLE, Status reports draining; streams
+  // already started run to the end.
+  void StartDrain();
+  // Start streams still open (drain waits for 0).
+  int64_t active_streams() const;
+
+  // Block accounting, for tests and metrics.
+  struct BlockCounts {
+    int32_t total = 0;
+    int32_t free = 0;         // in the allocator
+    int32_t reserved = 0;     // held by reservations not yet started
+    int32_t quarantined = 0;  // aborted, waiting to be freed
+    int32_t running = 0;      // sequences decoding
+  };
+  BlockCounts block_counts() const;
+
+  grpc::ServerUnaryReactor* Reserve(grpc::CallbackServerContext* context,
+                                    const worker::v1::ReserveRequest* request,
+                                    worker::v1::ReserveResponse* response) override;
+  grpc::ServerWriteReactor<v1::GenerateResponse>* Start(
+      grpc::CallbackServerContext* context, const worker::v1::StartRequest* request) override;
+  grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* context,
+                                    const worker::v1::ReleaseRequest* request,
+                                    worker::v1::ReleaseResponse* response) override;
+  grpc::ServerUnaryReactor* Status(grpc::CallbackServerContext* context,
+                                   const worker::v1::DecodeStatusRequest* request,
+                                   worker::v1::DecodeStatusResponse* response) override;
+
+ private:
+  struct Impl;
+  explicit DecodeService(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace preft::decode

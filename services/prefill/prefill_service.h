@@ -1,0 +1,61 @@
+#pragma once
+
+// The prefill tier (DESIGN.md §4): runs prompts of many adapters together (chunked), samples
+// each request's first token, pushes the prompt's KV into the decode worker's reservation
+// through the KV transport, and answers once the decode worker has the KV and the DONE notice.
+//
+// Adapters are named by the router with a folder and a version (PrefillRequest.adapter_path,
+// adapter_version); each (name, version) is its own entry in the worker's AdapterStore, loaded
+// on first use off the engine thread, so a request finishes on the version it started with and
+// an RL weight update only has to reach this tier.
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/adapters/adapter_store.h"
+#include "common/engine/engine.h"
+#include "common/model/config.h"
+#include "common/transport/kv_transport.h"
+#include "proto/preft/v1/worker.grpc.pb.h"
+
+namespace preft::prefill {
+
+struct PrefillServiceOptions {
+  adapters::AdapterStoreOptions store;
+  // Adapter folders must lie under this root (canonical paths); "" accepts none.
+  std::string adapter_root;
+};
+
+// Thread-safe (a gRPC callback service). Takes ownership of the engine (run by its own
+// EngineLoop thread) and of the transport, which Create starts on the engine's cache.
+class PrefillService final : public worker::v1::PrefillWorker::CallbackService {
+ public:
+  static absl::StatusOr<std::unique_ptr<PrefillService>> Create(
+      std::unique_ptr<engine::Engine> engine, std::unique_ptr<transport::KvTransport> transport,
+      const transport::KvLayout& layout, const PrefillServiceOptions& options);
+  // Fails requests in flight with UNAVAILABLE, stops the engine and the transport.
+  ~PrefillService() override;
+
+  // Graceful drain (SIGTERM): Prefill answers UNAVAILABLE, Status reports draining.
+  void StartDrain();
+  // Prefill calls in flight (drain waits for 0).
+  int64_t active_requests() const;
+
+  grpc::ServerUnaryReactor* Prefill(grpc::CallbackServerContext* context,
+                                    const worker::v1::PrefillRequest* request,
+                                    worker::v1::PrefillResponse* response) override;
+  grpc::ServerUnaryReactor* Status(grpc::CallbackServerContext* context,
+                                   const worker::v1::PrefillStatusRequest* request,
+                                   worker::v1::PrefillStatusResponse* response) override;
+  grpc::ServerUnaryReactor* Connect(grpc::CallbackServerContext* context,
+                                    const worker::v1::ConnectRequest* request,
+                                    worker::v1::ConnectResponse* response) override;
+
+ private:
+  struct Impl;
+  explicit PrefillService(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace preft::prefill
