@@ -1,0 +1,134 @@
+#include "services/router/adapter_registry.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "common/adapters/versioned_adapters.h"
+#include "common/base/status_macros.h"
+
+namespace preft::router {
+
+absl::Status ValidateAdapterName(const std::string& name) {
+  const bool ok_chars = std::all_of(name.begin(), name.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+  });
+  if (name.empty() || name.size() > 128 || !ok_chars || name == "." || name == "..") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("adapter name '", name, "' must be 1-128 characters from [A-Za-z0-9._-]"));
+  }
+  return absl::OkStatus();
+}
+
+AdapterRegistry::AdapterRegistry(const model::ModelConfig& base, std::string base_name,
+                                 std::string root, adapters::LoadOptions load)
+    : base_(base), base_name_(std::move(base_name)), root_(std::move(root)), load_(load) {}
+
+absl::StatusOr<RegisteredAdapter> AdapterRegistry::Inspect(const std::string& name,
+                                                           const std::string& dir) const {
+  PREFT_ASSIGN_OR_RETURN(std::string path, adapters::ResolveUnderRoot(root_, dir));
+  PREFT_ASSIGN_OR_RETURN(auto weights, adapters::LoadAdapter(path, base_, load_));
+  RegisteredAdapter a;
+  a.name = name;
+  a.path = path;
+  a.kind = weights->kind();
+  a.default_positions = weights->default_positions;
+  a.rank = weights->max_rank();
+  a.bytes = static_cast<int64_t>(weights->bytes());
+  return a;
+}
+
+absl::StatusOr<RegisteredAdapter> AdapterRegistry::Register(const std::string& name,
+                                                            const std::string& path) {
+  PREFT_RETURN_IF_ERROR(ValidateAdapterName(name));
+  if (name == base_name_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("adapter name '", name, "' is the base model's name"));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (adapters_.count(name)) {
+      return absl::AlreadyExistsError(absl::StrCat("adapter '", name, "' is already registered"));
+    }
+  }
+  PREFT_ASSIGN_OR_RETURN(RegisteredAdapter a, Inspect(name, path));
+  a.registered_path = path;
+  a.version = 1;
+  absl::MutexLock lock(&mu_);
+  if (!adapters_.emplace(name, a).second) {
+    return absl::AlreadyExistsError(absl::StrCat("adapter '", name, "' is already registered"));
+  }
+  return a;
+}
+
+absl::StatusOr<RegisteredAdapter> AdapterRegistry::Get(const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = adapters_.find(name);
+  if (it == adapters_.end()) {
+    return absl::NotFoundError(absl::StrCat("adapter '", name, "' is not registered"));
+  }
+  return it->second;
+}
+
+absl::Status AdapterRegistry::Unregister(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  if (adapters_.erase(name) == 0) {
+    return absl::NotFoundError(absl::StrCat("adapter '", name, "' is not registered"));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<RegisteredAdapter> AdapterRegistry::List() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<RegisteredAdapter> out;
+  for (const auto& [name, a] : adapters_) out.push_back(a);
+  return out;
+}
+
+absl::StatusOr<RegisteredAdapter> AdapterRegistry::Update(
+    const std::string& name, std::optional<int64_t> expected_version,
+    const std::map<std::string, std::string>& files) {
+  namespace fs = std::filesystem;
+  absl::MutexLock update_lock(&update_mu_);
+  PREFT_ASSIGN_OR_RETURN(RegisteredAdapter current, Get(name));
+  if (expected_version && *expected_version != current.version) {
+    return absl::FailedPreconditionError(absl::StrCat("adapter '", name, "' is at version ",
+                                                      current.version, ", not ",
+                                                      *expected_version));
+  }
+  if (files.empty()) return absl::InvalidArgumentError("no files were sent");
+  for (const auto& [file, bytes] : files) {
+    if (file.empty() || file.find('/') != std::string::npos || file == "." || file == "..") {
+      return absl::InvalidArgumentError(absl::StrCat("file name '", file, "' is not a plain name"));
+    }
+  }
+  const int64_t version = current.version + 1;
+  const fs::path dir = fs::path(root_) / ".preft-versions" / name / absl::StrCat("v", version);
+  std::error_code ec;
+  fs::remove_all(dir, ec);  // a previous failed attempt at this version
+  fs::create_directories(dir, ec);
+  if (ec) {
+    return absl::InternalError(absl::StrCat("cannot create '", dir.string(), "': ", ec.message()));
+  }
+  for (const auto& [file, bytes] : files) {
+    std::ofstream out(dir / file, std::ios::binary);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    if (!out) return absl::InternalError(absl::StrCat("cannot write '", (dir / file).string(), "'"));
+  }
+  absl::StatusOr<RegisteredAdapter> next = Inspect(name, dir.string());
+  if (!next.ok()) {
+    fs::remove_all(dir, ec);
+    return next.status();
+  }
+  next->registered_path = current.registered_path;
+  next->version = version;
+  absl::MutexLock lock(&mu_);
+  auto it = adapters_.find(name);
+  if (it == adapters_.end() || it->second.version != current.version) {
+    return absl::AbortedError(absl::StrCat("adapter '", name, "' changed during the update"));
+  }
+  it->second = *next;
+  return *next;
+}
+
+}  // namespace preft::router

@@ -1,0 +1,407 @@
+#include "services/router/generate_call.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/status_macros.h"
+#include "common/rpc/convert.h"
+#include "common/rpc/status.h"
+
+namespace preft::router {
+
+namespace {
+
+bool Retryable(absl::StatusCode code) {
+  // The worker is gone or failed the call itself: another worker may succeed.
+  return code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kInternal ||
+         code == absl::StatusCode::kAborted || code == absl::StatusCode::kUnknown;
+}
+
+}  // namespace
+
+GenerateCall::GenerateCall(RouterService::Impl* router, grpc::CallbackServerContext* context,
+                           const v1::GenerateRequest* request)
+    : router_(router), context_(context), request_(*request) {
+  client_deadline_ = context->deadline();
+  has_deadline_ = client_deadline_ < std::chrono::system_clock::time_point::max() -
+                                         std::chrono::hours(24 * 365);
+  admission_deadline_ = has_deadline_ ? absl::FromChrono(client_deadline_)
+                                      : absl::Now() + router->options.admission_timeout;
+  router_->Spawn([this] { Drive(); });
+}
+
+void GenerateCall::OnWriteDone(bool ok) {
+  std::lock_guard<std::mutex> lock(mu_);
+  write_pending_ = false;
+  write_ok_ = ok;
+  cv_.notify_all();
+}
+
+void GenerateCall::OnCancel() {
+  std::lock_guard<std::mutex> lock(mu_);
+  cancelled_ = true;
+  if (current_ != nullptr) current_->TryCancel();
+  cv_.notify_all();
+}
+
+void GenerateCall::Abort() {
+  std::lock_guard<std::mutex> lock(mu_);
+  aborted_ = true;
+  if (current_ != nullptr) current_->TryCancel();
+  cv_.notify_all();
+}
+
+void GenerateCall::Track(grpc::ClientContext* ctx) {
+  if (has_deadline_) ctx->set_deadline(client_deadline_);
+  std::lock_guard<std::mutex> lock(mu_);
+  current_ = ctx;
+  if (cancelled_ || aborted_) ctx->TryCancel();
+}
+
+void GenerateCall::Untrack() {
+  std::lock_guard<std::mutex> lock(mu_);
+  current_ = nullptr;
+}
+
+bool GenerateCall::stopped() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return cancelled_ || aborted_;
+}
+
+bool GenerateCall::Write(const v1::GenerateResponse& response) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (cancelled_) return false;
+  write_pending_ = true;
+  lock.unlock();
+  StartWrite(&response);
+  lock.lock();
+  cv_.wait(lock, [&] { return !write_pending_; });
+  return write_ok_ && !cancelled_;
+}
+
+void GenerateCall::Drive() {
+  absl::Status status = Run();
+  {
+    std::lock_guard<std::mutex> lock(router_->mu);
+    auto it = router_->active.find(id_);
+    if (it != router_->active.end() && it->second == this) router_->active.erase(it);
+  }
+  Finish(rpc::ToGrpcStatus(status));  // `this` may be deleted from here on
+}
+
+absl::Status GenerateCall::AbortedResult() {
+  bool cancelled;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cancelled = cancelled_;
+  }
+  if (cancelled) return absl::CancelledError("cancelled by the client");
+  // Abort RPC: an ordinary end with finish ABORT.
+  v1::GenerateResponse last;
+  last.set_request_id(id_);
+  last.mutable_finish()->set_reason(v1::FINISH_REASON_ABORT);
+  last.mutable_finish()->mutable_usage()->set_completion_tokens(completion_tokens_);
+  Write(last);
+  return absl::OkStatus();
+}
+
+absl::Status GenerateCall::Admit(std::vector<int32_t>* prompt,
+                                 std::optional<RegisteredAdapter>* adapter,
+                                 engine::SamplingParams* sampling) {
+  const model::ModelConfig& c = router_->config;
+  switch (request_.prompt_case()) {
+    case v1::GenerateRequest::kText: {
+      if (router_->tokenizer == nullptr) {
+        return absl::FailedPreconditionError("the base model has no tokenizer: send token_ids");
+      }
+      PREFT_ASSIGN_OR_RETURN(*prompt, router_->tokenizer->Encode(request_.text()));
+      break;
+    }
+    case v1::GenerateRequest::kTokenIds:
+      prompt->assign(request_.token_ids().ids().begin(), request_.token_ids().ids().end());
+      break;
+    default:
+      return absl::InvalidArgumentError("prompt: set text or token_ids");
+  }
+  if (prompt->empty()) return absl::InvalidArgumentError("prompt is empty");
+  for (int32_t id : *prompt) {
+    if (id < 0 || id >= c.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prompt token id ", id, " is outside the vocabulary [0, ", c.vocab_size, ")"));
+    }
+  }
+  const int64_t n = static_cast<int64_t>(prompt->size());
+  if (n >= c.max_position_embeddings) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt has ", n, " tokens; the model's context is ", c.max_position_embeddings));
+  }
+  if (!request_.model().empty() && request_.model() != router_->options.base_name) {
+    PREFT_ASSIGN_OR_RETURN(RegisteredAdapter a, router_->registry->Get(request_.model()));
+    *adapter = std::move(a);
+  }
+  *sampling = rpc::FromProto(request_.sampling());
+  if (!request_.sampling().has_max_tokens()) sampling->max_tokens = router_->options.default_max_tokens;
+  PREFT_RETURN_IF_ERROR(sampling->Validate(c.vocab_size));
+  if (n + sampling->max_tokens > c.max_position_embeddings) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_tokens ", sampling->max_tokens, " + prompt of ", n, " tokens exceeds the context of ",
+        c.max_position_embeddings));
+  }
+  if (!sampling->seed) {
+    std::lock_guard<std::mutex> lock(router_->mu);
+    sampling->seed = router_->rng();
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<GenerateCall::Reservation> GenerateCall::Reserve(int64_t prompt_tokens,
+                                                                int64_t max_new) {
+  std::string last_error = "no decode worker is known";
+  for (;;) {
+    if (stopped()) return absl::CancelledError("cancelled");
+    const auto workers = router_->pool->decode();
+    std::vector<DecodeView> views;
+    for (const auto& w : workers) {
+      absl::MutexLock lock(&w->mu);
+      views.push_back(w->view);
+    }
+    const int64_t bt = views.empty() ? 16 : std::max<int64_t>(1, views[0].block_tokens);
+    const int64_t need = BlocksNeeded(prompt_tokens, max_new, bt);
+    bool fits_somewhere = false;
+    for (const DecodeView& v : views) fits_somewhere |= v.total_blocks >= need;
+    if (!views.empty() && !fits_somewhere &&
+        std::all_of(views.begin(), views.end(), [](const DecodeView& v) { return v.healthy; })) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prompt of ", prompt_tokens, " tokens + max_tokens ", max_new, " needs ", need,
+          " KV blocks; the largest decode worker has ", views[0].total_blocks));
+    }
+    for (size_t i : RankDecode(views, need)) {
+      grpc::ClientContext ctx;
+      Track(&ctx);
+      worker::v1::ReserveRequest req;
+      req.set_request_id(id_);
+      req.set_num_tokens(static_cast<int32_t>(prompt_tokens));
+      req.set_max_new_tokens(static_cast<int32_t>(max_new));
+      req.set_lease_ms(absl::ToInt64Milliseconds(router_->options.lease));
+      Reservation res;
+      const absl::Status s = rpc::FromGrpcStatus(workers[i]->stub->Reserve(&ctx, req, &res.r));
+      Untrack();
+      if (s.ok()) {
+        res.worker = workers[i];
+        absl::MutexLock lock(&workers[i]->mu);  // until the next poll says otherwise
+        workers[i]->view.free_blocks -= res.r.block_ids_size();
+        return res;
+      }
+      if (stopped()) return absl::CancelledError("cancelled");
+      last_error = absl::StrCat(workers[i]->address, ": ", s.message());
+      if (s.code() == absl::StatusCode::kUnavailable) WorkerPool::MarkUnhealthy(*workers[i]);
+      if (s.code() == absl::StatusCode::kDeadlineExceeded && has_deadline_) return s;
+    }
+    if (absl::Now() >= admission_deadline_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "no decode worker had room for the request before the deadline (last: ", last_error,
+          ")"));
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::milliseconds(20), [&] { return cancelled_ || aborted_; });
+  }
+}
+
+absl::StatusOr<worker::v1::PrefillResponse> GenerateCall::Prefill(
+    Reservation* res, const std::vector<int32_t>& prompt,
+    const std::optional<RegisteredAdapter>& adapter, const engine::SamplingParams& sampling) {
+  std::vector<std::string> tried;
+  std::string last_error = "no prefill worker is available";
+  for (int attempt = 0; attempt < router_->options.max_prefill_attempts;) {
+    if (stopped()) return absl::CancelledError("cancelled");
+    const auto workers = router_->pool->prefill();
+    std::vector<PrefillView> views;
+    for (const auto& w : workers) {
+      absl::MutexLock lock(&w->mu);
+      PrefillView v = w->view;
+      if (adapter) {
+        for (const auto& a : w->status.adapters()) {
+          if (a.name() != adapter->name || a.version() != adapter->version) continue;
+          v.adapter_resident = a.residency() == v1::ADAPTER_RESIDENCY_RESIDENT;
+          v.adapter_loading = a.residency() == v1::ADAPTER_RESIDENCY_LOADING;
+        }
+      }
+      if (std::find(tried.begin(), tried.end(), w->address) != tried.end()) v.healthy = false;
+      views.push_back(v);
+    }
+    const std::vector<size_t> order =
+        RankPrefill(views, adapter.has_value(), adapter ? adapter->bytes : 0);
+    if (order.empty()) {
+      if (absl::Now() >= admission_deadline_) {
+        return absl::UnavailableError(absl::StrCat("no prefill worker could run the prompt (last: ",
+                                                   last_error, ")"));
+      }
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, std::chrono::milliseconds(20), [&] { return cancelled_ || aborted_; });
+      if (!tried.empty() && tried.size() >= workers.size()) tried.clear();  // all failed once
+      continue;
+    }
+    const auto& w = workers[order.front()];
+    worker::v1::PrefillRequest req;
+    req.set_request_id(id_);
+    for (int32_t t : prompt) req.add_prompt_ids(t);
+    if (adapter) {
+      req.set_adapter(adapter->name);
+      req.set_adapter_path(adapter->path);
+      req.set_adapter_version(adapter->version);
+      req.set_adapter_positions(request_.adapter_positions());
+    }
+    *req.mutable_sampling() = rpc::ToProto(sampling);
+    req.set_reservation_id(res->r.reservation_id());
+    req.set_generation(res->r.generation());
+    *req.mutable_block_ids() = res->r.block_ids();
+    req.set_block_tokens(res->r.block_tokens());
+    *req.mutable_decode_endpoint() = res->r.endpoint();
+    {
+      absl::MutexLock lock(&w->mu);
+      ++w->view.queue_depth;  // until the next poll
+    }
+    grpc::ClientContext ctx;
+    Track(&ctx);
+    worker::v1::PrefillResponse out;
+    const absl::Status s = rpc::FromGrpcStatus(w->stub->Prefill(&ctx, req, &out));
+    Untrack();
+    if (s.ok()) return out;
+    if (stopped()) return absl::CancelledError("cancelled");
+    if (!Retryable(s.code())) return s;  // the request itself is bad: no other worker helps
+    ++attempt;
+    last_error = absl::StrCat(w->address, ": ", s.message());
+    std::fprintf(stderr, "router: prefill of %s on %s failed (%s); retrying\n", id_.c_str(),
+                 w->address.c_str(), s.ToString().c_str());
+    if (s.code() == absl::StatusCode::kUnavailable) WorkerPool::MarkUnhealthy(*w);
+    tried.push_back(w->address);
+    // Same reservation, next generation: late writes of the failed attempt cannot land in it.
+    grpc::ClientContext rctx;
+    Track(&rctx);
+    worker::v1::ReserveRequest rr;
+    rr.set_request_id(id_);
+    rr.set_num_tokens(static_cast<int32_t>(prompt.size()));
+    rr.set_max_new_tokens(sampling.max_tokens);
+    rr.set_lease_ms(absl::ToInt64Milliseconds(router_->options.lease));
+    rr.set_retry_of(res->r.reservation_id());
+    worker::v1::ReserveResponse next;
+    const absl::Status rs = rpc::FromGrpcStatus(res->worker->stub->Reserve(&rctx, rr, &next));
+    Untrack();
+    if (!rs.ok()) {
+      return absl::Status(rs.code(), absl::StrCat("prefill failed (", s.message(),
+                                                  ") and its retry could not re-reserve: ",
+                                                  rs.message()));
+    }
+    res->r = std::move(next);
+  }
+  return absl::UnavailableError(absl::StrCat("prefill failed on ", router_->options.max_prefill_attempts,
+                                             " workers (last: ", last_error, ")"));
+}
+
+void GenerateCall::Release(const Reservation& res, const std::string& reason) {
+  grpc::ClientContext ctx;  // not tracked: it must run even when the call was cancelled
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  worker::v1::ReleaseRequest req;
+  req.set_reservation_id(res.r.reservation_id());
+  req.set_generation(res.r.generation());
+  req.set_reason(reason);
+  worker::v1::ReleaseResponse out;
+  (void)res.worker->stub->Release(&ctx, req, &out);  // lease expiry covers a lost Release
+}
+
+absl::Status GenerateCall::Decode(const Reservation& res, const std::vector<int32_t>& prompt,
+                                  const std::optional<RegisteredAdapter>& adapter,
+                                  const engine::SamplingParams& sampling,
+                                  const worker::v1::PrefillResponse& first) {
+  worker::v1::StartRequest req;
+  req.set_reservation_id(res.r.reservation_id());
+  req.set_generation(res.r.generation());
+  req.set_request_id(id_);
+  for (int32_t t : prompt) req.add_prompt_ids(t);
+  req.set_first_token_id(first.first_token_id());
+  if (first.has_first_logprob()) *req.mutable_first_logprob() = first.first_logprob();
+  *req.mutable_sampling() = rpc::ToProto(sampling);
+  if (adapter) {
+    req.set_adapter_version(first.adapter_version());
+    req.set_adapter_positions(first.adapter_positions());
+    // Only the all-position baseline decodes with the adapter; PreFT decode never sees it.
+    if (first.adapter_positions() == v1::ADAPTER_POSITIONS_ALL) {
+      req.set_adapter(adapter->name);
+      req.set_adapter_path(adapter->path);
+    }
+  }
+  grpc::ClientContext ctx;
+  Track(&ctx);
+  auto reader = res.worker->stub->Start(&ctx, req);
+  v1::GenerateResponse msg;
+  v1::GenerateResponse all;  // non-streaming: everything in one message
+  all.set_request_id(id_);
+  bool client_gone = false;
+  while (reader->Read(&msg)) {
+    msg.set_request_id(id_);
+    completion_tokens_ += msg.token_ids_size();
+    if (adapter && msg.has_finish()) {
+      msg.mutable_finish()->set_adapter(adapter->name);
+      msg.mutable_finish()->set_adapter_version(first.adapter_version());
+      msg.mutable_finish()->set_adapter_positions(first.adapter_positions());
+    }
+    if (request_.stream()) {
+      if (!Write(msg)) {
+        client_gone = true;
+        ctx.TryCancel();
+      }
+    } else {
+      all.mutable_token_ids()->MergeFrom(msg.token_ids());
+      all.mutable_text()->append(msg.text());
+      all.mutable_logprobs()->MergeFrom(msg.logprobs());
+      if (msg.has_finish()) *all.mutable_finish() = msg.finish();
+    }
+  }
+  const absl::Status s = rpc::FromGrpcStatus(reader->Finish());
+  Untrack();
+  if (client_gone) return absl::CancelledError("the client went away");
+  if (stopped()) return AbortedResult();
+  if (!s.ok()) {
+    if (s.code() == absl::StatusCode::kUnavailable) {
+      WorkerPool::MarkUnhealthy(*res.worker);
+      return absl::UnavailableError(absl::StrCat("decode worker ", res.worker->address,
+                                                 " failed mid-stream: ", s.message()));
+    }
+    return s;
+  }
+  if (!request_.stream()) Write(all);
+  return absl::OkStatus();
+}
+
+absl::Status GenerateCall::Run() {
+  {
+    std::lock_guard<std::mutex> lock(router_->mu);
+    if (router_->draining) return absl::UnavailableError("the router is draining");
+    id_ = request_.request_id().empty() ? absl::StrCat("req-", ++router_->next_id, "-",
+                                                       router_->rng() % 1000000)
+                                        : request_.request_id();
+    if (!router_->active.emplace(id_, this).second) {
+      const std::string taken = id_;
+      id_.clear();  // not ours to remove
+      return absl::InvalidArgumentError(
+          absl::StrCat("request id '", taken, "' is already running"));
+    }
+  }
+  std::vector<int32_t> prompt;
+  std::optional<RegisteredAdapter> adapter;
+  engine::SamplingParams sampling;
+  PREFT_RETURN_IF_ERROR(Admit(&prompt, &adapter, &sampling));
+
+  absl::StatusOr<Reservation> res =
+      Reserve(static_cast<int64_t>(prompt.size()), sampling.max_tokens);
+  if (!res.ok()) return stopped() ? AbortedResult() : res.status();
+  absl::StatusOr<worker::v1::PrefillResponse> first = Prefill(&*res, prompt, adapter, sampling);
+  if (!first.ok()) {
+    Release(*res, stopped() ? "cancelled" : "prefill failed");
+    return stopped() ? AbortedResult() : first.status();
+  }
+  return Decode(*res, prompt, adapter, sampling, *first);
+}
+
+}  // namespace preft::router

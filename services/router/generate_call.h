@@ -1,0 +1,79 @@
+#pragma once
+
+// One Generate call: a callback reactor whose work (blocking RPCs to the workers) runs on a
+// thread of its own, writing to the client one message at a time.
+
+#include <grpcpp/grpcpp.h>
+
+#include <condition_variable>
+#include <mutex>
+#include <optional>
+
+#include "absl/status/status.h"
+#include "common/engine/sampling_params.h"
+#include "proto/preft/v1/preft.grpc.pb.h"
+#include "proto/preft/v1/worker.grpc.pb.h"
+#include "services/router/router_impl.h"
+
+namespace preft::router {
+
+class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
+ public:
+  GenerateCall(RouterService::Impl* router, grpc::CallbackServerContext* context,
+               const v1::GenerateRequest* request);
+
+  void OnWriteDone(bool ok) override;
+  void OnCancel() override;
+  void OnDone() override { delete this; }
+
+  // Abort RPC: the stream ends with finish ABORT and status OK.
+  void Abort();
+
+ private:
+  struct Reservation {
+    std::shared_ptr<DecodeWorker> worker;
+    worker::v1::ReserveResponse r;
+  };
+
+  void Drive();
+  // Everything up to the end of the decode stream; returns the call's status.
+  absl::Status Run();
+  absl::Status Admit(std::vector<int32_t>* prompt, std::optional<RegisteredAdapter>* adapter,
+                     engine::SamplingParams* sampling);
+  absl::StatusOr<Reservation> Reserve(int64_t prompt_tokens, int64_t max_new);
+  absl::StatusOr<worker::v1::PrefillResponse> Prefill(
+      Reservation* res, const std::vector<int32_t>& prompt,
+      const std::optional<RegisteredAdapter>& adapter, const engine::SamplingParams& sampling);
+  absl::Status Decode(const Reservation& res, const std::vector<int32_t>& prompt,
+                      const std::optional<RegisteredAdapter>& adapter,
+                      const engine::SamplingParams& sampling,
+                      const worker::v1::PrefillResponse& first);
+  void Release(const Reservation& res, const std::string& reason);
+
+  // Client context for a worker call: the client's deadline, registered for cancellation.
+  void Track(grpc::ClientContext* ctx);
+  void Untrack();
+  bool stopped();  // cancelled or aborted
+  // Blocks until the write is done; false when the client is gone.
+  bool Write(const v1::GenerateResponse& response);
+  absl::Status AbortedResult();
+
+  RouterService::Impl* const router_;
+  grpc::CallbackServerContext* const context_;
+  const v1::GenerateRequest request_;
+  std::string id_;
+  absl::Time admission_deadline_;
+  std::chrono::system_clock::time_point client_deadline_;
+  bool has_deadline_ = false;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool cancelled_ = false;
+  bool aborted_ = false;
+  bool write_pending_ = false;
+  bool write_ok_ = true;
+  grpc::ClientContext* current_ = nullptr;
+  int32_t completion_tokens_ = 0;
+};
+
+}  // namespace preft::router

@@ -1,0 +1,114 @@
+// preft-router: the cluster's public gRPC API in front of prefill and decode workers.
+
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <thread>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/str_split.h"
+#include "common/model/config.h"
+#include "common/model/tokenizer.h"
+#include "common/rpc/server.h"
+#include "common/serving/worker_setup.h"
+#include "services/router/router_service.h"
+
+namespace {
+
+std::vector<std::string> SplitList(const std::vector<std::string>& flags) {
+  std::vector<std::string> out;
+  for (const std::string& f : flags)
+    for (absl::string_view s : absl::StrSplit(f, ',', absl::SkipEmpty())) out.emplace_back(s);
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace preft;
+  CLI::App app{"preft-router: public gRPC API, placement and adapter admin for a preft cluster"};
+  std::string model_dir, listen = "127.0.0.1:0", adapter_root, base_name;
+  std::vector<std::string> prefill, decode;
+  int64_t lease_ms = 10000, poll_ms = 100, max_rank = 128;
+  double admission_timeout_s = 30, drain_timeout_s = 30;
+  app.add_option("--model", model_dir, "base model folder (config.json, tokenizer.json)")->required();
+  app.add_option("--listen", listen, "host:port to serve on (port 0 picks one)");
+  app.add_option("--prefill", prefill, "prefill workers: host:port or dns:NAME:PORT (repeatable, comma-separated)")->required();
+  app.add_option("--decode", decode, "decode workers: host:port or dns:NAME:PORT (repeatable, comma-separated)")->required();
+  app.add_option("--adapter-root", adapter_root, "folder adapters are registered from (shared with the workers)");
+  app.add_option("--base-name", base_name, "the base model's name in requests (default: the model folder's name)");
+  app.add_option("--max-rank", max_rank, "highest adapter rank accepted")->check(CLI::PositiveNumber);
+  app.add_option("--lease-ms", lease_ms, "KV reservation lease")->check(CLI::PositiveNumber);
+  app.add_option("--poll-ms", poll_ms, "worker status poll interval")->check(CLI::PositiveNumber);
+  app.add_option("--admission-timeout-s", admission_timeout_s, "wait for capacity when the client sets no deadline");
+  app.add_option("--drain-timeout-s", drain_timeout_s, "on SIGTERM, wait this long for running requests");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  serving::BlockTerminationSignals();
+
+  auto config = model::ModelConfig::FromFile(model_dir + "/config.json");
+  if (!config.ok()) {
+    std::fprintf(stderr, "preft-router: %s\n", config.status().ToString().c_str());
+    return 1;
+  }
+  std::unique_ptr<model::Tokenizer> tokenizer;
+  if (std::filesystem::exists(model_dir + "/tokenizer.json")) {
+    auto t = model::Tokenizer::LoadFromModelDir(model_dir);
+    if (!t.ok()) {
+      std::fprintf(stderr, "preft-router: %s\n", t.status().ToString().c_str());
+      return 1;
+    }
+    tokenizer = std::move(t).value();
+  }
+  if (base_name.empty()) base_name = std::filesystem::path(model_dir).filename().string();
+  if (base_name.empty()) base_name = "base";
+
+  router::WorkerPoolOptions pool_options;
+  pool_options.prefill = SplitList(prefill);
+  pool_options.decode = SplitList(decode);
+  pool_options.poll_interval = absl::Milliseconds(poll_ms);
+  for (const auto& spec : pool_options.prefill) {
+    if (auto r = router::ResolveSpec(spec); !r.ok() && r.status().code() == absl::StatusCode::kInvalidArgument) {
+      std::fprintf(stderr, "preft-router: %s\n", r.status().ToString().c_str());
+      return 2;
+    }
+  }
+  for (const auto& spec : pool_options.decode) {
+    if (auto r = router::ResolveSpec(spec); !r.ok() && r.status().code() == absl::StatusCode::kInvalidArgument) {
+      std::fprintf(stderr, "preft-router: %s\n", r.status().ToString().c_str());
+      return 2;
+    }
+  }
+  router::WorkerPool pool(pool_options);
+  adapters::LoadOptions load;
+  load.max_rank = max_rank;
+  router::AdapterRegistry registry(*config, base_name, adapter_root, load);
+  router::RouterOptions options;
+  options.base_name = base_name;
+  options.base_dtype = kernels::DTypeName(config->torch_dtype);
+  options.lease = absl::Milliseconds(lease_ms);
+  options.admission_timeout = absl::Seconds(admission_timeout_s);
+  router::RouterService service(*config, tokenizer.get(), &pool, &registry, options);
+
+  rpc::ServerOptions server_options;
+  server_options.address = listen;
+  server_options.services = {&service};
+  auto server = rpc::Server::Start(server_options);
+  if (!server.ok()) {
+    std::fprintf(stderr, "preft-router: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("preft-router listening on %s\n", (*server)->address().c_str());
+  std::fflush(stdout);
+
+  serving::WaitForTerminationSignal();
+  service.StartDrain();
+  (*server)->SetServing("", false);
+  const absl::Time until = absl::Now() + absl::Seconds(drain_timeout_s);
+  while (service.active_requests() > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(50));
+  (*server)->Shutdown(absl::Seconds(5));
+  return 0;
+}

@@ -1,0 +1,294 @@
+#include "services/router/router_service.h"
+
+#include <map>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/rpc/convert.h"
+#include "common/rpc/status.h"
+#include "services/router/generate_call.h"
+#include "services/router/router_impl.h"
+
+namespace preft::router {
+
+void RouterService::Impl::Spawn(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    ++threads;
+  }
+  std::thread([this, fn = std::move(fn)] {
+    fn();
+    std::lock_guard<std::mutex> lock(mu);
+    if (--threads == 0) idle.notify_all();
+  }).detach();
+}
+
+RouterService::RouterService(const model::ModelConfig& config, const model::Tokenizer* tokenizer,
+                             WorkerPool* pool, AdapterRegistry* registry, RouterOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->config = config;
+  impl_->tokenizer = tokenizer;
+  impl_->pool = pool;
+  impl_->registry = registry;
+  impl_->options = std::move(options);
+}
+
+RouterService::~RouterService() {
+  std::unique_lock<std::mutex> lock(impl_->mu);
+  impl_->idle.wait(lock, [&] { return impl_->threads == 0; });
+}
+
+void RouterService::StartDrain() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->draining = true;
+}
+
+int64_t RouterService::active_requests() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return static_cast<int64_t>(impl_->active.size());
+}
+
+grpc::ServerWriteReactor<v1::GenerateResponse>* RouterService::Generate(
+    grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
+  return new GenerateCall(impl_.get(), context, request);
+}
+
+grpc::ServerUnaryReactor* RouterService::Abort(grpc::CallbackServerContext* context,
+                                               const v1::AbortRequest* request,
+                                               v1::AbortResponse*) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->active.find(request->request_id());
+  if (it == impl_->active.end()) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::NOT_FOUND,
+                                 absl::StrCat("no running request '", request->request_id(), "'")));
+  } else {
+    it->second->Abort();
+    reactor->Finish(grpc::Status::OK);
+  }
+  return reactor;
+}
+
+namespace {
+
+v1::AdapterInfo ToInfo(const RegisteredAdapter& a, WorkerPool* pool) {
+  v1::AdapterInfo info;
+  info.set_name(a.name);
+  info.set_version(a.version);
+  info.set_type(a.kind == model::AdapterKind::kLora ? v1::ADAPTER_TYPE_LORA
+                                                    : v1::ADAPTER_TYPE_DIREFT);
+  info.set_default_positions(rpc::ToProto(a.default_positions));
+  info.set_rank(static_cast<int32_t>(a.rank));
+  info.set_path(a.registered_path);
+  info.set_bytes(a.bytes);
+  for (const auto& w : pool->prefill()) {
+    absl::MutexLock lock(&w->mu);
+    for (const auto& s : w->status.adapters()) {
+      if (s.name() != a.name) continue;
+      v1::WorkerResidency* r = info.add_workers();
+      r->set_worker(w->address);
+      r->set_version(s.version());
+      r->set_residency(s.residency());
+    }
+  }
+  return info;
+}
+
+// Runs a worker RPC on every healthy prefill worker (admin fan-out); the first error wins.
+template <typename Call>
+absl::Status ForEachPrefill(WorkerPool* pool, int limit, Call call) {
+  absl::Status first = absl::OkStatus();
+  int done = 0;
+  for (const auto& w : pool->prefill()) {
+    {
+      absl::MutexLock lock(&w->mu);
+      if (!w->view.healthy || w->view.draining) continue;
+    }
+    if (limit > 0 && done >= limit) break;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    const absl::Status s = call(*w, &ctx);
+    if (!s.ok() && first.ok()) first = absl::Status(s.code(), absl::StrCat(w->address, ": ", s.message()));
+    ++done;
+  }
+  return first;
+}
+
+absl::Status LoadOnWorkers(WorkerPool* pool, const RegisteredAdapter& a, int limit) {
+  return ForEachPrefill(pool, limit, [&](PrefillWorker& w, grpc::ClientContext* ctx) {
+    worker::v1::WorkerAdapterRequest req;
+    req.set_name(a.name);
+    req.set_version(a.version);
+    req.set_path(a.path);
+    worker::v1::AdapterState out;
+    return rpc::FromGrpcStatus(w.stub->LoadAdapter(ctx, req, &out));
+  });
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* RouterService::ListModels(grpc::CallbackServerContext* context,
+                                                    const v1::ListModelsRequest*,
+                                                    v1::ListModelsResponse* response) {
+  v1::BaseModel* base = response->mutable_base();
+  base->set_name(impl_->options.base_name);
+  base->set_architecture(impl_->config.architecture_name);
+  base->set_dtype(impl_->options.base_dtype);
+  base->set_vocab_size(static_cast<int32_t>(impl_->config.vocab_size));
+  base->set_max_context_tokens(static_cast<int32_t>(impl_->config.max_position_embeddings));
+  for (const RegisteredAdapter& a : impl_->registry->List())
+    *response->add_adapters() = ToInfo(a, impl_->pool);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* RouterService::RegisterAdapter(grpc::CallbackServerContext* context,
+                                                         const v1::RegisterAdapterRequest* request,
+                                                         v1::RegisterAdapterResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  impl_->Spawn([this, reactor, request, response] {  // reads the adapter from disk
+    absl::StatusOr<RegisteredAdapter> a =
+        impl_->registry->Register(request->name(), request->path());
+    absl::Status s = a.status();
+    if (s.ok() && request->load()) {
+      impl_->pool->PollNow();
+      s = LoadOnWorkers(impl_->pool, *a, 0);
+      if (s.ok()) impl_->pool->PollNow();
+    }
+    if (s.ok()) *response->mutable_adapter() = ToInfo(*a, impl_->pool);
+    reactor->Finish(rpc::ToGrpcStatus(s));
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* RouterService::LoadAdapter(grpc::CallbackServerContext* context,
+                                                     const v1::LoadAdapterRequest* request,
+                                                     v1::LoadAdapterResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  impl_->Spawn([this, reactor, request, response] {
+    absl::StatusOr<RegisteredAdapter> a = impl_->registry->Get(request->name());
+    absl::Status s = a.status();
+    if (s.ok()) s = LoadOnWorkers(impl_->pool, *a, request->num_workers() > 0 ? request->num_workers() : 1);
+    if (s.ok()) {
+      impl_->pool->PollNow();
+      *response->mutable_adapter() = ToInfo(*a, impl_->pool);
+    }
+    reactor->Finish(rpc::ToGrpcStatus(s));
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* RouterService::UnloadAdapter(grpc::CallbackServerContext* context,
+                                                       const v1::UnloadAdapterRequest* request,
+                                                       v1::UnloadAdapterResponse*) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  impl_->Spawn([this, reactor, request] {
+    absl::Status s = impl_->registry->Get(request->name()).status();
+    if (s.ok()) {
+      s = ForEachPrefill(impl_->pool, 0, [&](PrefillWorker& w, grpc::ClientContext* ctx) {
+        worker::v1::WorkerAdapterRequest req;
+        req.set_name(request->name());
+        worker::v1::UnloadWorkerAdapterResponse out;
+        return rpc::FromGrpcStatus(w.stub->UnloadAdapter(ctx, req, &out));
+      });
+    }
+    if (s.ok() && request->unregister()) s = impl_->registry->Unregister(request->name());
+    reactor->Finish(rpc::ToGrpcStatus(s));
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* RouterService::ListAdapters(grpc::CallbackServerContext* context,
+                                                      const v1::ListAdaptersRequest* request,
+                                                      v1::ListAdaptersResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (!request->name().empty()) {
+    absl::StatusOr<RegisteredAdapter> a = impl_->registry->Get(request->name());
+    if (a.ok()) *response->add_adapters() = ToInfo(*a, impl_->pool);
+    reactor->Finish(rpc::ToGrpcStatus(a.status()));
+    return reactor;
+  }
+  for (const RegisteredAdapter& a : impl_->registry->List())
+    *response->add_adapters() = ToInfo(a, impl_->pool);
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+namespace {
+
+// Collects the streamed files, then validates and swaps them in off the gRPC thread.
+class UpdateReactor final : public grpc::ServerReadReactor<v1::UpdateAdapterRequest> {
+ public:
+  static constexpr int64_t kMaxBytes = int64_t{4} << 30;
+
+  UpdateReactor(RouterService::Impl* router, v1::UpdateAdapterResponse* response)
+      : router_(router), response_(response) {
+    StartRead(&msg_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the client half-closed: all files are here
+      Complete();
+      return;
+    }
+    if (!header_) {
+      if (!msg_.has_header()) return Fail("the first message must be the header");
+      header_ = msg_.header();
+    } else {
+      if (!msg_.has_chunk()) return Fail("only the first message may be a header");
+      const v1::AdapterFileChunk& c = msg_.chunk();
+      if (c.file_name() != "adapter_config.json" && c.file_name() != "adapter_model.safetensors") {
+        return Fail(absl::StrCat("file name '", c.file_name(),
+                                 "' is not adapter_config.json or adapter_model.safetensors"));
+      }
+      if (!last_file_.empty() && c.file_name() != last_file_ && files_.count(c.file_name())) {
+        return Fail(absl::StrCat("chunks of '", c.file_name(), "' are interleaved with another file"));
+      }
+      last_file_ = c.file_name();
+      bytes_ += static_cast<int64_t>(c.data().size());
+      if (bytes_ > kMaxBytes) return Fail("the update exceeds 4 GiB");
+      files_[c.file_name()] += c.data();
+    }
+    StartRead(&msg_);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void Fail(const std::string& message) {
+    Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, message));
+  }
+
+  void Complete() {
+    if (!header_) return Fail("no header was sent");
+    router_->Spawn([this] {
+      std::optional<int64_t> expected;
+      if (header_->has_expected_version()) expected = header_->expected_version();
+      absl::StatusOr<RegisteredAdapter> a = router_->registry->Update(header_->name(), expected, files_);
+      if (a.ok()) {
+        response_->set_name(a->name);
+        response_->set_version(a->version);
+        response_->set_bytes_received(bytes_);
+      }
+      Finish(rpc::ToGrpcStatus(a.status()));
+    });
+  }
+
+  RouterService::Impl* const router_;
+  v1::UpdateAdapterResponse* const response_;
+  v1::UpdateAdapterRequest msg_;
+  std::optional<v1::UpdateAdapterHeader> header_;
+  std::map<std::string, std::string> files_;
+  std::string last_file_;
+  int64_t bytes_ = 0;
+};
+
+}  // namespace
+
+grpc::ServerReadReactor<v1::UpdateAdapterRequest>* RouterService::UpdateAdapter(
+    grpc::CallbackServerContext*, v1::UpdateAdapterResponse* response) {
+  return new UpdateReactor(impl_.get(), response);
+}
+
+}  // namespace preft::router

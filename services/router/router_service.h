@@ -1,0 +1,75 @@
+#pragma once
+
+// The public API (preft.v1.Preft) in front of the prefill and decode tiers. A Generate call:
+//   tokenise and validate -> Reserve KV blocks on a decode worker (by free KV and batch load;
+//   waits for room until the deadline) -> Prefill on a prefill worker (by adapter residency,
+//   then queue depth; a worker that fails is replaced and the prompt is retried into the same
+//   reservation with generation + 1) -> Start on the decode worker and relay its token stream.
+// Cancelling the call (or Abort) cancels whatever RPC is in flight, so both tiers free the
+// request's resources; the reservation of a request that never starts is released.
+
+#include <memory>
+#include <string>
+
+#include "absl/time/time.h"
+#include "common/model/config.h"
+#include "common/model/tokenizer.h"
+#include "proto/preft/v1/preft.grpc.pb.h"
+#include "services/router/adapter_registry.h"
+#include "services/router/worker_pool.h"
+
+namespace preft::router {
+
+struct RouterOptions {
+  std::string base_name = "base";   // what GenerateRequest.model names the base model by
+  std::string base_dtype = "f32";   // reported by ListModels
+  int32_t default_max_tokens = 16;
+  // Waiting for KV room / a prefill worker when the client set no deadline.
+  absl::Duration admission_timeout = absl::Seconds(30);
+  absl::Duration lease = absl::Seconds(10);  // reservation lease asked of decode workers
+  int max_prefill_attempts = 3;              // prefill workers tried per request
+};
+
+// Thread-safe; borrows the tokenizer (may be null: then only token-id prompts), the pool and
+// the registry, which must outlive it.
+class RouterService final : public v1::Preft::CallbackService {
+ public:
+  RouterService(const model::ModelConfig& config, const model::Tokenizer* tokenizer,
+                WorkerPool* pool, AdapterRegistry* registry, RouterOptions options);
+  // Waits for the calls' driver threads (the server must be shut down first).
+  ~RouterService() override;
+
+  // Graceful drain: new Generate calls get UNAVAILABLE; running ones finish.
+  void StartDrain();
+  int64_t active_requests() const;
+
+  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
+      grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override;
+  grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context,
+                                  const v1::AbortRequest* request,
+                                  v1::AbortResponse* response) override;
+  grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* context,
+                                       const v1::ListModelsRequest* request,
+                                       v1::ListModelsResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterAdapter(grpc::CallbackServerContext* context,
+                                            const v1::RegisterAdapterRequest* request,
+                                            v1::RegisterAdapterResponse* response) override;
+  grpc::ServerUnaryReactor* LoadAdapter(grpc::CallbackServerContext* context,
+                                        const v1::LoadAdapterRequest* request,
+                                        v1::LoadAdapterResponse* response) override;
+  grpc::ServerUnaryReactor* UnloadAdapter(grpc::CallbackServerContext* context,
+                                          const v1::UnloadAdapterRequest* request,
+                                          v1::UnloadAdapterResponse* response) override;
+  grpc::ServerUnaryReactor* ListAdapters(grpc::CallbackServerContext* context,
+                                         const v1::ListAdaptersRequest* request,
+                                         v1::ListAdaptersResponse* response) override;
+  grpc::ServerReadReactor<v1::UpdateAdapterRequest>* UpdateAdapter(
+      grpc::CallbackServerContext* context, v1::UpdateAdapterResponse* response) override;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace preft::router

@@ -1,0 +1,48 @@
+#include "services/router/routing.h"
+
+#include <algorithm>
+#include <tuple>
+
+namespace preft::router {
+
+int64_t BlocksNeeded(int64_t prompt_tokens, int64_t max_new_tokens, int64_t block_tokens) {
+  return (prompt_tokens + max_new_tokens + block_tokens - 1) / block_tokens;
+}
+
+std::vector<size_t> RankDecode(const std::vector<DecodeView>& workers, int64_t blocks_needed) {
+  std::vector<size_t> order;
+  for (size_t i = 0; i < workers.size(); ++i) {
+    const DecodeView& w = workers[i];
+    if (w.healthy && !w.draining && w.free_blocks >= blocks_needed) order.push_back(i);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    const DecodeView& x = workers[a];
+    const DecodeView& y = workers[b];
+    return std::make_tuple(-(x.free_blocks - blocks_needed), x.running + x.queue_depth) <
+           std::make_tuple(-(y.free_blocks - blocks_needed), y.running + y.queue_depth);
+  });
+  return order;
+}
+
+Residency Classify(const PrefillView& w, bool has_adapter, int64_t adapter_bytes) {
+  if (!has_adapter || w.adapter_resident) return Residency::kResident;
+  if (w.adapter_loading) return Residency::kLoading;
+  if (w.adapter_bytes_free >= adapter_bytes) return Residency::kFreeSlot;
+  return Residency::kFull;
+}
+
+std::vector<size_t> RankPrefill(const std::vector<PrefillView>& workers, bool has_adapter,
+                                int64_t adapter_bytes) {
+  std::vector<size_t> order;
+  for (size_t i = 0; i < workers.size(); ++i)
+    if (workers[i].healthy && !workers[i].draining) order.push_back(i);
+  auto key = [&](size_t i) {
+    const PrefillView& w = workers[i];
+    return std::make_tuple(static_cast<int>(Classify(w, has_adapter, adapter_bytes)),
+                           w.queue_depth + w.running, i);
+  };
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return key(a) < key(b); });
+  return order;
+}
+
+}  // namespace preft::router

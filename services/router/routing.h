@@ -1,0 +1,53 @@
+#pragma once
+
+// The router's placement policy as pure functions over the workers' last reported status, so
+// every rule is a unit test. (DESIGN.md §4: decode by free KV and batch load; prefill by adapter
+// residency, then queue depth.)
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace preft::router {
+
+struct DecodeView {
+  bool healthy = false;   // answered its last Status poll
+  bool draining = false;
+  int64_t free_blocks = 0;
+  int64_t total_blocks = 0;
+  int64_t block_tokens = 16;
+  int64_t running = 0;
+  int64_t queue_depth = 0;
+};
+
+// Where an adapter stands on one prefill worker, best first.
+enum class Residency { kResident = 0, kFreeSlot = 1, kLoading = 2, kFull = 3 };
+
+struct PrefillView {
+  bool healthy = false;
+  bool draining = false;
+  int64_t queue_depth = 0;
+  int64_t running = 0;
+  int64_t adapter_bytes_free = 0;
+  // The requested adapter version's state there (filled per request by the caller).
+  bool adapter_resident = false;  // in a compute slot
+  bool adapter_loading = false;
+};
+
+// Blocks a request needs on a decode worker: its prompt and every token it may generate.
+int64_t BlocksNeeded(int64_t prompt_tokens, int64_t max_new_tokens, int64_t block_tokens);
+
+// Indices of decode workers to try, best first: healthy, not draining, with room for
+// `blocks_needed` (by the last report); most free blocks (after this request) first, then the
+// lightest batch (running + queued). Workers without room by the report are left out.
+std::vector<size_t> RankDecode(const std::vector<DecodeView>& workers, int64_t blocks_needed);
+
+// The adapter's residency class on a worker (base-model requests: every worker is kResident).
+Residency Classify(const PrefillView& w, bool has_adapter, int64_t adapter_bytes);
+
+// Indices of prefill workers to try, best first: healthy and not draining; by residency class
+// (resident > free slot > loading > full), then queue depth + running, then index.
+std::vector<size_t> RankPrefill(const std::vector<PrefillView>& workers, bool has_adapter,
+                                int64_t adapter_bytes);
+
+}  // namespace preft::router

@@ -1,0 +1,200 @@
+#include "services/router/worker_pool.h"
+
+#include <netdb.h>
+#include <sys/socket.h>
+
+#include <arpa/inet.h>
+#include <map>
+#include <set>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace preft::router {
+
+absl::StatusOr<std::vector<std::string>> ResolveSpec(const std::string& spec) {
+  if (spec.rfind("dns:", 0) != 0) {
+    const size_t colon = spec.rfind(':');
+    int port = 0;
+    if (colon == std::string::npos || colon == 0 ||
+        !absl::SimpleAtoi(spec.substr(colon + 1), &port) || port <= 0 || port > 65535) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("worker '", spec, "' is not host:port or dns:NAME:PORT"));
+    }
+    return std::vector<std::string>{spec};
+  }
+  const std::string rest = spec.substr(4);
+  const size_t colon = rest.rfind(':');
+  int port = 0;
+  if (colon == std::string::npos || colon == 0 ||
+      !absl::SimpleAtoi(rest.substr(colon + 1), &port) || port <= 0 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("worker '", spec, "' is not dns:NAME:PORT"));
+  }
+  const std::string name = rest.substr(0, colon);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  const int rc = getaddrinfo(name.c_str(), nullptr, &hints, &res);
+  if (rc != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot resolve '", name, "': ", gai_strerror(rc)));
+  }
+  std::set<std::string> out;
+  for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
+    char buf[INET6_ADDRSTRLEN] = {};
+    if (a->ai_family == AF_INET) {
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr, buf, sizeof buf);
+      out.insert(absl::StrCat(buf, ":", port));
+    } else if (a->ai_family == AF_INET6) {
+      inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr, buf, sizeof buf);
+      out.insert(absl::StrCat("[", buf, "]:", port));
+    }
+  }
+  freeaddrinfo(res);
+  return std::vector<std::string>(out.begin(), out.end());
+}
+
+namespace {
+
+std::shared_ptr<grpc::Channel> DefaultChannel(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(16 << 20);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+}
+
+// Resolves every spec; a spec that fails to resolve keeps its previous addresses.
+std::vector<std::string> ResolveAll(const std::vector<std::string>& specs,
+                                    const std::vector<std::string>& previous) {
+  std::set<std::string> out;
+  for (const std::string& spec : specs) {
+    auto r = ResolveSpec(spec);
+    if (r.ok()) {
+      out.insert(r->begin(), r->end());
+    } else {
+      for (const std::string& p : previous) out.insert(p);  // keep what we had
+    }
+  }
+  return std::vector<std::string>(out.begin(), out.end());
+}
+
+}  // namespace
+
+WorkerPool::WorkerPool(WorkerPoolOptions options) : options_(std::move(options)) {
+  Refresh();
+  PollNow();
+  thread_ = std::thread([this] { Run(); });
+}
+
+WorkerPool::~WorkerPool() {
+  stop_.Notify();
+  thread_.join();
+}
+
+std::vector<std::shared_ptr<DecodeWorker>> WorkerPool::decode() const {
+  absl::MutexLock lock(&mu_);
+  return decode_;
+}
+
+std::vector<std::shared_ptr<PrefillWorker>> WorkerPool::prefill() const {
+  absl::MutexLock lock(&mu_);
+  return prefill_;
+}
+
+void WorkerPool::MarkUnhealthy(DecodeWorker& w) {
+  absl::MutexLock lock(&w.mu);
+  w.view.healthy = false;
+}
+
+void WorkerPool::MarkUnhealthy(PrefillWorker& w) {
+  absl::MutexLock lock(&w.mu);
+  w.view.healthy = false;
+}
+
+void WorkerPool::Refresh() {
+  auto channel = [&](const std::string& a) {
+    return options_.make_channel ? options_.make_channel(a) : DefaultChannel(a);
+  };
+  std::vector<std::string> old_decode, old_prefill;
+  std::map<std::string, std::shared_ptr<DecodeWorker>> decode_by;
+  std::map<std::string, std::shared_ptr<PrefillWorker>> prefill_by;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& w : decode_) {
+      old_decode.push_back(w->address);
+      decode_by[w->address] = w;
+    }
+    for (auto& w : prefill_) {
+      old_prefill.push_back(w->address);
+      prefill_by[w->address] = w;
+    }
+  }
+  std::vector<std::shared_ptr<DecodeWorker>> decode;
+  for (const std::string& a : ResolveAll(options_.decode, old_decode)) {
+    auto it = decode_by.find(a);
+    if (it != decode_by.end()) {
+      decode.push_back(it->second);
+      continue;
+    }
+    auto w = std::make_shared<DecodeWorker>();
+    w->address = a;
+    w->stub = worker::v1::DecodeWorker::NewStub(channel(a));
+    decode.push_back(std::move(w));
+  }
+  std::vector<std::shared_ptr<PrefillWorker>> prefill;
+  for (const std::string& a : ResolveAll(options_.prefill, old_prefill)) {
+    auto it = prefill_by.find(a);
+    if (it != prefill_by.end()) {
+      prefill.push_back(it->second);
+      continue;
+    }
+    auto w = std::make_shared<PrefillWorker>();
+    w->address = a;
+    w->stub = worker::v1::PrefillWorker::NewStub(channel(a));
+    prefill.push_back(std::move(w));
+  }
+  absl::MutexLock lock(&mu_);
+  decode_ = std::move(decode);
+  prefill_ = std::move(prefill);
+  last_refresh_ = absl::Now();
+}
+
+void WorkerPool::PollNow() {
+  for (const auto& w : decode()) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.poll_timeout));
+    worker::v1::DecodeStatusResponse r;
+    const grpc::Status s = w->stub->Status(&ctx, worker::v1::DecodeStatusRequest(), &r);
+    absl::MutexLock lock(&w->mu);
+    w->view.healthy = s.ok();
+    if (!s.ok()) continue;
+    w->view.draining = r.draining();
+    w->view.free_blocks = r.free_blocks();
+    w->view.total_blocks = r.total_blocks();
+    w->view.block_tokens = r.block_tokens();
+    w->view.running = r.running();
+    w->view.queue_depth = r.queue_depth();
+  }
+  for (const auto& w : prefill()) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.poll_timeout));
+    worker::v1::PrefillStatusResponse r;
+    const grpc::Status s = w->stub->Status(&ctx, worker::v1::PrefillStatusRequest(), &r);
+    absl::MutexLock lock(&w->mu);
+    w->view.healthy = s.ok();
+    if (!s.ok()) continue;
+    w->view.draining = r.draining();
+    w->view.queue_depth = r.queue_depth();
+    w->view.running = r.running();
+    w->view.adapter_bytes_free = r.adapter_bytes_free();
+    w->status = std::move(r);
+  }
+}
+
+void WorkerPool::Run() {
+  while (!stop_.WaitForNotificationWithTimeout(options_.poll_interval)) {
+    if (absl::Now() - last_refresh_ >= options_.dns_refresh) Refresh();
+    PollNow();
+  }
+}
+
+}  // namespace preft::router

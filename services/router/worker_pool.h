@@ -1,0 +1,85 @@
+#pragma once
+
+// The router's view of its workers: membership from flags (host:port) or DNS (dns:NAME:PORT,
+// e.g. a Kubernetes headless service, re-resolved periodically), one channel and stub per
+// worker, and each worker's last Status, polled in the background. A worker that fails a
+// poll, or a call with UNAVAILABLE, is unhealthy until it answers a poll again.
+
+#include <grpcpp/grpcpp.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "proto/preft/v1/worker.grpc.pb.h"
+#include "services/router/routing.h"
+
+namespace preft::router {
+
+struct WorkerPoolOptions {
+  std::vector<std::string> prefill;  // "host:port" or "dns:NAME:PORT"
+  std::vector<std::string> decode;
+  absl::Duration poll_interval = absl::Milliseconds(100);
+  absl::Duration poll_timeout = absl::Milliseconds(1000);
+  absl::Duration dns_refresh = absl::Seconds(5);
+  // Makes the channel to a worker address (tests and `preft serve` may pass their own).
+  std::function<std::shared_ptr<grpc::Channel>(const std::string&)> make_channel;
+};
+
+struct DecodeWorker {
+  std::string address;
+  std::unique_ptr<worker::v1::DecodeWorker::Stub> stub;
+  mutable absl::Mutex mu;
+  DecodeView view ABSL_GUARDED_BY(mu);
+};
+
+struct PrefillWorker {
+  std::string address;
+  std::unique_ptr<worker::v1::PrefillWorker::Stub> stub;
+  mutable absl::Mutex mu;
+  PrefillView view ABSL_GUARDED_BY(mu);
+  worker::v1::PrefillStatusResponse status ABSL_GUARDED_BY(mu);
+};
+
+// Addresses a spec names: itself, or for "dns:NAME:PORT" every address NAME resolves to.
+// InvalidArgument for a malformed spec; Unavailable when the name does not resolve.
+absl::StatusOr<std::vector<std::string>> ResolveSpec(const std::string& spec);
+
+// Thread-safe.
+class WorkerPool {
+ public:
+  // Resolves and polls once before returning (so a fresh router routes at once), then keeps
+  // polling on its own thread.
+  explicit WorkerPool(WorkerPoolOptions options);
+  ~WorkerPool();
+
+  std::vector<std::shared_ptr<DecodeWorker>> decode() const;
+  std::vector<std::shared_ptr<PrefillWorker>> prefill() const;
+
+  // Call failed with UNAVAILABLE: skip the worker until it answers a poll.
+  static void MarkUnhealthy(DecodeWorker& w);
+  static void MarkUnhealthy(PrefillWorker& w);
+  // Polls every worker now (tests; after membership changes).
+  void PollNow();
+
+ private:
+  void Refresh();  // membership
+  void Run();
+
+  const WorkerPoolOptions options_;
+  mutable absl::Mutex mu_;
+  std::vector<std::shared_ptr<DecodeWorker>> decode_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<PrefillWorker>> prefill_ ABSL_GUARDED_BY(mu_);
+  absl::Time last_refresh_ = absl::InfinitePast();
+  absl::Notification stop_;
+  std::thread thread_;
+};
+
+}  // namespace preft::router

@@ -1,0 +1,102 @@
+#include "services/router/adapter_registry.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "tests/testing/fixtures.h"
+
+namespace preft::router {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string ReadFile(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+class AdapterRegistryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = fs::path(::testing::TempDir()) / "registry_root";
+    fs::remove_all(root_);
+    fs::create_directories(root_);
+    fs::copy(testing::TinyLlamaFixture() + "/lora", root_ / "lora");
+    fs::copy(testing::TinyLlamaFixture() + "/direft", root_ / "direft");
+    auto c = model::ModelConfig::FromFile(testing::TinyLlamaFixture() + "/config.json");
+    ASSERT_TRUE(c.ok());
+    registry_ = std::make_unique<AdapterRegistry>(*c, "tiny", root_.string(), adapters::LoadOptions{});
+  }
+
+  fs::path root_;
+  std::unique_ptr<AdapterRegistry> registry_;
+};
+
+TEST_F(AdapterRegistryTest, RegistersValidatedAdaptersAtVersionOne) {
+  auto a = registry_->Register("user-1", "lora");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->version, 1);
+  EXPECT_EQ(a->kind, model::AdapterKind::kLora);
+  EXPECT_GT(a->rank, 0);
+  EXPECT_GT(a->bytes, 0);
+  auto d = registry_->Register("user-2", (root_ / "direft").string());  // absolute, inside
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->kind, model::AdapterKind::kDireft);
+  EXPECT_EQ(registry_->List().size(), 2u);
+  EXPECT_EQ(registry_->Register("user-1", "lora").status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(registry_->Get("nobody").status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(registry_->Unregister("user-1").ok());
+  EXPECT_EQ(registry_->Unregister("user-1").code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(AdapterRegistryTest, RefusesPathsOutsideTheRootBadNamesAndBadAdapters) {
+  auto outside = registry_->Register("x", testing::TinyLlamaFixture() + "/lora");
+  EXPECT_EQ(outside.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(outside.status().message().find("outside the adapter root"), std::string::npos)
+      << outside.status();
+  EXPECT_EQ(registry_->Register("x", "../registry_root/../..").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  fs::create_directory_symlink(fs::path(testing::TinyLlamaFixture()) / "lora", root_ / "escape");
+  EXPECT_EQ(registry_->Register("x", "escape").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry_->Register("x", "missing").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry_->Register("bad/name", "lora").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry_->Register("", "lora").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry_->Register("tiny", "lora").status().code(), absl::StatusCode::kInvalidArgument);
+  fs::create_directories(root_ / "broken");
+  std::ofstream(root_ / "broken" / "adapter_config.json") << "{not json";
+  EXPECT_FALSE(registry_->Register("broken", "broken").ok());
+  EXPECT_TRUE(registry_->List().empty());
+}
+
+TEST_F(AdapterRegistryTest, UpdateWritesANewValidatedVersion) {
+  auto v1 = registry_->Register("u", "lora");
+  ASSERT_TRUE(v1.ok());
+  const std::map<std::string, std::string> files = {
+      {"adapter_config.json", ReadFile(root_ / "lora" / "adapter_config.json")},
+      {"adapter_model.safetensors", ReadFile(root_ / "lora" / "adapter_model.safetensors")}};
+  auto v2 = registry_->Update("u", 1, files);
+  ASSERT_TRUE(v2.ok()) << v2.status();
+  EXPECT_EQ(v2->version, 2);
+  EXPECT_NE(v2->path, v1->path);  // the old version's folder stays for requests still on it
+  EXPECT_TRUE(fs::exists(fs::path(v2->path) / "adapter_model.safetensors"));
+  EXPECT_EQ(registry_->Get("u")->version, 2);
+  EXPECT_EQ(registry_->Get("u")->registered_path, "lora");
+  // A stale expected version, a bad file set or a path in a name changes nothing.
+  EXPECT_EQ(registry_->Update("u", 1, files).status().code(), absl::StatusCode::kFailedPrecondition);
+  auto truncated = files;
+  truncated["adapter_model.safetensors"].resize(100);
+  EXPECT_FALSE(registry_->Update("u", std::nullopt, truncated).ok());
+  EXPECT_EQ(registry_->Update("u", std::nullopt, {{"../x", "y"}}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry_->Get("u")->version, 2);
+  EXPECT_EQ(registry_->Update("nobody", std::nullopt, files).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace preft::router
