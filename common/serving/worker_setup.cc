@@ -1,6 +1,9 @@
 #include "common/serving/worker_setup.h"
 
 #include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
 
 #include <filesystem>
 #include <fstream>
@@ -52,22 +55,33 @@ transport::KvLayout LayoutFor(engine::Engine& engine, const std::string& fingerp
   return transport::KvLayout::ForCache(engine.cache()->shape(), fingerprint);
 }
 
+namespace {
+
+int signal_pipe[2] = {-1, -1};
+
+void OnTerminationSignal(int sig) {
+  const unsigned char b = static_cast<unsigned char>(sig);
+  (void)!write(signal_pipe[1], &b, 1);  // async-signal-safe
+}
+
+}  // namespace
+
 void BlockTerminationSignals() {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  if (signal_pipe[0] >= 0) return;
+  if (pipe(signal_pipe) != 0) return;
+  struct sigaction sa {};
+  sa.sa_handler = OnTerminationSignal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
 }
 
 int WaitForTerminationSignal() {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
-  int sig = 0;
-  sigwait(&set, &sig);
-  return sig;
+  unsigned char b = 0;
+  while (read(signal_pipe[0], &b, 1) < 0 && errno == EINTR) {
+  }
+  return b;
 }
 
 }  // namespace preft::serving

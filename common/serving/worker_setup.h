@@ -39,10 +39,11 @@ absl::StatusOr<std::unique_ptr<transport::KvTransport>> MakeTransport(const Tran
 // The engine cache's layout under `fingerprint`.
 transport::KvLayout LayoutFor(engine::Engine& engine, const std::string& fingerprint);
 
-// Blocks SIGTERM and SIGINT in the calling thread (call it in main before starting threads,
-// so they inherit the mask) ...
+// Routes SIGTERM and SIGINT to WaitForTerminationSignal: a handler (whichever thread the
+// kernel picks, including threads libraries started before main) writes the signal to a pipe.
+// Call it early in main ...
 void BlockTerminationSignals();
-// ... and waits for one; returns its number.
+// ... then wait for one; returns its number.
 int WaitForTerminationSignal();
 
 }  // namespace preft::serving

@@ -14,7 +14,9 @@
 // reservation id, bumps the generation and swaps in fresh blocks (the old ones are quarantined):
 // late writes and DONE notices of the old generation cannot touch the new attempt.
 
+#include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -35,16 +37,31 @@ struct DecodeServiceOptions {
   // needs an adapter store. Off (PreFT): StartRequest.adapter must be empty.
   bool all_position_adapters = false;
   adapters::AdapterStoreOptions store;
+  // All-position baseline: StartRequest.adapter_path must lie under this folder (canonical
+  // paths; see adapters::VersionedAdapters). "" accepts none.
+  std::string adapter_root;
 };
 
 // Thread-safe (a gRPC callback service). Takes ownership of the engine (run by its own
 // EngineLoop thread) and of the transport, which Create starts on the engine's cache.
+//
+// Codes: Reserve is RESOURCE_EXHAUSTED when the blocks are not free (the message names the
+// counts), UNAVAILABLE while draining, NOT_FOUND for a `retry_of` that is unknown, started or
+// released. Start is NOT_FOUND for an unknown or released reservation, FAILED_PRECONDITION for
+// a generation other than the current one, a reservation already started or claimed by
+// another Start, or an adapter in PreFT mode; INVALID_ARGUMENT for a bad request (validated
+// before the reservation is touched, so it stays usable); DEADLINE_EXCEEDED at the lease's end
+// without DONE; ABORTED when a retry or Release supersedes the generation it waits for. A Start
+// that has claimed its reservation and then fails or is cancelled aborts the reservation.
+// Release of a started reservation, of a released one or of an older generation is a no-op.
+//
+// Shut the gRPC server down (which ends every call) before destroying the service.
 class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
  public:
   static absl::StatusOr<std::unique_ptr<DecodeService>> Create(
       std::unique_ptr<engine::Engine> engine, std::unique_ptr<transport::KvTransport> transport,
       const transport::KvLayout& layout, const DecodeServiceOptions& options);
-  // Fails running streams with UNAVAILABLE, stops the engine and the transport.
+  // Fails streams still open with UNAVAILABLE, stops the transport, then the engine.
   ~DecodeService() override;
 
   // Graceful drain (SIGTERM): Reserve answers UNAVAILABLE, Status reports draining; streams
@@ -61,6 +78,7 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
     int32_t quarantined = 0;  // aborted, waiting to be freed
     int32_t running = 0;      // sequences decoding
   };
+  // Taken on the engine thread, so the counts add up to total; waits for the current step.
   BlockCounts block_counts() const;
 
   grpc::ServerUnaryReactor* Reserve(grpc::CallbackServerContext* context,

@@ -1,0 +1,153 @@
+// preft-decode: the decode tier as its own process (DESIGN.md §4). Prints
+// "preft-decode listening on ADDR transport=NAME" once it serves; SIGTERM/SIGINT drain it
+// (Reserve refused, started streams finish, up to --drain-timeout-s) and exit 0.
+
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "CLI/CLI.hpp"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/engine/engine.h"
+#include "common/rpc/server.h"
+#include "common/serving/worker_setup.h"
+#include "services/decode/decode_service.h"
+
+namespace {
+
+struct Flags {
+  std::string model;
+  std::string listen = "127.0.0.1:0";
+  int64_t kv_bytes = int64_t{1} << 30;
+  int64_t kv_blocks = 0;
+  int64_t max_batch_tokens = 512;
+  int threads = 0;
+  preft::serving::TransportFlags transport;
+  int64_t lease_ms = 10000;
+  int64_t quarantine_ms = 2000;
+  bool all_position_adapters = false;
+  std::string adapter_root;
+  double drain_timeout_s = 30;
+};
+
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "preft-decode: %s\n", message.c_str());
+  return 1;
+}
+
+int Run(const Flags& f) {
+  auto loaded = preft::serving::LoadModel(f.model);
+  if (!loaded.ok()) return Fail(std::string(loaded.status().message()));
+  preft::engine::EngineOptions eo;
+  eo.kv_bytes = f.kv_bytes;
+  eo.kv_blocks = f.kv_blocks;
+  eo.scheduler.max_batch_tokens = f.max_batch_tokens;
+  eo.num_threads = f.threads;
+  auto engine = preft::engine::Engine::Create(loaded->model.get(), loaded->tokenizer.get(), eo);
+  if (!engine.ok()) return Fail(std::string(engine.status().message()));
+  auto transport = preft::serving::MakeTransport(f.transport);
+  if (!transport.ok()) return Fail(std::string(transport.status().message()));
+  const preft::transport::KvLayout layout =
+      preft::serving::LayoutFor(**engine, loaded->fingerprint);
+  const std::string transport_name = (*transport)->name();
+
+  preft::decode::DecodeServiceOptions so;
+  so.default_lease = absl::Milliseconds(f.lease_ms);
+  so.max_lease = std::max(so.max_lease, so.default_lease);
+  so.quarantine = absl::Milliseconds(f.quarantine_ms);
+  so.all_position_adapters = f.all_position_adapters;
+  so.adapter_root = f.adapter_root;
+  so.store.load.dtype = loaded->model->weight_dtype();  // adapters compute in the model's dtype
+  auto service =
+      preft::decode::DecodeService::Create(std::move(*engine), std::move(*transport), layout, so);
+  if (!service.ok()) return Fail(std::string(service.status().message()));
+
+  preft::rpc::ServerOptions ro;
+  ro.address = f.listen;
+  ro.services = {service->get()};
+  auto server = preft::rpc::Server::Start(ro);
+  if (!server.ok()) return Fail(std::string(server.status().message()));
+  const std::string kServiceName = "preft.worker.v1.DecodeWorker";
+  (*server)->SetServing(kServiceName, true);
+  std::printf("preft-decode listening on %s transport=%s\n", (*server)->address().c_str(),
+              transport_name.c_str());
+  std::fflush(stdout);
+
+  const int sig = preft::serving::WaitForTerminationSignal();
+  std::fprintf(stderr, "preft-decode: signal %d, draining\n", sig);
+  (*service)->StartDrain();
+  (*server)->SetServing(kServiceName, false);
+  (*server)->SetServing("", false);
+  const absl::Time deadline = absl::Now() + absl::Seconds(f.drain_timeout_s);
+  while ((*service)->active_streams() > 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  if ((*service)->active_streams() > 0) {
+    std::fprintf(stderr, "preft-decode: drain timeout with %lld streams open\n",
+                 static_cast<long long>((*service)->active_streams()));
+  }
+  (*server)->Shutdown(absl::Seconds(5));
+  server->reset();
+  service->reset();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Before any thread starts, so every thread inherits the mask and sigwait gets the signal.
+  preft::serving::BlockTerminationSignals();
+  Flags f;
+  CLI::App app{
+      "preft-decode: the decode tier of a preft cluster (KV reservations, base-model decode)"};
+  app.add_option("--model", f.model, "base model folder (config.json, safetensors, tokenizer)")
+      ->required();
+  app.add_option("--listen", f.listen, "gRPC address host:port (port 0 picks one)")
+      ->capture_default_str();
+  auto* kv_bytes = app.add_option("--kv-bytes", f.kv_bytes, "KV cache budget in bytes")
+                       ->capture_default_str()
+                       ->check(CLI::PositiveNumber);
+  app.add_option("--kv-blocks", f.kv_blocks, "KV cache size in blocks (instead of --kv-bytes)")
+      ->check(CLI::PositiveNumber)
+      ->excludes(kv_bytes);
+  app.add_option("--max-batch-tokens", f.max_batch_tokens, "tokens per forward step")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--threads", f.threads, "compute threads (0: all cores)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--transport", f.transport.kind, "KV transport")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"ucx", "inproc"}));
+  app.add_option("--ucx-tls", f.transport.ucx_tls, "UCX_TLS for this worker");
+  app.add_option("--ucx-net-devices", f.transport.ucx_net_devices, "UCX_NET_DEVICES");
+  app.add_option("--lease-ms", f.lease_ms, "default reservation lease in milliseconds")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--quarantine-ms", f.quarantine_ms,
+                 "how long aborted reservations' blocks stay unusable, in milliseconds")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--all-position-adapters", f.all_position_adapters,
+               "all-position baseline: apply each request's adapter to generated tokens");
+  app.add_option("--adapter-root", f.adapter_root,
+                 "folder adapter paths must lie under (with --all-position-adapters)");
+  app.add_option("--drain-timeout-s", f.drain_timeout_s,
+                 "on SIGTERM, how long to wait for open streams")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // CLI11 prints the message; every usage error exits 2, --help exits 0.
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  if (f.all_position_adapters && f.adapter_root.empty()) {
+    std::fprintf(stderr, "preft-decode: --all-position-adapters needs --adapter-root\n");
+    return 2;
+  }
+  return Run(f);
+}

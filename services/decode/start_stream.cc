@@ -1,0 +1,173 @@
+#include "services/decode/start_stream.h"
+
+#include <utility>
+
+#include "common/rpc/convert.h"
+#include "common/rpc/status.h"
+
+namespace preft::decode {
+
+// The gRPC side: forwards its reactions to the stream, which it keeps alive until OnDone.
+class StartStream::Reactor final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
+ public:
+  explicit Reactor(std::shared_ptr<StartStream> stream) : stream_(std::move(stream)) {}
+
+  void OnWriteDone(bool ok) override { stream_->OnWriteDone(ok); }
+  void OnCancel() override { stream_->OnCancel(); }
+  void OnDone() override {
+    stream_->OnDone();
+    delete this;
+  }
+
+ private:
+  const std::shared_ptr<StartStream> stream_;
+};
+
+std::shared_ptr<StartStream> StartStream::Create(StreamFinishInfo info, Hooks hooks) {
+  std::shared_ptr<StartStream> stream(new StartStream(std::move(info), std::move(hooks)));
+  stream->reactor_ = new Reactor(stream);
+  return stream;
+}
+
+StartStream::StartStream(StreamFinishInfo info, Hooks hooks)
+    : info_(std::move(info)), hooks_(std::move(hooks)) {
+  out_.set_request_id(info_.request_id);
+}
+
+StartStream::~StartStream() = default;
+
+void StartStream::OnEvent(const engine::TokenEvent& event) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (finishing_ || failure_) return;
+    Event e;
+    e.token_id = event.token_id;
+    e.text = event.text_delta;
+    if (event.logprob != nullptr) e.logprob = *event.logprob;
+    e.finish = event.finish;
+    e.status = event.status;
+    pending_.push_back(std::move(e));
+  }
+  Pump();
+}
+
+void StartStream::Fail(const grpc::Status& status) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (finishing_ || failure_) return;
+    failure_ = status;
+  }
+  Pump();
+}
+
+void StartStream::OnWriteDone(bool ok) {
+  {
+    absl::MutexLock lock(&mu_);
+    write_in_flight_ = false;
+    if (finishing_) return;  // the final write's completion, if reported at all
+  }
+  if (!ok) OnCancel();  // the client is gone: the write could not be delivered
+  Pump();
+}
+
+void StartStream::OnCancel() {
+  bool report = false;
+  {
+    absl::MutexLock lock(&mu_);
+    // After the stream has ended on its own there is nothing left to cancel.
+    report = !finishing_ && !cancel_reported_;
+    cancel_reported_ = true;
+    cancelled_ = true;
+  }
+  if (report && hooks_.on_cancel) hooks_.on_cancel(this);
+  Pump();
+}
+
+void StartStream::OnDone() {
+  if (hooks_.on_done) hooks_.on_done(this);
+}
+
+void StartStream::Pump() {
+  enum class Action { kNone, kWrite, kWriteAndFinish, kFinish };
+  Action action = Action::kNone;
+  grpc::Status status;
+  {
+    absl::MutexLock lock(&mu_);
+    if (finishing_ || write_in_flight_) return;
+    if (cancelled_) {
+      action = Action::kFinish;
+      status = grpc::Status(grpc::StatusCode::CANCELLED, "the Start call was cancelled");
+    } else if (failure_) {
+      action = Action::kFinish;
+      status = *failure_;
+    } else {
+      out_.clear_token_ids();
+      out_.clear_text();
+      out_.clear_logprobs();
+      out_.clear_finish();
+      bool last = false;
+      while (!pending_.empty() && !last && action == Action::kNone) {
+        Event& e = pending_.front();
+        if (e.token_id < 0 && e.finish != engine::FinishReason::kNone) {
+          // The request ended without a token (error or abort): tokens queued before it go
+          // out first.
+          if (out_.token_ids_size() > 0) break;
+          action = Action::kFinish;
+          if (e.finish == engine::FinishReason::kAbort) {
+            status = grpc::Status(grpc::StatusCode::CANCELLED,
+                                  "request '" + info_.request_id + "' was aborted");
+          } else if (e.status.ok()) {
+            status = grpc::Status(grpc::StatusCode::INTERNAL,
+                                  "request '" + info_.request_id + "' failed without a status");
+          } else {
+            status = rpc::ToGrpcStatus(e.status);
+          }
+          pending_.pop_front();
+          break;
+        }
+        if (e.token_id >= 0) {
+          out_.add_token_ids(e.token_id);
+          ++completion_tokens_;
+          if (e.logprob) *out_.add_logprobs() = rpc::ToProto(*e.logprob);
+        }
+        out_.mutable_text()->append(e.text);
+        if (e.finish != engine::FinishReason::kNone) {
+          last = true;
+          v1::Finish* f = out_.mutable_finish();
+          f->set_reason(rpc::ToProto(e.finish));
+          f->mutable_usage()->set_prompt_tokens(info_.prompt_tokens);
+          f->mutable_usage()->set_completion_tokens(completion_tokens_);
+          f->set_adapter(info_.adapter);
+          f->set_adapter_version(info_.adapter_version);
+          f->set_adapter_positions(info_.adapter_positions);
+        }
+        pending_.pop_front();
+      }
+      if (action == Action::kNone) {
+        if (last) {
+          action = Action::kWriteAndFinish;
+        } else if (out_.token_ids_size() > 0 || !out_.text().empty()) {
+          action = Action::kWrite;
+        }
+      }
+    }
+    if (action == Action::kWrite) write_in_flight_ = true;
+    if (action == Action::kWriteAndFinish || action == Action::kFinish) finishing_ = true;
+  }
+  // The flags set above give this thread the reactor alone: OnDone cannot run before Finish.
+  switch (action) {
+    case Action::kNone:
+      break;
+    case Action::kWrite:
+      reactor_->StartWrite(&out_);
+      break;
+    case Action::kWriteAndFinish:
+      reactor_->StartWriteAndFinish(&out_, grpc::WriteOptions(), grpc::Status::OK);
+      break;
+    case Action::kFinish:
+      reactor_->Finish(status);
+      break;
+  }
+}
+
+}  // namespace preft::decode

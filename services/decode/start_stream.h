@@ -1,0 +1,96 @@
+#pragma once
+
+// One DecodeWorker.Start call on its way to the client: the engine's token events are queued
+// and written one message at a time (events that arrive while a write is in flight go out
+// together in the next message); the last message carries the finish. The decode service
+// learns of the client's cancellation and of gRPC's end of the call through hooks.
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "common/engine/request.h"
+#include "proto/preft/v1/preft.pb.h"
+
+namespace preft::decode {
+
+// What the last message reports besides the counts (copied from the StartRequest).
+struct StreamFinishInfo {
+  std::string request_id;
+  int32_t prompt_tokens = 0;
+  std::string adapter;
+  int64_t adapter_version = 0;
+  v1::AdapterPositions adapter_positions = v1::ADAPTER_POSITIONS_UNSPECIFIED;
+};
+
+// Thread-safe: fed by the engine thread (OnEvent), the decode service (Fail) and gRPC's
+// reactor callbacks. Shared by its reactor, the engine request's on_token callback and the
+// service, it outlives the reactor: events after the call ended are dropped. Never blocks; at
+// most one write is in flight and Finish is called once, never with a write in flight.
+class StartStream {
+ public:
+  struct Hooks {
+    // Once, on a gRPC thread, when the client cancels or goes away (before on_done).
+    std::function<void(StartStream*)> on_cancel;
+    // Once, when gRPC is done with the call (the reactor is gone). Last of all hooks.
+    std::function<void(StartStream*)> on_done;
+  };
+
+  // The reactor it returns is owned by gRPC: return it from the Start handler.
+  static std::shared_ptr<StartStream> Create(StreamFinishInfo info, Hooks hooks);
+  ~StartStream();
+
+  grpc::ServerWriteReactor<v1::GenerateResponse>* reactor() { return reactor_; }
+
+  // The engine's event for this request (engine thread). A token is queued; a finish ends
+  // the stream after the queued tokens (with `finish` set on the last message); an error
+  // ends it with the event's status, an abort with CANCELLED.
+  void OnEvent(const engine::TokenEvent& event);
+  // Ends the stream with `status` (not OK) once the write in flight, if any, is done. Queued
+  // tokens are dropped. Ignored once the stream is finishing.
+  void Fail(const grpc::Status& status);
+
+ private:
+  class Reactor;
+  struct Event {
+    int32_t token_id = -1;
+    std::string text;
+    std::optional<engine::TokenLogprob> logprob;
+    engine::FinishReason finish = engine::FinishReason::kNone;
+    absl::Status status;
+  };
+
+  StartStream(StreamFinishInfo info, Hooks hooks);
+  void OnWriteDone(bool ok);
+  void OnCancel();
+  void OnDone();
+  // Starts the next write or the Finish when one is due; the gRPC calls run outside mu_.
+  void Pump();
+  // Cancellation reported by OnCancel or a failed write; calls on_cancel the first time.
+  void Cancelled();
+
+  const StreamFinishInfo info_;
+  const Hooks hooks_;
+  grpc::ServerWriteReactor<v1::GenerateResponse>* reactor_ = nullptr;  // gRPC owns; until OnDone
+
+  absl::Mutex mu_;
+  std::deque<Event> pending_ ABSL_GUARDED_BY(mu_);
+  std::optional<grpc::Status> failure_ ABSL_GUARDED_BY(mu_);
+  int32_t completion_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancel_reported_ ABSL_GUARDED_BY(mu_) = false;
+  bool write_in_flight_ ABSL_GUARDED_BY(mu_) = false;
+  bool finishing_ ABSL_GUARDED_BY(mu_) = false;  // Finish (or StartWriteAndFinish) called
+  // The message being written; touched only by the thread that set write_in_flight_ or
+  // finishing_ (gRPC reads it until the write is done).
+  v1::GenerateResponse out_;
+};
+
+}  // namespace preft::decode
