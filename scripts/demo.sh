@@ -36,3 +36,35 @@ echo "== one mixed batch: LoRAP, DiReFTP and base-only requests together (JSON, 
   --adapter-positions prompt --concurrency 3
 echo "== bad input gets a clear error (exit code shown)"
 "$preft" generate --model "$model" --prompt-ids 1,2,999999 --max-tokens 4 || echo "exit code $?"
+
+echo
+echo "== the embedded cluster: preft serve (router + prefill + decode workers in one process)"
+log=$(mktemp)
+"$preft" serve --model "$model" --adapter-root "$adapters" --listen 127.0.0.1:0 > "$log" 2>&1 &
+serve_pid=$!
+trap 'kill -TERM $serve_pid 2>/dev/null || true' EXIT
+addr=""
+for _ in $(seq 1 300); do
+  addr=$(sed -n 's/.*listening on \([^ ]*\).*/\1/p' "$log" | head -1)
+  [[ -n "$addr" ]] && break
+  kill -0 $serve_pid 2>/dev/null || { cat "$log"; exit 1; }
+  sleep 0.1
+done
+echo "preft serve is listening on $addr (public gRPC API preft.v1.Preft)"
+client=("$preft" client --server "$addr")
+"${client[@]}" register --name demo-lora --path lora
+"${client[@]}" register --name demo-direft --path direft
+echo "-- base model, streamed through router -> prefill -> KV transfer -> decode"
+"${client[@]}" generate --prompt "The quick brown fox" --max-tokens 16
+echo "-- LoRAP: the adapter runs on the prompt only; decode is the shared base model"
+"${client[@]}" generate --model demo-lora --adapter-positions prompt --prompt "The quick brown fox" --max-tokens 16
+echo "-- DiReFTP, as JSON (adapter version and positions reported)"
+"${client[@]}" generate --model demo-direft --adapter-positions prompt --prompt "The quick brown fox" --max-tokens 8 --json
+echo "-- an unknown adapter is NOT_FOUND (exit code shown)"
+"${client[@]}" generate --model nobody --prompt "hi" || echo "exit code $?"
+"${client[@]}" models
+kill -TERM $serve_pid
+wait $serve_pid
+trap - EXIT
+echo "== preft serve drained and stopped"
+

@@ -42,21 +42,24 @@ void VersionedAdapters::Acquire(const std::string& name, int64_t version, const 
     return;
   }
   const std::string key = VersionKey(name, version);
+  int64_t superseded_by = 0;
   {
     absl::MutexLock lock(&mu_);
     auto it = newest_.find(name);
     const int64_t newest = it == newest_.end() ? 0 : it->second;
-    if (version < newest) {
-      done(absl::FailedPreconditionError(absl::StrCat("adapter '", name, "' version ", version,
-                                                      " was superseded by version ", newest)));
-      return;
-    }
-    if (version > newest) {
+    if (version < newest) superseded_by = newest;
+    if (superseded_by == 0 && version > newest) {
       // AlreadyExists is fine (a racing caller registered it first).
       (void)store_->Register(key, *path);
       if (newest > 0) (void)store_->Unregister(VersionKey(name, newest));
       newest_[name] = version;
     }
+  }
+  if (superseded_by > 0) {  // answered outside the lock: `done` may call back in
+    done(absl::FailedPreconditionError(absl::StrCat("adapter '", name, "' version ", version,
+                                                    " was superseded by version ",
+                                                    superseded_by)));
+    return;
   }
   store_->Acquire(key, [done = std::move(done), name, version](absl::StatusOr<AdapterLease> l) {
     if (l.ok()) {  // report the router's name and version, not the store key
@@ -65,6 +68,14 @@ void VersionedAdapters::Acquire(const std::string& name, int64_t version, const 
     }
     done(std::move(l));
   });
+}
+
+void VersionedAdapters::Forget(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  auto it = newest_.find(name);
+  if (it == newest_.end()) return;
+  (void)store_->Unregister(VersionKey(name, it->second));
+  newest_.erase(it);
 }
 
 std::map<std::string, int64_t> VersionedAdapters::versions() const {

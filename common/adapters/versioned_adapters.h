@@ -37,6 +37,10 @@ class VersionedAdapters {
   void Acquire(const std::string& name, int64_t version, const std::string& dir,
                AdapterStore::AcquireCallback done);
 
+  // Forgets `name`: its newest version leaves the store (leases keep their weights until
+  // released); a later Acquire registers it afresh. OK if the name was never seen.
+  void Forget(const std::string& name);
+
   // The newest version seen per name.
   std::map<std::string, int64_t> versions() const;
 

@@ -7,11 +7,14 @@
 
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 
-#include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/strings/ascii.h"
 #include "common/base/status_macros.h"
 #include "common/transport/inproc_transport.h"
 #include "common/transport/ucx/ucx_transport.h"
@@ -34,7 +37,12 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir) {
       absl::StrAppend(&weights, entry.path().filename().string(), ":", entry.file_size(ec), ";");
     }
   }
-  const uint64_t h = absl::HashOf(bytes.str(), weights);
+  // FNV-1a 64: stable across processes (absl::Hash is seeded per process).
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : bytes.str() + '\0' + weights) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
   out.fingerprint = absl::StrFormat("%s-%016x", out.model->config().architecture_name, h);
   return out;
 }
@@ -49,6 +57,34 @@ absl::StatusOr<std::unique_ptr<transport::KvTransport>> MakeTransport(const Tran
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown transport '", flags.kind, "' (expected ucx or inproc)"));
+}
+
+absl::Status CheckTransport(const std::string& opened, const TransportFlags& flags) {
+  if (flags.kind != "ucx" || flags.ucx_tls.empty()) return absl::OkStatus();
+  std::set<std::string> want;
+  for (absl::string_view t : absl::StrSplit(flags.ucx_tls, ',', absl::SkipEmpty())) {
+    const std::string name(absl::StripAsciiWhitespace(t));
+    if (name == "shm" || name == "sm" || name == "ib" || name == "all" || name == "mm" ||
+        name == "rc" || name == "dc" || name == "ud" || name == "cuda" || name == "rocm" ||
+        name[0] == '^') {
+      return absl::OkStatus();  // an alias or an exclusion: UCX picks the members
+    }
+    want.insert(name);
+  }
+  const size_t open = opened.find('('), close = opened.rfind(')');
+  std::set<std::string> got;
+  if (open != std::string::npos && close != std::string::npos && close > open) {
+    for (absl::string_view t : absl::StrSplit(opened.substr(open + 1, close - open - 1), ',',
+                                              absl::SkipEmpty())) {
+      got.emplace(t);
+    }
+  }
+  if (got != want) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "UCX opened ", opened, " but --ucx-tls asks for ", flags.ucx_tls,
+        ": refusing readiness (check UCX_* settings and devices)"));
+  }
+  return absl::OkStatus();
 }
 
 transport::KvLayout LayoutFor(engine::Engine& engine, const std::string& fingerprint) {
@@ -66,7 +102,7 @@ void OnTerminationSignal(int sig) {
 
 }  // namespace
 
-void BlockTerminationSignals() {
+void InstallTerminationHandler() {
   if (signal_pipe[0] >= 0) return;
   if (pipe(signal_pipe) != 0) return;
   struct sigaction sa {};

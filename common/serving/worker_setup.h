@@ -36,13 +36,18 @@ struct TransportFlags {
 // InvalidArgument for an unknown kind.
 absl::StatusOr<std::unique_ptr<transport::KvTransport>> MakeTransport(const TransportFlags& flags);
 
+// Readiness: OK unless UCX was configured with explicit transports (`ucx_tls`) and the ones it
+// opened, named in `opened` ("ucx(posix,self)"), differ (FailedPrecondition naming both). UCX
+// aliases (shm, sm, ib, all, ...) are not checked.
+absl::Status CheckTransport(const std::string& opened, const TransportFlags& flags);
+
 // The engine cache's layout under `fingerprint`.
 transport::KvLayout LayoutFor(engine::Engine& engine, const std::string& fingerprint);
 
 // Routes SIGTERM and SIGINT to WaitForTerminationSignal: a handler (whichever thread the
 // kernel picks, including threads libraries started before main) writes the signal to a pipe.
 // Call it early in main ...
-void BlockTerminationSignals();
+void InstallTerminationHandler();
 // ... then wait for one; returns its number.
 int WaitForTerminationSignal();
 

@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status_macros.h"
-#include "common/rpc/convert.h"
+#include "services/wire/convert.h"
 #include "common/rpc/status.h"
 #include "services/decode/decode_impl.h"
 
@@ -65,7 +65,7 @@ absl::Status DecodeService::Impl::BeginStart(const std::shared_ptr<StartStream>&
     return absl::InvalidArgumentError(
         "sampling.seed is not set: decode must continue the prefill's sampling stream");
   }
-  const engine::SamplingParams sampling = rpc::FromProto(req.sampling());
+  const engine::SamplingParams sampling = wire::FromProto(req.sampling());
   PREFT_RETURN_IF_ERROR(sampling.Validate(vocab));
   if (sampling.logprobs && !req.has_first_logprob()) {
     return absl::InvalidArgumentError("sampling.logprobs is set but first_logprob is missing");
@@ -89,7 +89,7 @@ absl::Status DecodeService::Impl::BeginStart(const std::shared_ptr<StartStream>&
   request.sampling = sampling;
   engine::ImportedPrompt imported;
   imported.first_token = req.first_token_id();
-  if (sampling.logprobs) imported.first_logprob = rpc::FromProto(req.first_logprob());
+  if (sampling.logprobs) imported.first_logprob = wire::FromProto(req.first_logprob());
 
   const uint64_t id = req.reservation_id();
   {
@@ -228,7 +228,7 @@ absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(
   PREFT_RETURN_IF_ERROR(transport->Start(
       engine->cache(), layout,
       [raw](uint64_t id, uint32_t generation) { raw->OnDoneNotice(id, generation); }));
-  impl->endpoint = rpc::MakeEndpoint(*transport, layout);
+  impl->endpoint = wire::MakeEndpoint(*transport, layout);
   impl->transport = std::move(transport);
   impl->loop = std::make_unique<engine::EngineLoop>(std::move(engine));
   impl->timer = std::thread([raw] { raw->TimerLoop(); });
@@ -243,6 +243,8 @@ void DecodeService::StartDrain() {
   absl::MutexLock lock(&impl_->mu);
   impl_->draining = true;
 }
+
+const worker::v1::TransportEndpoint& DecodeService::endpoint() const { return impl_->endpoint; }
 
 int64_t DecodeService::active_streams() const {
   absl::MutexLock lock(&impl_->mu);

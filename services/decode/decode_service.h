@@ -69,6 +69,8 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
   void StartDrain();
   // Start streams still open (drain waits for 0).
   int64_t active_streams() const;
+  // This worker's KV transport endpoint (its `transport` names what UCX opened).
+  const worker::v1::TransportEndpoint& endpoint() const;
 
   // Block accounting, for tests and metrics.
   struct BlockCounts {

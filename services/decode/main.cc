@@ -52,7 +52,6 @@ int Run(const Flags& f) {
   if (!transport.ok()) return Fail(std::string(transport.status().message()));
   const preft::transport::KvLayout layout =
       preft::serving::LayoutFor(**engine, loaded->fingerprint);
-  const std::string transport_name = (*transport)->name();
 
   preft::decode::DecodeServiceOptions so;
   so.default_lease = absl::Milliseconds(f.lease_ms);
@@ -71,9 +70,16 @@ int Run(const Flags& f) {
   auto server = preft::rpc::Server::Start(ro);
   if (!server.ok()) return Fail(std::string(server.status().message()));
   const std::string kServiceName = "preft.worker.v1.DecodeWorker";
-  (*server)->SetServing(kServiceName, true);
+  // Ready only on the transport configured (a silent fallback, e.g. to TCP, is refused).
+  const absl::Status transport_ok =
+      preft::serving::CheckTransport((*service)->endpoint().transport(), f.transport);
+  if (!transport_ok.ok()) {
+    std::fprintf(stderr, "preft-decode: %s\n", transport_ok.ToString().c_str());
+    (*server)->SetServing("", false);
+  }
+  (*server)->SetServing(kServiceName, transport_ok.ok());
   std::printf("preft-decode listening on %s transport=%s\n", (*server)->address().c_str(),
-              transport_name.c_str());
+              (*service)->endpoint().transport().c_str());
   std::fflush(stdout);
 
   const int sig = preft::serving::WaitForTerminationSignal();
@@ -99,7 +105,7 @@ int Run(const Flags& f) {
 
 int main(int argc, char** argv) {
   // Before any thread starts, so every thread inherits the mask and sigwait gets the signal.
-  preft::serving::BlockTerminationSignals();
+  preft::serving::InstallTerminationHandler();
   Flags f;
   CLI::App app{
       "preft-decode: the decode tier of a preft cluster (KV reservations, base-model decode)"};

@@ -2,7 +2,7 @@
 
 #include <utility>
 
-#include "common/rpc/convert.h"
+#include "services/wire/convert.h"
 #include "common/rpc/status.h"
 
 namespace preft::decode {
@@ -128,13 +128,13 @@ void StartStream::Pump() {
         if (e.token_id >= 0) {
           out_.add_token_ids(e.token_id);
           ++completion_tokens_;
-          if (e.logprob) *out_.add_logprobs() = rpc::ToProto(*e.logprob);
+          if (e.logprob) *out_.add_logprobs() = wire::ToProto(*e.logprob);
         }
         out_.mutable_text()->append(e.text);
         if (e.finish != engine::FinishReason::kNone) {
           last = true;
           v1::Finish* f = out_.mutable_finish();
-          f->set_reason(rpc::ToProto(e.finish));
+          f->set_reason(wire::ToProto(e.finish));
           f->mutable_usage()->set_prompt_tokens(info_.prompt_tokens);
           f->mutable_usage()->set_completion_tokens(completion_tokens_);
           f->set_adapter(info_.adapter);

@@ -22,13 +22,22 @@
 namespace preft::prefill {
 
 struct PrefillServiceOptions {
+  // Adapter budgets and loader threads; `store.load.dtype` is set to the model's weight dtype
+  // (the only one the engine computes adapters in).
   adapters::AdapterStoreOptions store;
   // Adapter folders must lie under this root (canonical paths); "" accepts none.
   std::string adapter_root;
 };
 
 // Thread-safe (a gRPC callback service). Takes ownership of the engine (run by its own
-// EngineLoop thread) and of the transport, which Create starts on the engine's cache.
+// EngineLoop thread) and of the transport, which Create starts on the engine's cache. The
+// engine borrows its model, which must outlive the service. Shut the gRPC server down before
+// destroying the service.
+//
+// A Prefill call: validate -> connect the decode peer (once per address) -> lease the adapter
+// version (store loader thread) -> queue a prefill-only request on the engine thread -> the
+// prompt's KV is written into the reservation (transport thread) -> release the prompt's blocks
+// and answer. Cancelling the call aborts the engine request; blocks are freed whatever happens.
 class PrefillService final : public worker::v1::PrefillWorker::CallbackService {
  public:
   static absl::StatusOr<std::unique_ptr<PrefillService>> Create(
@@ -41,6 +50,19 @@ class PrefillService final : public worker::v1::PrefillWorker::CallbackService {
   void StartDrain();
   // Prefill calls in flight (drain waits for 0).
   int64_t active_requests() const;
+  // This worker's transport endpoint (what Connect and Status answer).
+  const worker::v1::TransportEndpoint& endpoint() const;
+
+  // The engine's block accounting, for tests and metrics. Waits for the engine thread: never
+  // call it from an RPC handler or an engine callback. All zero once the service is stopping.
+  struct EngineCounts {
+    int64_t total_blocks = 0;
+    int64_t free_blocks = 0;
+    int64_t prefilled_held = 0;  // prompts whose blocks wait for their transfer to end
+    int64_t waiting = 0;
+    int64_t running = 0;
+  };
+  EngineCounts engine_counts() const;
 
   grpc::ServerUnaryReactor* Prefill(grpc::CallbackServerContext* context,
                                     const worker::v1::PrefillRequest* request,
@@ -51,6 +73,12 @@ class PrefillService final : public worker::v1::PrefillWorker::CallbackService {
   grpc::ServerUnaryReactor* Connect(grpc::CallbackServerContext* context,
                                     const worker::v1::ConnectRequest* request,
                                     worker::v1::ConnectResponse* response) override;
+  grpc::ServerUnaryReactor* LoadAdapter(grpc::CallbackServerContext* context,
+                                        const worker::v1::WorkerAdapterRequest* request,
+                                        worker::v1::AdapterState* response) override;
+  grpc::ServerUnaryReactor* UnloadAdapter(grpc::CallbackServerContext* context,
+                                          const worker::v1::WorkerAdapterRequest* request,
+                                          worker::v1::UnloadWorkerAdapterResponse* response) override;
 
  private:
   struct Impl;

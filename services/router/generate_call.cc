@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status_macros.h"
-#include "common/rpc/convert.h"
+#include "services/wire/convert.h"
 #include "common/rpc/status.h"
 
 namespace preft::router {
@@ -26,8 +26,15 @@ GenerateCall::GenerateCall(RouterService::Impl* router, grpc::CallbackServerCont
   client_deadline_ = context->deadline();
   has_deadline_ = client_deadline_ < std::chrono::system_clock::time_point::max() -
                                          std::chrono::hours(24 * 365);
-  admission_deadline_ = has_deadline_ ? absl::FromChrono(client_deadline_)
-                                      : absl::Now() + router->options.admission_timeout;
+  // Waiting for capacity ends before the client's deadline, so the client hears
+  // RESOURCE_EXHAUSTED (no room) rather than a bare DEADLINE_EXCEEDED.
+  admission_deadline_ = absl::Now() + router->options.admission_timeout;
+  if (has_deadline_) {
+    const absl::Time deadline = absl::FromChrono(client_deadline_);
+    const absl::Duration margin =
+        std::max(absl::Milliseconds(20), (deadline - absl::Now()) / 10);
+    admission_deadline_ = std::min(admission_deadline_, deadline - margin);
+  }
   router_->Spawn([this] { Drive(); });
 }
 
@@ -140,7 +147,7 @@ absl::Status GenerateCall::Admit(std::vector<int32_t>* prompt,
     PREFT_ASSIGN_OR_RETURN(RegisteredAdapter a, router_->registry->Get(request_.model()));
     *adapter = std::move(a);
   }
-  *sampling = rpc::FromProto(request_.sampling());
+  *sampling = wire::FromProto(request_.sampling());
   if (!request_.sampling().has_max_tokens()) sampling->max_tokens = router_->options.default_max_tokens;
   PREFT_RETURN_IF_ERROR(sampling->Validate(c.vocab_size));
   if (n + sampling->max_tokens > c.max_position_embeddings) {
@@ -252,7 +259,7 @@ absl::StatusOr<worker::v1::PrefillResponse> GenerateCall::Prefill(
       req.set_adapter_version(adapter->version);
       req.set_adapter_positions(request_.adapter_positions());
     }
-    *req.mutable_sampling() = rpc::ToProto(sampling);
+    *req.mutable_sampling() = wire::ToProto(sampling);
     req.set_reservation_id(res->r.reservation_id());
     req.set_generation(res->r.generation());
     *req.mutable_block_ids() = res->r.block_ids();
@@ -288,12 +295,23 @@ absl::StatusOr<worker::v1::PrefillResponse> GenerateCall::Prefill(
     worker::v1::ReserveResponse next;
     const absl::Status rs = rpc::FromGrpcStatus(res->worker->stub->Reserve(&rctx, rr, &next));
     Untrack();
-    if (!rs.ok()) {
-      return absl::Status(rs.code(), absl::StrCat("prefill failed (", s.message(),
-                                                  ") and its retry could not re-reserve: ",
-                                                  rs.message()));
+    if (rs.ok()) {
+      res->r = std::move(next);
+      continue;
     }
-    res->r = std::move(next);
+    if (stopped()) return absl::CancelledError("cancelled");
+    // No fresh blocks there right now: give the reservation back (its blocks are quarantined
+    // against late writes) and queue for room again, on any decode worker.
+    Release(*res, "prefill failed; re-reserving");
+    absl::StatusOr<Reservation> again =
+        Reserve(static_cast<int64_t>(prompt.size()), sampling.max_tokens);
+    if (!again.ok()) {
+      return absl::Status(again.status().code(),
+                          absl::StrCat("prefill failed (", s.message(),
+                                       ") and its retry found no KV room: ",
+                                       again.status().message()));
+    }
+    *res = std::move(again).value();
   }
   return absl::UnavailableError(absl::StrCat("prefill failed on ", router_->options.max_prefill_attempts,
                                              " workers (last: ", last_error, ")"));
@@ -321,7 +339,7 @@ absl::Status GenerateCall::Decode(const Reservation& res, const std::vector<int3
   for (int32_t t : prompt) req.add_prompt_ids(t);
   req.set_first_token_id(first.first_token_id());
   if (first.has_first_logprob()) *req.mutable_first_logprob() = first.first_logprob();
-  *req.mutable_sampling() = rpc::ToProto(sampling);
+  *req.mutable_sampling() = wire::ToProto(sampling);
   if (adapter) {
     req.set_adapter_version(first.adapter_version());
     req.set_adapter_positions(first.adapter_positions());
@@ -363,6 +381,9 @@ absl::Status GenerateCall::Decode(const Reservation& res, const std::vector<int3
   if (client_gone) return absl::CancelledError("the client went away");
   if (stopped()) return AbortedResult();
   if (!s.ok()) {
+    // A Start refused before it took the reservation leaves it held: give it back now rather
+    // than at lease expiry (a no-op for a reservation the stream had started).
+    if (completion_tokens_ == 0) Release(res, "start failed");
     if (s.code() == absl::StatusCode::kUnavailable) {
       WorkerPool::MarkUnhealthy(*res.worker);
       return absl::UnavailableError(absl::StrCat("decode worker ", res.worker->address,

@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_split.h"
 #include "common/model/config.h"
 #include "common/model/tokenizer.h"
@@ -47,7 +48,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
-  serving::BlockTerminationSignals();
+  serving::InstallTerminationHandler();
 
   auto config = model::ModelConfig::FromFile(model_dir + "/config.json");
   if (!config.ok()) {
@@ -88,7 +89,7 @@ int main(int argc, char** argv) {
   router::AdapterRegistry registry(*config, base_name, adapter_root, load);
   router::RouterOptions options;
   options.base_name = base_name;
-  options.base_dtype = kernels::DTypeName(config->torch_dtype);
+  options.base_dtype = absl::AsciiStrToLower(kernels::DTypeName(config->torch_dtype));
   options.lease = absl::Milliseconds(lease_ms);
   options.admission_timeout = absl::Seconds(admission_timeout_s);
   router::RouterService service(*config, tokenizer.get(), &pool, &registry, options);

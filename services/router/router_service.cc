@@ -4,7 +4,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "common/rpc/convert.h"
+#include "services/wire/convert.h"
 #include "common/rpc/status.h"
 #include "services/router/generate_call.h"
 #include "services/router/router_impl.h"
@@ -77,7 +77,7 @@ v1::AdapterInfo ToInfo(const RegisteredAdapter& a, WorkerPool* pool) {
   info.set_version(a.version);
   info.set_type(a.kind == model::AdapterKind::kLora ? v1::ADAPTER_TYPE_LORA
                                                     : v1::ADAPTER_TYPE_DIREFT);
-  info.set_default_positions(rpc::ToProto(a.default_positions));
+  info.set_default_positions(wire::ToProto(a.default_positions));
   info.set_rank(static_cast<int32_t>(a.rank));
   info.set_path(a.registered_path);
   info.set_bytes(a.bytes);

@@ -9,5 +9,7 @@ namespace preft::tools {
 void RegisterGenerateCommand(CLI::App& app, int* exit_code);
 void RegisterMakeModelCommand(CLI::App& app, int* exit_code);
 void RegisterMakeAdapterCommand(CLI::App& app, int* exit_code);
+void RegisterServeCommand(CLI::App& app, int* exit_code);
+void RegisterClientCommand(CLI::App& app, int* exit_code);
 
 }  // namespace preft::tools

@@ -10,6 +10,8 @@ int main(int argc, char** argv) {
   preft::tools::RegisterGenerateCommand(app, &exit_code);
   preft::tools::RegisterMakeModelCommand(app, &exit_code);
   preft::tools::RegisterMakeAdapterCommand(app, &exit_code);
+  preft::tools::RegisterServeCommand(app, &exit_code);
+  preft::tools::RegisterClientCommand(app, &exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

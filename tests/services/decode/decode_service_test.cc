@@ -21,7 +21,7 @@
 #include "absl/time/time.h"
 #include "common/adapters/adapter_loader.h"
 #include "common/engine/engine.h"
-#include "common/rpc/convert.h"
+#include "services/wire/convert.h"
 #include "common/rpc/server.h"
 #include "common/serving/worker_setup.h"
 #include "common/transport/inproc_transport.h"
@@ -205,8 +205,8 @@ class DecodeServiceTest : public ::testing::Test {
     s.set_request_id(r.id);
     for (int32_t id : r.prompt_ids) s.add_prompt_ids(id);
     s.set_first_token_id(p.first_token);
-    if (p.first_logprob) *s.mutable_first_logprob() = rpc::ToProto(*p.first_logprob);
-    *s.mutable_sampling() = rpc::ToProto(r.sampling);
+    if (p.first_logprob) *s.mutable_first_logprob() = wire::ToProto(*p.first_logprob);
+    *s.mutable_sampling() = wire::ToProto(r.sampling);
     s.mutable_sampling()->set_seed(p.seed);
     return s;
   }

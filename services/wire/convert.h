@@ -13,7 +13,7 @@
 #include "proto/preft/v1/preft.pb.h"
 #include "proto/preft/v1/worker.pb.h"
 
-namespace preft::rpc {
+namespace preft::wire {
 
 // Unset fields take the engine's defaults. Values are range-checked later by
 // SamplingParams::Validate (which names the field).
@@ -35,4 +35,4 @@ v1::FinishReason ToProto(engine::FinishReason r);
 worker::v1::TransportEndpoint MakeEndpoint(const transport::KvTransport& transport,
                                            const transport::KvLayout& layout);
 
-}  // namespace preft::rpc
+}  // namespace preft::wire

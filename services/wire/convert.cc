@@ -1,6 +1,6 @@
-#include "common/rpc/convert.h"
+#include "services/wire/convert.h"
 
-namespace preft::rpc {
+namespace preft::wire {
 
 engine::SamplingParams FromProto(const v1::SamplingParams& p) {
   engine::SamplingParams s;
@@ -92,4 +92,4 @@ worker::v1::TransportEndpoint MakeEndpoint(const transport::KvTransport& transpo
   return e;
 }
 
-}  // namespace preft::rpc
+}  // namespace preft::wire

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Starts a multi-process preft cluster on 127.0.0.1: 2 decode workers, 2 prefill workers and a
+# router, with UCX between the tiers (shared memory by default; PREFT_UCX_TLS=tcp,self and
+# PREFT_UCX_NET_DEVICES=lo for TCP). Each process logs to RUN_DIR/<name>.log.
+#
+#   scripts/local-cluster.sh start BUILD_DIR MODEL_DIR [ADAPTER_ROOT]   # prints the router address
+#   scripts/local-cluster.sh stop                                       # SIGTERM (graceful drain)
+#
+# RUN_DIR (default /tmp/preft-local-cluster) holds pids and addresses between the two calls.
+set -euo pipefail
+run=${RUN_DIR:-/tmp/preft-local-cluster}
+tls=${PREFT_UCX_TLS:-posix,self}
+devices=${PREFT_UCX_NET_DEVICES:-}
+
+wait_address() {  # log file -> address from its "listening on ADDR" line
+  local log=$1
+  for _ in $(seq 1 600); do
+    if grep -q "listening on" "$log" 2>/dev/null; then
+      sed -n 's/.*listening on \([^ ]*\).*/\1/p' "$log" | head -1
+      return 0
+    fi
+    sleep 0.1
+  done
+  echo "local-cluster: $(basename "$log" .log) did not start; its log:" >&2
+  cat "$log" >&2
+  return 1
+}
+
+start() {
+  local build=$1 model=$2 root=${3:-}
+  mkdir -p "$run"
+  : > "$run/pids"
+  local ucx=(--transport ucx --ucx-tls "$tls")
+  [[ -n "$devices" ]] && ucx+=(--ucx-net-devices "$devices")
+  local adapter_flags=()
+  [[ -n "$root" ]] && adapter_flags=(--adapter-root "$root")
+  for i in 0 1; do
+    "$build/services/decode/preft-decode" --model "$model" "${ucx[@]}" "${adapter_flags[@]}" \
+      > "$run/decode-$i.log" 2>&1 &
+    echo $! >> "$run/pids"
+    "$build/services/prefill/preft-prefill" --model "$model" "${ucx[@]}" "${adapter_flags[@]}" \
+      > "$run/prefill-$i.log" 2>&1 &
+    echo $! >> "$run/pids"
+  done
+  local decode prefill
+  decode="$(wait_address "$run/decode-0.log"),$(wait_address "$run/decode-1.log")"
+  prefill="$(wait_address "$run/prefill-0.log"),$(wait_address "$run/prefill-1.log")"
+  "$build/services/router/preft-router" --model "$model" --prefill "$prefill" --decode "$decode" \
+    --listen "${PREFT_ROUTER_LISTEN:-127.0.0.1:0}" "${adapter_flags[@]}" > "$run/router.log" 2>&1 &
+  echo $! >> "$run/pids"
+  wait_address "$run/router.log" | tee "$run/router.addr"
+}
+
+stop() {
+  [[ -f "$run/pids" ]] || return 0
+  # Router first (it drains its streams), then the workers.
+  tac "$run/pids" | while read -r pid; do kill -TERM "$pid" 2>/dev/null || true; done
+  for _ in $(seq 1 100); do
+    local alive=0
+    while read -r pid; do kill -0 "$pid" 2>/dev/null && alive=1; done < "$run/pids"
+    [[ $alive == 0 ]] && break
+    sleep 0.1
+  done
+  while read -r pid; do kill -KILL "$pid" 2>/dev/null || true; done < "$run/pids"
+  rm -f "$run/pids"
+}
+
+case ${1:-} in
+  start) shift; start "$@" ;;
+  stop) stop ;;
+  *) sed -n '2,10p' "$0"; exit 2 ;;
+esac

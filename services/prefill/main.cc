@@ -1,0 +1,161 @@
+// preft-prefill: one prefill worker (DESIGN.md §4) serving preft.worker.v1.PrefillWorker.
+//
+// Prints `preft-prefill listening on ADDR transport=NAME` once ready (scripts wait for it).
+// SIGTERM/SIGINT drain: new prompts are refused, health turns NOT_SERVING, prompts in flight
+// finish (up to --drain-timeout-s), then the server shuts down. Exit codes: 0 after a drain,
+// 2 for bad flags, 1 when the model, transport or server cannot start.
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "CLI/CLI.hpp"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/engine/engine.h"
+#include "common/rpc/server.h"
+#include "common/serving/worker_setup.h"
+#include "services/prefill/prefill_service.h"
+
+namespace {
+
+struct Flags {
+  std::string model;
+  std::string listen = "127.0.0.1:0";
+  int64_t kv_bytes = int64_t{1} << 30;
+  int64_t kv_blocks = 0;
+  int64_t max_batch_tokens = 512;
+  int threads = 0;
+  preft::serving::TransportFlags transport;
+  std::string adapter_root;
+  int64_t adapter_host_bytes = int64_t{4} << 30;
+  int64_t adapter_compute_bytes = int64_t{1} << 30;
+  int64_t max_rank = 128;
+  double drain_timeout_s = 30;
+};
+
+int Fail(const std::string& what, const absl::Status& status) {
+  std::fprintf(stderr, "preft-prefill: %s: %s\n", what.c_str(), status.ToString().c_str());
+  return 1;
+}
+
+int Run(const Flags& f) {
+  using namespace preft;
+  absl::StatusOr<serving::LoadedModel> loaded = serving::LoadModel(f.model);
+  if (!loaded.ok()) return Fail("cannot load --model " + f.model, loaded.status());
+
+  engine::EngineOptions engine_options;
+  engine_options.kv_bytes = f.kv_bytes;
+  engine_options.kv_blocks = f.kv_blocks;
+  engine_options.scheduler.max_batch_tokens = f.max_batch_tokens;
+  engine_options.num_threads = f.threads;
+  absl::StatusOr<std::unique_ptr<engine::Engine>> engine =
+      engine::Engine::Create(loaded->model.get(), loaded->tokenizer.get(), engine_options);
+  if (!engine.ok()) return Fail("cannot create the engine", engine.status());
+
+  absl::StatusOr<std::unique_ptr<transport::KvTransport>> transport =
+      serving::MakeTransport(f.transport);
+  if (!transport.ok()) return Fail("cannot create the transport", transport.status());
+  const transport::KvLayout layout = serving::LayoutFor(**engine, loaded->fingerprint);
+
+  prefill::PrefillServiceOptions options;
+  options.adapter_root = f.adapter_root;
+  options.store.host_bytes = f.adapter_host_bytes;
+  options.store.compute_bytes = f.adapter_compute_bytes;
+  options.store.load.max_rank = f.max_rank;
+  absl::StatusOr<std::unique_ptr<prefill::PrefillService>> service =
+      prefill::PrefillService::Create(std::move(engine).value(), std::move(transport).value(),
+                                      layout, options);
+  if (!service.ok()) return Fail("cannot start the prefill service", service.status());
+
+  rpc::ServerOptions server_options;
+  server_options.address = f.listen;
+  server_options.services = {service->get()};
+  absl::StatusOr<std::unique_ptr<rpc::Server>> server = rpc::Server::Start(server_options);
+  if (!server.ok()) return Fail("cannot serve on --listen " + f.listen, server.status());
+  const std::string service_name = worker::v1::PrefillWorker::service_full_name();
+  // Ready only on the transport configured (a silent fallback, e.g. to TCP, is refused).
+  const absl::Status transport_ok =
+      serving::CheckTransport((*service)->endpoint().transport(), f.transport);
+  if (!transport_ok.ok()) {
+    std::fprintf(stderr, "preft-prefill: %s\n", transport_ok.ToString().c_str());
+    (*server)->SetServing("", false);
+  }
+  (*server)->SetServing(service_name, transport_ok.ok());
+
+  std::printf("preft-prefill listening on %s transport=%s\n", (*server)->address().c_str(),
+              (*service)->endpoint().transport().c_str());
+  std::fflush(stdout);
+
+  const int sig = serving::WaitForTerminationSignal();
+  std::fprintf(stderr, "preft-prefill: signal %d, draining\n", sig);
+  (*service)->StartDrain();
+  (*server)->SetServing(service_name, false);
+  (*server)->SetServing("", false);
+  const absl::Time deadline = absl::Now() + absl::Seconds(f.drain_timeout_s);
+  while ((*service)->active_requests() > 0 && absl::Now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if ((*service)->active_requests() > 0) {
+    std::fprintf(stderr, "preft-prefill: drain timed out with %lld requests in flight\n",
+                 static_cast<long long>((*service)->active_requests()));
+  }
+  (*server)->Shutdown(absl::Seconds(5));
+  service->reset();  // stops the engine, then the transport
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Before any thread starts, so every thread inherits the mask and sigwait sees the signal.
+  preft::serving::InstallTerminationHandler();
+  CLI::App app{
+      "preft-prefill: a prefill worker (runs prompts with adapters, pushes their KV "
+      "to decode workers)"};
+  Flags f;
+  app.add_option("--model", f.model, "Hugging Face model folder")->required();
+  app.add_option("--listen", f.listen, "gRPC address HOST:PORT (port 0 picks one)")
+      ->capture_default_str();
+  auto* kv_bytes =
+      app.add_option("--kv-bytes", f.kv_bytes, "KV cache size in bytes")->capture_default_str();
+  auto* kv_blocks = app.add_option("--kv-blocks", f.kv_blocks, "KV cache size in blocks")
+                        ->check(CLI::PositiveNumber);
+  kv_blocks->excludes(kv_bytes);
+  app.add_option("--max-batch-tokens", f.max_batch_tokens, "Tokens per forward (prompt chunks)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--threads", f.threads, "Compute threads (default: all cores)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--transport", f.transport.kind, "KV transport")
+      ->check(CLI::IsMember({"ucx", "inproc"}))
+      ->capture_default_str();
+  app.add_option("--ucx-tls", f.transport.ucx_tls, "UCX_TLS for this worker, e.g. posix,self");
+  app.add_option("--ucx-net-devices", f.transport.ucx_net_devices,
+                 "UCX_NET_DEVICES for this worker, e.g. lo");
+  app.add_option("--adapter-root", f.adapter_root,
+                 "Adapter folders must lie under this folder (none accepted if unset)");
+  app.add_option("--adapter-host-bytes", f.adapter_host_bytes,
+                 "Parsed adapters kept in host memory, in bytes")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--adapter-compute-bytes", f.adapter_compute_bytes,
+                 "Adapter compute slots, in bytes")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--max-rank", f.max_rank, "Adapters of a higher rank are refused")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--drain-timeout-s", f.drain_timeout_s,
+                 "On SIGTERM, how long prompts in flight may take to finish")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;  // CLI11 prints the message; --help exits 0
+  }
+  return Run(f);
+}

@@ -1,0 +1,613 @@
+#include "services/prefill/prefill_service.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <future>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/adapters/versioned_adapters.h"
+#include "common/base/status_macros.h"
+#include "common/engine/engine_loop.h"
+#include "services/wire/convert.h"
+#include "common/rpc/status.h"
+
+namespace preft::prefill {
+
+using worker::v1::PrefillRequest;
+using worker::v1::PrefillResponse;
+using worker::v1::TransportEndpoint;
+
+// Everything the calls share. Thread-safe: the const parts are set before the engine thread
+// starts; the rest are atomics or guarded below.
+struct PrefillService::Impl {
+  class Call;
+
+  Impl(std::unique_ptr<engine::Engine> engine, std::unique_ptr<transport::KvTransport> kv,
+       const transport::KvLayout& kv_layout, const PrefillServiceOptions& service_options);
+  // Shutdown order: refuse new engine work -> run what was queued -> stop the engine thread
+  // (fails its requests) -> close the transport (fails writes in flight) -> close the adapter
+  // store (cancels pending loads). Every open call is answered on the way.
+  ~Impl();
+
+  // Queues `fn` for the engine thread; false (and `fn` dropped) once the service is stopping.
+  // Whatever is posted before that runs.
+  bool Post(std::function<void(engine::Engine&)> fn);
+  // InvalidArgument for an endpoint without address; FailedPrecondition, naming both layouts,
+  // when its layout is not ours. `field` names the endpoint in messages.
+  absl::Status CheckEndpoint(const TransportEndpoint& endpoint, const std::string& field) const;
+  // The transport's peer for `address`, connected on first use.
+  absl::StatusOr<transport::PeerId> Peer(const std::string& address);
+  // After a failed write: the next call connects again (a failed UCX peer is dropped).
+  void ForgetPeer(const std::string& address, transport::PeerId peer);
+  void LoadStarted(const std::string& key);
+  void LoadEnded(const std::string& key, int64_t bytes);  // bytes < 0: the load failed
+  // Status's adapter, budget and endpoint fields (the caller adds the engine's figures).
+  void FillStatus(worker::v1::PrefillStatusResponse* response);
+
+  const transport::KvLayout layout;
+  const PrefillServiceOptions options;
+  const int64_t block_tokens;
+  const int64_t block_bytes;  // one block, every layer
+  const int64_t vocab_size;
+  std::unique_ptr<adapters::AdapterStore> store;
+  std::unique_ptr<adapters::VersionedAdapters> versioned;
+  std::unique_ptr<transport::KvTransport> transport;
+  TransportEndpoint endpoint;
+  std::unique_ptr<engine::EngineLoop> loop;
+
+  std::atomic<bool> draining{false};
+  std::atomic<int64_t> active{0};     // Prefill calls not answered yet
+  std::atomic<int64_t> transfers{0};  // KV writes in flight
+  std::atomic<uint64_t> next_call{0};
+
+  absl::Mutex mu;
+  bool stopping ABSL_GUARDED_BY(mu) = false;
+  absl::Mutex peers_mu;  // held across Connect: one connection per address
+  std::map<std::string, transport::PeerId> peers ABSL_GUARDED_BY(peers_mu);
+  absl::Mutex adapters_mu;
+  std::map<std::string, int> loading ABSL_GUARDED_BY(adapters_mu);    // key -> pending Acquires
+  std::map<std::string, int64_t> bytes ABSL_GUARDED_BY(adapters_mu);  // key -> compute bytes
+};
+
+// One Prefill call from arrival to its answer. Held by the reactor (until OnDone), the adapter
+// callback, the engine request's callbacks and the transfer's `done`: whichever ends the call
+// first answers it, the others only clean up. Thread-safe.
+//
+// Blocks: the engine frees the prompt's blocks itself when the request ends before being
+// prefilled (error, abort); once prefilled it holds them until ReleasePrefilled, which is
+// posted exactly once, after the transfer ends (or at once if the call was already answered).
+class PrefillService::Impl::Call : public std::enable_shared_from_this<Call> {
+ public:
+  Call(Impl* impl, grpc::ServerUnaryReactor* reactor, const PrefillRequest& request,
+       PrefillResponse* response)
+      : impl_(impl),
+        reactor_(reactor),
+        response_(response),
+        request_(request),
+        engine_id_(absl::StrCat(request.request_id(), "#", impl->next_call.fetch_add(1))),
+        arrival_(absl::Now()) {}
+
+  void Start();
+  // The client went away: answer CANCELLED now; the engine request is aborted.
+  void Cancel();
+
+ private:
+  absl::Status Validate() const;
+  void OnLease(absl::StatusOr<adapters::AdapterLease> lease);
+  void Enqueue();
+  void Add(engine::Engine& engine);                    // engine thread
+  void OnPrefilled(const engine::PrefilledPrompt& p);  // engine thread
+  void OnEngineEnd(const engine::TokenEvent& event);   // engine thread
+  void OnTransferred(const absl::Status& status, int64_t bytes,
+                     absl::Duration took);  // transport thread
+  void EngineRequestEnded();                // nothing left to abort; drops the adapter lease
+  void PostRelease();
+  // Answers once; later calls do nothing.
+  void Finish(const absl::Status& status);
+
+  Impl* const impl_;
+  grpc::ServerUnaryReactor* const reactor_;  // valid until Finish
+  PrefillResponse* const response_;          // valid until Finish
+  const PrefillRequest request_;             // a copy: gRPC's goes away with the answer
+  const std::string engine_id_;              // unique: a retry may reuse the request id
+  const absl::Time arrival_;
+  transport::PeerId peer_ = -1;  // set by Start before the call is shared
+
+  absl::Mutex mu_;
+  bool in_engine_ ABSL_GUARDED_BY(mu_) = false;  // Add posted, not prefilled yet
+  bool answered_ ABSL_GUARDED_BY(mu_) = false;
+  // Pins the adapter until the engine request ends (the engine holds a copy of the weights too).
+  adapters::AdapterLease lease_ ABSL_GUARDED_BY(mu_);
+  PrefillResponse result_ ABSL_GUARDED_BY(mu_);
+  absl::Time added_ ABSL_GUARDED_BY(mu_);
+  absl::Time prefilled_ ABSL_GUARDED_BY(mu_);
+};
+
+namespace {
+
+// The reactor of a Prefill call; deletes itself when gRPC is done with it.
+class PrefillReactor final : public grpc::ServerUnaryReactor {
+ public:
+  void set_on_cancel(std::function<void()> fn) { on_cancel_ = std::move(fn); }
+  void OnCancel() override {
+    if (on_cancel_) on_cancel_();
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  std::function<void()> on_cancel_;
+};
+
+int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+absl::Status PrefillService::Impl::Call::Validate() const {
+  const PrefillRequest& r = request_;
+  if (r.request_id().empty()) return absl::InvalidArgumentError("request_id is empty");
+  if (r.prompt_ids().empty()) return absl::InvalidArgumentError("prompt_ids is empty");
+  for (int i = 0; i < r.prompt_ids_size(); ++i) {
+    if (r.prompt_ids(i) < 0 || r.prompt_ids(i) >= impl_->vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("prompt_ids[", i, "] is ", r.prompt_ids(i),
+                                                     ", outside the vocabulary [0, ",
+                                                     impl_->vocab_size, ")"));
+    }
+  }
+  if (!r.sampling().has_seed()) {
+    return absl::InvalidArgumentError(
+        "sampling.seed is not set (decode continues the prefill's sampling stream)");
+  }
+  PREFT_RETURN_IF_ERROR(wire::FromProto(r.sampling()).Validate(impl_->vocab_size));
+  if (r.block_tokens() != impl_->block_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("block_tokens is ", r.block_tokens(),
+                                                   "; this prefill worker's blocks hold ",
+                                                   impl_->block_tokens, " tokens"));
+  }
+  const int64_t need = CeilDiv(r.prompt_ids_size(), impl_->block_tokens);
+  if (r.block_ids_size() < need) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block_ids has ", r.block_ids_size(), " ids; a prompt of ", r.prompt_ids_size(),
+        " tokens needs ", need, " blocks of ", impl_->block_tokens, " tokens"));
+  }
+  for (int64_t i = 0; i < need; ++i) {
+    if (r.block_ids(i) < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("block_ids[", i, "] is ", r.block_ids(i)));
+    }
+  }
+  PREFT_RETURN_IF_ERROR(impl_->CheckEndpoint(r.decode_endpoint(), "decode_endpoint"));
+  if (!r.adapter().empty()) {
+    if (r.adapter_path().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("adapter '", r.adapter(), "' has no adapter_path"));
+    }
+    if (r.adapter_version() < 1) {
+      return absl::InvalidArgumentError(absl::StrCat("adapter_version of adapter '", r.adapter(),
+                                                     "' is ", r.adapter_version(),
+                                                     "; versions start at 1"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void PrefillService::Impl::Call::Start() {
+  if (absl::Status s = Validate(); !s.ok()) return Finish(s);
+  absl::StatusOr<transport::PeerId> peer = impl_->Peer(request_.decode_endpoint().address());
+  if (!peer.ok()) return Finish(peer.status());
+  peer_ = *peer;
+  if (request_.adapter().empty()) return Enqueue();
+  impl_->LoadStarted(adapters::VersionKey(request_.adapter(), request_.adapter_version()));
+  // The callback comes at once (compute hit, bad path) or on a loader thread.
+  impl_->versioned->Acquire(
+      request_.adapter(), request_.adapter_version(), request_.adapter_path(),
+      [self = shared_from_this()](absl::StatusOr<adapters::AdapterLease> lease) {
+        self->OnLease(std::move(lease));
+      });
+}
+
+void PrefillService::Impl::Call::OnLease(absl::StatusOr<adapters::AdapterLease> lease) {
+  const std::string key = adapters::VersionKey(request_.adapter(), request_.adapter_version());
+  impl_->LoadEnded(key, lease.ok() ? static_cast<int64_t>(lease->weights->bytes()) : -1);
+  if (!lease.ok()) {
+    const absl::Status& s = lease.status();
+    // Cancelled: the store is shutting down, not the client.
+    const absl::StatusCode code =
+        s.code() == absl::StatusCode::kCancelled ? absl::StatusCode::kUnavailable : s.code();
+    return Finish(absl::Status(code, absl::StrCat("adapter '", request_.adapter(), "' version ",
+                                                  request_.adapter_version(), ": ", s.message())));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    lease_ = *std::move(lease);
+  }
+  Enqueue();
+}
+
+void PrefillService::Impl::Call::Enqueue() {
+  bool posted = false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (answered_) return;  // cancelled while the adapter loaded
+    in_engine_ = true;
+    // Posted under the lock, so a Cancel's Abort is queued after it.
+    posted = impl_->Post([self = shared_from_this()](engine::Engine& e) { self->Add(e); });
+  }
+  if (!posted) Finish(absl::UnavailableError("prefill worker is shutting down"));
+}
+
+void PrefillService::Impl::Call::Add(engine::Engine& engine) {
+  engine::Request r;
+  {
+    absl::MutexLock lock(&mu_);
+    if (answered_) return;
+    added_ = absl::Now();
+    if (lease_.weights != nullptr) {
+      r.adapter =
+          engine::RequestAdapter{lease_.weights, request_.adapter(), request_.adapter_version(),
+                                 wire::FromProto(request_.adapter_positions())};
+      result_.set_adapter_version(request_.adapter_version());
+      result_.set_adapter_positions(
+          wire::ToProto(r.adapter.positions.value_or(lease_.weights->default_positions)));
+    }
+  }
+  r.id = engine_id_;
+  r.prompt_ids.assign(request_.prompt_ids().begin(), request_.prompt_ids().end());
+  r.sampling = wire::FromProto(request_.sampling());
+  auto self = shared_from_this();
+  r.on_prefilled = [self](const engine::PrefilledPrompt& p) { self->OnPrefilled(p); };
+  r.on_token = [self](const engine::TokenEvent& event) { self->OnEngineEnd(event); };
+  if (absl::Status s = engine.Add(std::move(r)); !s.ok()) {
+    EngineRequestEnded();
+    Finish(s);
+  }
+}
+
+void PrefillService::Impl::Call::EngineRequestEnded() {
+  absl::MutexLock lock(&mu_);
+  in_engine_ = false;
+  lease_ = adapters::AdapterLease{};  // the engine lets go of its copy as the request ends
+}
+
+void PrefillService::Impl::Call::OnPrefilled(const engine::PrefilledPrompt& p) {
+  EngineRequestEnded();
+  {
+    absl::MutexLock lock(&mu_);
+    prefilled_ = absl::Now();
+    if (answered_) {  // cancelled while computing: nothing to send
+      PostRelease();
+      return;
+    }
+    result_.set_first_token_id(p.first_token);
+    if (p.first_logprob) *result_.mutable_first_logprob() = wire::ToProto(*p.first_logprob);
+    result_.set_queue_us(Micros(added_ - arrival_));
+    result_.set_compute_us(Micros(prefilled_ - added_));
+  }
+  // The prompt's own blocks (the engine may hold one more for the token it sampled).
+  const int64_t n = std::min<int64_t>(CeilDiv(p.num_tokens, impl_->block_tokens),
+                                      static_cast<int64_t>(p.blocks.size()));
+  transport::BlockTransfer t;
+  t.reservation_id = request_.reservation_id();
+  t.generation = request_.generation();
+  t.src_blocks.assign(p.blocks.begin(), p.blocks.begin() + n);
+  t.dst_blocks.assign(request_.block_ids().begin(), request_.block_ids().begin() + n);
+  impl_->transfers.fetch_add(1);
+  impl_->transport->Write(
+      peer_, t,
+      [self = shared_from_this(), start = absl::Now(), bytes = n * impl_->block_bytes](
+          absl::Status s) { self->OnTransferred(s, bytes, absl::Now() - start); });
+}
+
+void PrefillService::Impl::Call::OnEngineEnd(const engine::TokenEvent& event) {
+  // A prefill-only request sends events only when it ends without being prefilled.
+  EngineRequestEnded();
+  if (event.finish == engine::FinishReason::kAbort) {
+    return Finish(
+        absl::CancelledError(absl::StrCat("request '", request_.request_id(), "' was aborted")));
+  }
+  if (event.finish == engine::FinishReason::kError) {
+    return Finish(event.status.ok() ? absl::InternalError("engine failed the request")
+                                    : event.status);
+  }
+}
+
+void PrefillService::Impl::Call::OnTransferred(const absl::Status& status, int64_t bytes,
+                                               absl::Duration took) {
+  impl_->transfers.fetch_sub(1);
+  PostRelease();
+  if (!status.ok()) {
+    // A bad block id is the caller's; anything else means the peer is unreachable.
+    if (status.code() == absl::StatusCode::kInvalidArgument) return Finish(status);
+    impl_->ForgetPeer(request_.decode_endpoint().address(), peer_);
+    return Finish(absl::UnavailableError(
+        absl::StrCat("KV transfer to the decode worker failed: ", status.message())));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    result_.set_transfer_bytes(bytes);
+    result_.set_transfer_us(Micros(took));
+  }
+  Finish(absl::OkStatus());
+}
+
+void PrefillService::Impl::Call::PostRelease() {
+  // Refused only when the engine is going away, and its blocks with it.
+  impl_->Post([id = engine_id_](engine::Engine& e) { (void)e.ReleasePrefilled(id); });
+}
+
+void PrefillService::Impl::Call::Cancel() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (answered_) return;
+    if (in_engine_) {
+      impl_->Post([id = engine_id_](engine::Engine& e) { (void)e.Abort(id); });
+    }
+  }
+  Finish(absl::CancelledError("the client cancelled the call"));
+}
+
+void PrefillService::Impl::Call::Finish(const absl::Status& status) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (answered_) return;
+    answered_ = true;
+    if (status.ok()) *response_ = result_;
+  }
+  impl_->active.fetch_sub(1);
+  reactor_->Finish(rpc::ToGrpcStatus(status));
+}
+
+PrefillService::Impl::Impl(std::unique_ptr<engine::Engine> engine,
+                           std::unique_ptr<transport::KvTransport> kv,
+                           const transport::KvLayout& kv_layout,
+                           const PrefillServiceOptions& service_options)
+    : layout(kv_layout),
+      options(service_options),
+      block_tokens(engine->cache()->shape().block_tokens),
+      block_bytes(engine->cache()->shape().bytes_per_block_all_layers()),
+      vocab_size(engine->model().config().vocab_size),
+      transport(std::move(kv)) {
+  adapters::AdapterStoreOptions store_options = options.store;
+  store_options.load.dtype = engine->model().weight_dtype();
+  store = std::make_unique<adapters::AdapterStore>(engine->model().config(), store_options);
+  versioned = std::make_unique<adapters::VersionedAdapters>(store.get(), options.adapter_root);
+  endpoint = wire::MakeEndpoint(*transport, layout);
+  loop = std::make_unique<engine::EngineLoop>(std::move(engine));
+}
+
+PrefillService::Impl::~Impl() {
+  {
+    absl::MutexLock lock(&mu);
+    stopping = true;
+  }
+  draining = true;
+  loop->Call([](engine::Engine&) {});  // what was posted before `stopping` runs
+  loop->Stop();
+  transport.reset();
+  versioned.reset();
+  store.reset();
+  loop.reset();
+}
+
+bool PrefillService::Impl::Post(std::function<void(engine::Engine&)> fn) {
+  absl::MutexLock lock(&mu);
+  if (stopping) return false;
+  loop->Post(std::move(fn));
+  return true;
+}
+
+absl::Status PrefillService::Impl::CheckEndpoint(const TransportEndpoint& e,
+                                                 const std::string& field) const {
+  if (e.address().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".address is empty"));
+  }
+  if (e.layout_hash() != layout.Hash()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "KV layout mismatch: %s has layout %s (hash %016x), this prefill worker has %s "
+        "(hash %016x)",
+        field, e.layout().empty() ? "(not described)" : e.layout(), e.layout_hash(),
+        layout.ToString(), layout.Hash()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<transport::PeerId> PrefillService::Impl::Peer(const std::string& address) {
+  absl::MutexLock lock(&peers_mu);
+  auto it = peers.find(address);
+  if (it != peers.end()) return it->second;
+  PREFT_ASSIGN_OR_RETURN(const transport::PeerId peer, transport->Connect(address));
+  peers[address] = peer;
+  return peer;
+}
+
+void PrefillService::Impl::ForgetPeer(const std::string& address, transport::PeerId peer) {
+  absl::MutexLock lock(&peers_mu);
+  auto it = peers.find(address);
+  if (it != peers.end() && it->second == peer) peers.erase(it);
+}
+
+void PrefillService::Impl::LoadStarted(const std::string& key) {
+  absl::MutexLock lock(&adapters_mu);
+  ++loading[key];
+}
+
+void PrefillService::Impl::LoadEnded(const std::string& key, int64_t weight_bytes) {
+  absl::MutexLock lock(&adapters_mu);
+  if (--loading[key] == 0) loading.erase(key);
+  if (weight_bytes >= 0) bytes[key] = weight_bytes;
+}
+
+void PrefillService::Impl::FillStatus(worker::v1::PrefillStatusResponse* response) {
+  // Taken before adapters_mu: VersionedAdapters may answer an Acquire (OnLease -> LoadEnded)
+  // under its own lock.
+  const std::map<std::string, int64_t> versions = versioned->versions();
+  std::map<std::string, adapters::AdapterInfo> infos;
+  for (adapters::AdapterInfo& info : store->List()) infos[info.name] = std::move(info);
+  absl::MutexLock lock(&adapters_mu);
+  for (const auto& [name, version] : versions) {  // sorted by name
+    const std::string key = adapters::VersionKey(name, version);
+    worker::v1::AdapterState* a = response->add_adapters();
+    a->set_name(name);
+    a->set_version(version);
+    auto info = infos.find(key);
+    const bool in_compute = info != infos.end() && info->second.in_compute;
+    const bool in_host = info != infos.end() && info->second.in_host;
+    if (in_compute) {
+      a->set_residency(v1::ADAPTER_RESIDENCY_RESIDENT);
+    } else if (in_host) {
+      a->set_residency(v1::ADAPTER_RESIDENCY_HOST);
+    } else if (loading.count(key)) {
+      a->set_residency(v1::ADAPTER_RESIDENCY_LOADING);
+    } else {
+      a->set_residency(v1::ADAPTER_RESIDENCY_DISK);
+    }
+    auto b = bytes.find(key);
+    a->set_bytes(b == bytes.end() ? 0 : b->second);
+    a->set_leases(info == infos.end() ? 0 : static_cast<int32_t>(info->second.leases));
+  }
+  const adapters::AdapterStoreStats stats = store->stats();
+  const int64_t total = options.store.compute_bytes;
+  response->set_adapter_bytes_free(std::max<int64_t>(0, total - stats.compute_bytes_used));
+  response->set_adapter_bytes_total(total);
+  response->set_loading(static_cast<int32_t>(loading.size()));
+  response->set_draining(draining.load());
+  *response->mutable_endpoint() = endpoint;
+}
+
+absl::StatusOr<std::unique_ptr<PrefillService>> PrefillService::Create(
+    std::unique_ptr<engine::Engine> engine, std::unique_ptr<transport::KvTransport> transport,
+    const transport::KvLayout& layout, const PrefillServiceOptions& options) {
+  if (engine == nullptr || transport == nullptr) {
+    return absl::InvalidArgumentError("prefill service: engine and transport are required");
+  }
+  const transport::KvLayout cache_layout =
+      transport::KvLayout::ForCache(engine->cache()->shape(), layout.model);
+  if (cache_layout.Hash() != layout.Hash()) {
+    return absl::InvalidArgumentError(absl::StrCat("prefill service: layout ", layout.ToString(),
+                                                   " does not describe the engine's cache ",
+                                                   cache_layout.ToString()));
+  }
+  // The prefill side receives no transfers: DONE notices have nowhere to go.
+  PREFT_RETURN_IF_ERROR(transport->Start(engine->cache(), layout, [](uint64_t, uint32_t) {}));
+  return std::unique_ptr<PrefillService>(new PrefillService(
+      std::make_unique<Impl>(std::move(engine), std::move(transport), layout, options)));
+}
+
+PrefillService::PrefillService(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+PrefillService::~PrefillService() = default;
+
+void PrefillService::StartDrain() { impl_->draining = true; }
+
+int64_t PrefillService::active_requests() const { return impl_->active.load(); }
+
+const TransportEndpoint& PrefillService::endpoint() const { return impl_->endpoint; }
+
+PrefillService::EngineCounts PrefillService::engine_counts() const {
+  std::promise<EngineCounts> result;
+  std::future<EngineCounts> counts = result.get_future();
+  const bool posted = impl_->Post([&result](engine::Engine& e) {
+    EngineCounts c;
+    c.total_blocks = e.allocator().num_blocks();
+    c.free_blocks = e.allocator().num_free();
+    c.prefilled_held = e.num_prefilled_held();
+    c.waiting = e.num_waiting();
+    c.running = e.num_running();
+    result.set_value(c);
+  });
+  return posted ? counts.get() : EngineCounts{};
+}
+
+grpc::ServerUnaryReactor* PrefillService::Prefill(grpc::CallbackServerContext* context,
+                                                  const PrefillRequest* request,
+                                                  PrefillResponse* response) {
+  auto* reactor = new PrefillReactor();
+  if (impl_->draining) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                 "draining: this prefill worker takes no new requests"));
+    return reactor;
+  }
+  impl_->active.fetch_add(1);
+  auto call = std::make_shared<Impl::Call>(impl_.get(), reactor, *request, response);
+  reactor->set_on_cancel([call] { call->Cancel(); });
+  call->Start();
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* PrefillService::Status(grpc::CallbackServerContext* context,
+                                                 const worker::v1::PrefillStatusRequest* request,
+                                                 worker::v1::PrefillStatusResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  Impl* impl = impl_.get();
+  // On the engine thread, after the step under way: requests that step ended have let go of
+  // their adapters.
+  const bool posted = impl_->Post([impl, reactor, response](engine::Engine& e) {
+    impl->FillStatus(response);
+    response->set_queue_depth(static_cast<int32_t>(e.num_waiting()));
+    response->set_running(static_cast<int32_t>(e.num_running() + impl->transfers.load()));
+    reactor->Finish(grpc::Status::OK);
+  });
+  if (!posted) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "prefill worker is shutting down"));
+  }
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* PrefillService::Connect(grpc::CallbackServerContext* context,
+                                                  const worker::v1::ConnectRequest* request,
+                                                  worker::v1::ConnectResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::Status s = impl_->CheckEndpoint(request->endpoint(), "endpoint");
+  if (s.ok()) s = impl_->Peer(request->endpoint().address()).status();
+  if (s.ok()) *response->mutable_endpoint() = impl_->endpoint;
+  reactor->Finish(rpc::ToGrpcStatus(s));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* PrefillService::LoadAdapter(grpc::CallbackServerContext* context,
+                                                      const worker::v1::WorkerAdapterRequest* request,
+                                                      worker::v1::AdapterState* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  Impl* impl = impl_.get();
+  const std::string key = adapters::VersionKey(request->name(), request->version());
+  impl->LoadStarted(key);
+  // Loaded like a request's adapter, then unpinned at once: it stays resident until evicted.
+  impl->versioned->Acquire(
+      request->name(), request->version(), request->path(),
+      [impl, reactor, response, key](absl::StatusOr<adapters::AdapterLease> lease) {
+        impl->LoadEnded(key, lease.ok() ? static_cast<int64_t>(lease->weights->bytes()) : -1);
+        if (lease.ok()) {
+          response->set_name(lease->name);
+          response->set_version(lease->version);
+          response->set_residency(v1::ADAPTER_RESIDENCY_RESIDENT);
+          response->set_bytes(static_cast<int64_t>(lease->weights->bytes()));
+        }
+        reactor->Finish(rpc::ToGrpcStatus(lease.status()));
+      });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* PrefillService::UnloadAdapter(
+    grpc::CallbackServerContext* context, const worker::v1::WorkerAdapterRequest* request,
+    worker::v1::UnloadWorkerAdapterResponse*) {
+  impl_->versioned->Forget(request->name());
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace preft::prefill

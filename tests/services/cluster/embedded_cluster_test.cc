@@ -1,0 +1,379 @@
+// The embedded cluster (router + prefill + decode on loopback gRPC, in-process KV transport)
+// driven through the public API: outputs equal the engine's, errors carry precise codes, and
+// cancellation, abort and drain free everything on both tiers.
+
+#include "tools/preft/embedded_cluster.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <thread>
+
+#include "common/adapters/adapter_loader.h"
+#include "common/base/mapped_file.h"
+#include "common/engine/engine.h"
+#include "nlohmann/json.hpp"
+#include "tests/services/cluster/cluster_client.h"
+#include "tests/testing/fixtures.h"
+
+namespace preft::tools {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::Generate;
+
+class EmbeddedClusterTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    root_ = new fs::path(fs::path(::testing::TempDir()) / "cluster_adapters");
+    fs::remove_all(*root_);
+    fs::create_directories(*root_);
+    for (const char* a : {"lora", "lora_rs", "direft"})
+      fs::copy(testing::TinyLlamaFixture() + "/" + a, *root_ / a);
+  }
+
+  void SetUp() override {
+    EmbeddedClusterOptions o;
+    o.model_dir = testing::TinyLlamaFixture();
+    o.adapter_root = root_->string();
+    o.num_prefill = 2;
+    o.num_decode = 2;
+    o.prefill_kv_bytes = 8 << 20;
+    o.decode_kv_bytes = 3 << 19;  // 128 blocks of 16 tokens: 2048 per worker
+    o.decode.all_position_adapters = true;  // the fixture's LoRA/DiReFT modes need it
+    o.threads = 1;
+    o.decode.quarantine = absl::Milliseconds(50);
+    o.router.admission_timeout = absl::Seconds(2);
+    Configure(&o);
+    auto c = EmbeddedCluster::Start(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    cluster_ = std::move(c).value();
+    stub_ = testing::PreftStub(cluster_->address());
+    for (const char* a : {"lora", "lora_rs", "direft"}) {
+      grpc::ClientContext ctx;
+      v1::RegisterAdapterRequest req;
+      req.set_name(a);
+      req.set_path(a);
+      v1::RegisterAdapterResponse r;
+      ASSERT_TRUE(stub_->RegisterAdapter(&ctx, req, &r).ok()) << a;
+    }
+  }
+
+  virtual void Configure(EmbeddedClusterOptions*) {}
+
+  // Every block on every worker is back where it started.
+  void ExpectNoLeaks() {
+    const absl::Time until = absl::Now() + absl::Seconds(5);
+    for (;;) {
+      bool clean = true;
+      for (int i = 0; i < 2; ++i) {
+        const auto b = cluster_->decode(i).block_counts();
+        clean &= b.free == b.total && cluster_->decode(i).active_streams() == 0;
+        clean &= cluster_->prefill(i).active_requests() == 0;
+      }
+      if (clean) return;
+      if (absl::Now() > until) break;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    for (int i = 0; i < 2; ++i) {
+      const auto b = cluster_->decode(i).block_counts();
+      ADD_FAILURE() << "decode " << i << ": free " << b.free << "/" << b.total << " reserved "
+                    << b.reserved << " quarantined " << b.quarantined << " running " << b.running
+                    << "; prefill " << i << " active " << cluster_->prefill(i).active_requests();
+    }
+  }
+
+  static v1::GenerateRequest Request(const std::vector<int32_t>& prompt, int max_tokens,
+                                     const std::string& model = "",
+                                     v1::AdapterPositions positions = v1::ADAPTER_POSITIONS_UNSPECIFIED) {
+    v1::GenerateRequest r;
+    for (int32_t t : prompt) r.mutable_token_ids()->add_ids(t);
+    r.set_model(model);
+    r.set_adapter_positions(positions);
+    r.set_stream(true);
+    r.mutable_sampling()->set_max_tokens(max_tokens);
+    r.mutable_sampling()->set_ignore_eos(true);
+    return r;
+  }
+
+  static fs::path* root_;
+  std::unique_ptr<EmbeddedCluster> cluster_;
+  std::unique_ptr<v1::Preft::Stub> stub_;
+};
+fs::path* EmbeddedClusterTest::root_ = nullptr;
+
+// Every case of the fixture's reference.json (base, lora, lora_rs, lorap, direft, direftp:
+// outputs of transformers + PEFT + pyreft), all at once through the cluster.
+TEST_F(EmbeddedClusterTest, ReproducesEveryFixtureModeConcurrently) {
+  auto text = base::ReadFileToString(testing::TinyLlamaFixture() + "/reference.json");
+  ASSERT_TRUE(text.ok());
+  const nlohmann::json ref = nlohmann::json::parse(*text);
+  std::vector<v1::GenerateRequest> requests;
+  for (const auto& c : ref["cases"]) {
+    std::string model;
+    v1::AdapterPositions pos = v1::ADAPTER_POSITIONS_UNSPECIFIED;
+    if (!c["adapter"].is_null()) {
+      model = c["adapter"];
+      pos = c["adapter_positions"] == "prompt" ? v1::ADAPTER_POSITIONS_PROMPT
+                                               : v1::ADAPTER_POSITIONS_ALL;
+    }
+    v1::GenerateRequest r = Request(c["prompt_ids"].get<std::vector<int32_t>>(),
+                                    static_cast<int>(c["token_ids"].size()), model, pos);
+    r.mutable_sampling()->set_logprobs(2);
+    requests.push_back(r);
+  }
+  std::vector<testing::GenerateOutcome> got(requests.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < requests.size(); ++i)
+    threads.emplace_back([&, i] { got[i] = Generate(stub_.get(), requests[i]); });
+  for (auto& t : threads) t.join();
+  std::set<std::string> modes;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const auto& c = ref["cases"][i];
+    const std::string mode = c["mode"];
+    modes.insert(mode);
+    ASSERT_TRUE(got[i].status.ok()) << mode << ": " << got[i].status.error_message();
+    EXPECT_EQ(got[i].token_ids, c["token_ids"].get<std::vector<int32_t>>()) << mode;
+    ASSERT_EQ(got[i].logprobs.size(), c["logprobs"].size()) << mode;
+    for (size_t t = 0; t < got[i].logprobs.size(); ++t)
+      EXPECT_NEAR(got[i].logprobs[t].logprob(), c["logprobs"][t]["logprob"].get<double>(), 1e-4)
+          << mode << " step " << t;
+    EXPECT_EQ(got[i].finish.reason(), v1::FINISH_REASON_LENGTH);
+    EXPECT_EQ(got[i].finish.usage().completion_tokens(), static_cast<int>(c["token_ids"].size()));
+    if (!c["adapter"].is_null()) {
+      EXPECT_EQ(got[i].finish.adapter(), c["adapter"].get<std::string>());
+      EXPECT_EQ(got[i].finish.adapter_version(), 1);
+    }
+  }
+  EXPECT_EQ(modes.size(), 6u);
+  ExpectNoLeaks();
+}
+
+// Seeded sampling and text prompts: the cluster's tokens and text are one engine's.
+TEST_F(EmbeddedClusterTest, SeededTextRequestsEqualOneEngine) {
+  auto m = model::Model::Load(testing::TinyLlamaFixture());
+  ASSERT_TRUE(m.ok());
+  auto lora = adapters::LoadAdapter((*root_ / "lora").string(), (*m)->config());
+  ASSERT_TRUE(lora.ok());
+  std::shared_ptr<const model::AdapterWeights> lora_w = std::move(lora).value();
+  engine::EngineOptions eo;
+  eo.kv_blocks = 256;
+  auto e = engine::Engine::Create(m->get(), cluster_->tokenizer(), eo);
+  ASSERT_TRUE(e.ok());
+  const std::vector<std::string> prompts = {"The quick brown fox", "Once upon a time there",
+                                            "héllo wörld 🙂", "a"};
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    for (bool adapter : {false, true}) {
+      v1::GenerateRequest r;
+      r.set_text(prompts[i]);
+      r.set_stream(i % 2 == 0);
+      r.set_model(adapter ? "lora" : "");
+      r.set_adapter_positions(v1::ADAPTER_POSITIONS_PROMPT);
+      r.mutable_sampling()->set_max_tokens(12);
+      r.mutable_sampling()->set_temperature(0.9f);
+      r.mutable_sampling()->set_top_p(0.95f);
+      r.mutable_sampling()->set_seed(100 + i);
+      r.mutable_sampling()->set_ignore_eos(true);
+      const auto got = Generate(stub_.get(), r);
+      ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+      if (!r.stream()) EXPECT_EQ(got.messages, 1);
+
+      engine::Request er;
+      er.id = "x";
+      auto ids = cluster_->tokenizer()->Encode(prompts[i]);
+      ASSERT_TRUE(ids.ok());
+      er.prompt_ids = *ids;
+      er.sampling.max_tokens = 12;
+      er.sampling.temperature = 0.9f;
+      er.sampling.top_p = 0.95f;
+      er.sampling.seed = 100 + i;
+      er.sampling.ignore_eos = true;
+      if (adapter) er.adapter = {lora_w, "lora", 1, model::AdapterPositions::kPrompt};
+      auto want = (*e)->Generate({er});
+      ASSERT_TRUE(want.ok());
+      EXPECT_EQ(got.token_ids, want->front().token_ids) << prompts[i] << " adapter " << adapter;
+      EXPECT_EQ(got.text, want->front().text) << prompts[i];
+      EXPECT_EQ(got.finish.usage().prompt_tokens(), static_cast<int>(ids->size()));
+    }
+  }
+  ExpectNoLeaks();
+}
+
+TEST_F(EmbeddedClusterTest, BadRequestsGetPreciseCodes) {
+  auto code_of = [&](const v1::GenerateRequest& r) { return Generate(stub_.get(), r, 10).status; };
+  auto unknown = code_of(Request({1, 2, 3}, 4, "nobody"));
+  EXPECT_EQ(unknown.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_NE(unknown.error_message().find("'nobody'"), std::string::npos);
+  std::vector<int32_t> huge(2048, 5);
+  auto too_long = code_of(Request(huge, 4));
+  EXPECT_EQ(too_long.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(too_long.error_message().find("context"), std::string::npos) << too_long.error_message();
+  auto zero = code_of(Request({1, 2}, 0));
+  EXPECT_EQ(zero.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(zero.error_message().find("max_tokens"), std::string::npos);
+  auto over = code_of(Request({1, 2}, 5000));
+  EXPECT_EQ(over.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  auto oov = code_of(Request({1, 99999}, 2));
+  EXPECT_EQ(oov.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  v1::GenerateRequest bad_utf8;
+  bad_utf8.set_text(std::string("abc\xff\xfe", 5));
+  EXPECT_EQ(code_of(bad_utf8).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  v1::GenerateRequest empty;
+  EXPECT_EQ(code_of(empty).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  v1::GenerateRequest oversized;
+  oversized.set_text(std::string(20 << 20, 'a'));
+  EXPECT_EQ(code_of(oversized).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  auto bad_p = Request({1, 2}, 2);
+  bad_p.mutable_sampling()->set_top_p(2.f);
+  EXPECT_EQ(code_of(bad_p).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // A deadline the request cannot meet: it ends mid-flight and leaves nothing behind.
+  auto slow = Request({1, 2, 3}, 2040);
+  EXPECT_EQ(Generate(stub_.get(), slow, 0.02).status.error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  ExpectNoLeaks();
+}
+
+TEST_F(EmbeddedClusterTest, NoCapacityWithinTheDeadlineIsResourceExhausted) {
+  // Another router's reservations hold most of both decode workers' KV.
+  std::vector<std::pair<router::DecodeWorker*, uint64_t>> held;
+  for (const auto& w : cluster_->pool().decode()) {
+    grpc::ClientContext ctx;
+    worker::v1::ReserveRequest req;
+    req.set_request_id("hog");
+    req.set_num_tokens(1500);
+    req.set_max_new_tokens(100);
+    req.set_lease_ms(30000);
+    worker::v1::ReserveResponse r;
+    ASSERT_TRUE(w->stub->Reserve(&ctx, req, &r).ok());
+    held.emplace_back(w.get(), r.reservation_id());
+  }
+  cluster_->pool().PollNow();
+  auto r = Request({1, 2, 3}, 1000);
+  auto s = Generate(stub_.get(), r, 60).status;  // admission timeout (2 s) < deadline
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  EXPECT_NE(s.error_message().find("room"), std::string::npos) << s.error_message();
+  // With a client deadline shorter than the admission timeout, the answer comes before it.
+  s = Generate(stub_.get(), r, 1).status;
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  // Small requests still fit beside the reservations.
+  EXPECT_TRUE(Generate(stub_.get(), Request({1, 2, 3}, 8), 60).status.ok());
+  for (auto& [w, id] : held) {
+    grpc::ClientContext ctx;
+    worker::v1::ReleaseRequest req;
+    req.set_reservation_id(id);
+    req.set_generation(1);
+    worker::v1::ReleaseResponse resp;
+    EXPECT_TRUE(w->stub->Release(&ctx, req, &resp).ok());
+  }
+  ExpectNoLeaks();
+}
+
+TEST_F(EmbeddedClusterTest, CancellingMidStreamFreesBothTiers) {
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 4; ++i) {
+    threads.emplace_back([&, i] {
+      auto r = Request({1, 2, 3, 4, 5}, 400, i % 2 ? "lora" : "");
+      auto out = Generate(stub_.get(), r, 60, [](const v1::GenerateResponse&, grpc::ClientContext* ctx) {
+        ctx->TryCancel();
+      });
+      EXPECT_EQ(out.status.error_code(), grpc::StatusCode::CANCELLED);
+    });
+  }
+  for (auto& t : threads) t.join();
+  ExpectNoLeaks();
+}
+
+TEST_F(EmbeddedClusterTest, AbortEndsTheStreamWithFinishAbort) {
+  auto r = Request({1, 2, 3, 4, 5}, 500);
+  r.set_request_id("to-abort");
+  std::atomic<bool> sent{false};
+  auto out = Generate(stub_.get(), r, 60, [&](const v1::GenerateResponse&, grpc::ClientContext*) {
+    if (sent.exchange(true)) return;
+    grpc::ClientContext ctx;
+    v1::AbortRequest a;
+    a.set_request_id("to-abort");
+    v1::AbortResponse resp;
+    EXPECT_TRUE(stub_->Abort(&ctx, a, &resp).ok());
+  });
+  EXPECT_TRUE(out.status.ok()) << out.status.error_message();
+  EXPECT_EQ(out.finish.reason(), v1::FINISH_REASON_ABORT);
+  EXPECT_LT(out.token_ids.size(), 500u);
+  grpc::ClientContext ctx;
+  v1::AbortRequest a;
+  a.set_request_id("to-abort");
+  v1::AbortResponse resp;
+  EXPECT_EQ(stub_->Abort(&ctx, a, &resp).error_code(), grpc::StatusCode::NOT_FOUND);
+  ExpectNoLeaks();
+}
+
+TEST_F(EmbeddedClusterTest, AdapterAdminListsUpdatesAndUnregisters) {
+  grpc::ClientContext lctx;
+  v1::ListModelsResponse models;
+  ASSERT_TRUE(stub_->ListModels(&lctx, v1::ListModelsRequest(), &models).ok());
+  EXPECT_EQ(models.base().architecture(), "LlamaForCausalLM");
+  EXPECT_EQ(models.adapters_size(), 3);
+  // Outside the root: refused.
+  grpc::ClientContext rctx;
+  v1::RegisterAdapterRequest reg;
+  reg.set_name("evil");
+  reg.set_path("../../etc");
+  v1::RegisterAdapterResponse rr;
+  EXPECT_EQ(stub_->RegisterAdapter(&rctx, reg, &rr).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
+  // Version 2 of "lora" carries lora_rs's weights: requests after the update see them.
+  auto before = Generate(stub_.get(), Request({7, 8, 9, 10}, 8, "lora", v1::ADAPTER_POSITIONS_ALL));
+  auto rs = Generate(stub_.get(), Request({7, 8, 9, 10}, 8, "lora_rs", v1::ADAPTER_POSITIONS_ALL));
+  ASSERT_TRUE(before.status.ok() && rs.status.ok());
+  ASSERT_NE(before.token_ids, rs.token_ids);
+  {
+    grpc::ClientContext ctx;
+    v1::UpdateAdapterResponse resp;
+    auto w = stub_->UpdateAdapter(&ctx, &resp);
+    v1::UpdateAdapterRequest h;
+    h.mutable_header()->set_name("lora");
+    h.mutable_header()->set_expected_version(1);
+    ASSERT_TRUE(w->Write(h));
+    for (const char* f : {"adapter_config.json", "adapter_model.safetensors"}) {
+      auto bytes = base::ReadFileToString((*root_ / "lora_rs" / f).string());
+      ASSERT_TRUE(bytes.ok());
+      v1::UpdateAdapterRequest c;
+      c.mutable_chunk()->set_file_name(f);
+      c.mutable_chunk()->set_data(*bytes);
+      ASSERT_TRUE(w->Write(c));
+    }
+    w->WritesDone();
+    ASSERT_TRUE(w->Finish().ok());
+    EXPECT_EQ(resp.version(), 2);
+  }
+  auto after = Generate(stub_.get(), Request({7, 8, 9, 10}, 8, "lora", v1::ADAPTER_POSITIONS_ALL));
+  ASSERT_TRUE(after.status.ok()) << after.status.error_message();
+  EXPECT_EQ(after.token_ids, rs.token_ids);
+  EXPECT_EQ(after.finish.adapter_version(), 2);
+
+  grpc::ClientContext uctx;
+  v1::UnloadAdapterRequest un;
+  un.set_name("lora");
+  un.set_unregister(true);
+  v1::UnloadAdapterResponse ur;
+  ASSERT_TRUE(stub_->UnloadAdapter(&uctx, un, &ur).ok());
+  EXPECT_EQ(Generate(stub_.get(), Request({1, 2}, 2, "lora")).status.error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  ExpectNoLeaks();
+}
+
+TEST_F(EmbeddedClusterTest, DrainFinishesRunningStreamsAndRefusesNewOnes) {
+  std::thread running([&] {
+    auto out = Generate(stub_.get(), Request({1, 2, 3}, 60));
+    EXPECT_TRUE(out.status.ok()) << out.status.error_message();
+    EXPECT_EQ(out.token_ids.size(), 60u);
+  });
+  absl::SleepFor(absl::Milliseconds(200));
+  cluster_->router().StartDrain();
+  EXPECT_EQ(Generate(stub_.get(), Request({1, 2}, 2)).status.error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  running.join();
+  cluster_->Drain(absl::Seconds(5));
+}
+
+}  // namespace
+}  // namespace preft::tools

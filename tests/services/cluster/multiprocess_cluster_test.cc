@@ -1,0 +1,318 @@
+// The cluster as separate processes (preft-router, 2 x preft-prefill, 2 x preft-decode) on
+// 127.0.0.1 with UCX between the tiers: outputs equal one engine's under concurrent mixed
+// load, and kill -9 of a worker loses no request it did not own.
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "common/adapters/adapter_loader.h"
+#include "common/adapters/make_adapter.h"
+#include "common/engine/engine.h"
+#include "proto/preft/v1/worker.grpc.pb.h"
+#include "tests/services/cluster/child_process.h"
+#include "tests/services/cluster/cluster_client.h"
+#include "tests/testing/fixtures.h"
+
+namespace preft {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::ChildProcess;
+
+constexpr int kAdapters = 32;
+
+std::string Bin(const std::string& rel) { return std::string(PREFT_BINARY_DIR) + "/" + rel; }
+
+class MultiProcessClusterTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new fs::path(fs::path(::testing::TempDir()) / "mp_cluster");
+    fs::remove_all(*dir_);
+    fs::create_directories(*dir_ / "adapters");
+    auto m = model::Model::Load(testing::TinyLlamaFixture());
+    ASSERT_TRUE(m.ok());
+    model_ = m->release();
+    auto t = model::Tokenizer::LoadFromModelDir(testing::TinyLlamaFixture());
+    ASSERT_TRUE(t.ok());
+    tokenizer_ = t->release();
+    adapters_ = new std::vector<std::shared_ptr<const model::AdapterWeights>>();
+    for (int i = 0; i < kAdapters; ++i) {
+      adapters::RandomAdapterSpec spec;
+      spec.kind = i % 4 == 3 ? model::AdapterKind::kDireft : model::AdapterKind::kLora;
+      spec.rank = 2 + i % 7;
+      spec.seed = 1000 + i;
+      spec.preft_positions =
+          i % 2 ? model::AdapterPositions::kPrompt : model::AdapterPositions::kAll;
+      const std::string out = (*dir_ / "adapters" / ("a" + std::to_string(i))).string();
+      ASSERT_TRUE(adapters::WriteRandomAdapter(model_->config(), spec, out).ok());
+      auto w = adapters::LoadAdapter(out, model_->config());
+      ASSERT_TRUE(w.ok()) << w.status();
+      adapters_->push_back(std::move(w).value());
+    }
+  }
+
+  void SetUp() override {
+    const std::string model = testing::TinyLlamaFixture();
+    const std::vector<std::string> ucx = {"--transport", "ucx", "--ucx-tls", "posix,self"};
+    for (int i = 0; i < 2; ++i) {
+      std::vector<std::string> argv = {Bin("services/decode/preft-decode"), "--model", model,
+                                       "--kv-bytes", "16777216", "--threads", "1",
+                                       "--quarantine-ms", "100", "--all-position-adapters",
+                                       "--adapter-root", (*dir_ / "adapters").string()};
+      argv.insert(argv.end(), ucx.begin(), ucx.end());
+      auto p = ChildProcess::Spawn(argv, (*dir_ / ("decode" + std::to_string(i) + ".log")).string());
+      ASSERT_TRUE(p.ok()) << p.status();
+      decode_.push_back(std::move(p).value());
+    }
+    for (int i = 0; i < 2; ++i) {
+      std::vector<std::string> argv = {Bin("services/prefill/preft-prefill"), "--model", model,
+                                       "--kv-bytes", "8388608", "--threads", "1",
+                                       "--adapter-root", (*dir_ / "adapters").string()};
+      argv.insert(argv.end(), ucx.begin(), ucx.end());
+      for (const std::string& flag : PrefillFlags()) argv.push_back(flag);
+      auto p = ChildProcess::Spawn(argv, (*dir_ / ("prefill" + std::to_string(i) + ".log")).string());
+      ASSERT_TRUE(p.ok()) << p.status();
+      prefill_.push_back(std::move(p).value());
+    }
+    std::string decode_list, prefill_list;
+    for (auto& p : decode_) {
+      auto a = p->WaitForAddress(absl::Seconds(60));
+      ASSERT_TRUE(a.ok()) << a.status();
+      decode_addresses_.push_back(*a);
+      decode_list += (decode_list.empty() ? "" : ",") + *a;
+    }
+    for (auto& p : prefill_) {
+      auto a = p->WaitForAddress(absl::Seconds(60));
+      ASSERT_TRUE(a.ok()) << a.status();
+      prefill_addresses_.push_back(*a);
+      prefill_list += (prefill_list.empty() ? "" : ",") + *a;
+    }
+    auto r = ChildProcess::Spawn(
+        {Bin("services/router/preft-router"), "--model", model, "--prefill", prefill_list,
+         "--decode", decode_list, "--adapter-root", (*dir_ / "adapters").string(), "--poll-ms",
+         "50", "--admission-timeout-s", "20"},
+        (*dir_ / "router.log").string());
+    ASSERT_TRUE(r.ok());
+    router_ = std::move(r).value();
+    auto a = router_->WaitForAddress(absl::Seconds(30));
+    ASSERT_TRUE(a.ok()) << a.status();
+    stub_ = testing::PreftStub(*a);
+    for (int i = 0; i < kAdapters; ++i) {
+      grpc::ClientContext ctx;
+      v1::RegisterAdapterRequest req;
+      req.set_name("a" + std::to_string(i));
+      req.set_path("a" + std::to_string(i));
+      v1::RegisterAdapterResponse resp;
+      const grpc::Status s = stub_->RegisterAdapter(&ctx, req, &resp);
+      ASSERT_TRUE(s.ok()) << s.error_message();
+    }
+  }
+
+  virtual std::vector<std::string> PrefillFlags() const { return {}; }
+
+  void TearDown() override {
+    if (HasFailure()) {
+      for (auto* p : {router_.get()}) if (p) std::cerr << "router log:\n" << p->Log() << "\n";
+      for (auto& p : decode_) std::cerr << "decode log:\n" << p->Log() << "\n";
+      for (auto& p : prefill_) std::cerr << "prefill log:\n" << p->Log() << "\n";
+    }
+  }
+
+  // Request i of a mixed workload: base-only or adapter i % kAdapters, greedy or seeded.
+  static v1::GenerateRequest Workload(int i, int max_tokens) {
+    v1::GenerateRequest r;
+    const int n = 3 + (i * 7) % 40;
+    for (int k = 0; k < n; ++k) r.mutable_token_ids()->add_ids((k * 13 + i * 31) % 298);
+    if (i % 5 != 0) r.set_model("a" + std::to_string(i % kAdapters));
+    r.set_stream(true);
+    r.mutable_sampling()->set_max_tokens(max_tokens);
+    r.mutable_sampling()->set_ignore_eos(true);
+    if (i % 3 == 0) {
+      r.mutable_sampling()->set_temperature(0.8f);
+      r.mutable_sampling()->set_seed(77 + i);
+    }
+    return r;
+  }
+
+  // The same requests on one in-process engine.
+  static std::vector<std::vector<int32_t>> Expected(const std::vector<v1::GenerateRequest>& reqs) {
+    engine::EngineOptions o;
+    o.kv_blocks = 2048;
+    auto e = engine::Engine::Create(model_, tokenizer_, o);
+    EXPECT_TRUE(e.ok());
+    std::vector<engine::Request> ers;
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      engine::Request er;
+      er.id = std::to_string(i);
+      er.prompt_ids.assign(reqs[i].token_ids().ids().begin(), reqs[i].token_ids().ids().end());
+      er.sampling.max_tokens = reqs[i].sampling().max_tokens();
+      er.sampling.temperature = reqs[i].sampling().temperature();
+      if (reqs[i].sampling().has_seed()) er.sampling.seed = reqs[i].sampling().seed();
+      er.sampling.ignore_eos = true;
+      if (!reqs[i].model().empty()) {
+        const int a = std::stoi(reqs[i].model().substr(1));
+        er.adapter = {(*adapters_)[a], reqs[i].model(), 1, std::nullopt};
+      }
+      ers.push_back(std::move(er));
+    }
+    auto out = (*e)->Generate(std::move(ers));
+    EXPECT_TRUE(out.ok());
+    std::vector<std::vector<int32_t>> tokens;
+    for (const auto& r : *out) tokens.push_back(r.token_ids);
+    return tokens;
+  }
+
+  // Runs `requests` with `concurrency` client threads.
+  std::vector<testing::GenerateOutcome> RunAll(const std::vector<v1::GenerateRequest>& requests,
+                                               int concurrency) {
+    std::vector<testing::GenerateOutcome> out(requests.size());
+    std::atomic<size_t> next{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < concurrency; ++t) {
+      threads.emplace_back([&] {
+        for (size_t i; (i = next++) < requests.size();) out[i] = testing::Generate(stub_.get(), requests[i]);
+      });
+    }
+    for (auto& t : threads) t.join();
+    return out;
+  }
+
+  // Every block of a live decode worker is free again (bounded wait).
+  void ExpectDecodeClean(size_t i) {
+    auto stub = worker::v1::DecodeWorker::NewStub(
+        grpc::CreateChannel(decode_addresses_[i], grpc::InsecureChannelCredentials()));
+    worker::v1::DecodeStatusResponse st;
+    const absl::Time until = absl::Now() + absl::Seconds(10);
+    do {
+      grpc::ClientContext ctx;
+      ASSERT_TRUE(stub->Status(&ctx, worker::v1::DecodeStatusRequest(), &st).ok());
+      if (st.free_blocks() == st.total_blocks() && st.running() == 0) return;
+      absl::SleepFor(absl::Milliseconds(50));
+    } while (absl::Now() < until);
+    ADD_FAILURE() << "decode " << i << " leaks: free " << st.free_blocks() << "/"
+                  << st.total_blocks() << " reserved " << st.reserved_blocks() << " running "
+                  << st.running();
+  }
+
+  static fs::path* dir_;
+  static model::Model* model_;
+  static model::Tokenizer* tokenizer_;
+  static std::vector<std::shared_ptr<const model::AdapterWeights>>* adapters_;
+  std::vector<std::unique_ptr<ChildProcess>> decode_, prefill_;
+  std::vector<std::string> decode_addresses_, prefill_addresses_;
+  std::unique_ptr<ChildProcess> router_;
+  std::unique_ptr<v1::Preft::Stub> stub_;
+};
+fs::path* MultiProcessClusterTest::dir_ = nullptr;
+model::Model* MultiProcessClusterTest::model_ = nullptr;
+model::Tokenizer* MultiProcessClusterTest::tokenizer_ = nullptr;
+std::vector<std::shared_ptr<const model::AdapterWeights>>* MultiProcessClusterTest::adapters_ = nullptr;
+
+// The load test: 500 streaming requests over 32 adapters (LoRA, LoRAP, DiReFT, DiReFTP and
+// base), 64 at a time; every one completes with one engine's tokens, and nothing leaks.
+TEST_F(MultiProcessClusterTest, FiveHundredMixedRequestsMatchOneEngine) {
+  std::vector<v1::GenerateRequest> requests;
+  for (int i = 0; i < 500; ++i) requests.push_back(Workload(i, 6 + i % 5));
+  const auto want = Expected(requests);
+  const auto got = RunAll(requests, 64);
+  int ok = 0;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    EXPECT_TRUE(got[i].status.ok()) << i << ": " << got[i].status.error_message();
+    EXPECT_EQ(got[i].token_ids, want[i]) << "request " << i << " model " << requests[i].model();
+    ok += got[i].status.ok() && got[i].token_ids == want[i];
+  }
+  EXPECT_EQ(ok, 500);
+  ExpectDecodeClean(0);
+  ExpectDecodeClean(1);
+}
+
+// kill -9 of a decode worker mid-stream: its clients get UNAVAILABLE naming it; every other
+// request completes with the right tokens; the surviving worker is clean.
+TEST_F(MultiProcessClusterTest, KillingADecodeWorkerFailsOnlyItsStreams) {
+  std::vector<v1::GenerateRequest> requests;
+  for (int i = 0; i < 12; ++i) requests.push_back(Workload(i, 200));
+  const auto want = Expected(requests);
+  std::vector<testing::GenerateOutcome> got(requests.size());
+  std::atomic<int> streaming{0};
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    threads.emplace_back([&, i] {
+      bool counted = false;
+      got[i] = testing::Generate(stub_.get(), requests[i], 120,
+                                 [&](const v1::GenerateResponse&, grpc::ClientContext*) {
+                                   if (!counted) ++streaming;
+                                   counted = true;
+                                 });
+    });
+  }
+  while (streaming.load() < static_cast<int>(requests.size())) absl::SleepFor(absl::Milliseconds(5));
+  decode_[0]->Signal(SIGKILL);
+  decode_[0]->Wait();
+  for (auto& t : threads) t.join();
+  int failed = 0;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    if (got[i].status.ok()) {
+      EXPECT_EQ(got[i].token_ids, want[i]) << i;
+    } else {
+      ++failed;
+      EXPECT_EQ(got[i].status.error_code(), grpc::StatusCode::UNAVAILABLE) << got[i].status.error_message();
+      EXPECT_NE(got[i].status.error_message().find("decode worker"), std::string::npos)
+          << got[i].status.error_message();
+    }
+  }
+  EXPECT_GT(failed, 0);                                      // some were on the killed worker
+  EXPECT_LT(failed, static_cast<int>(requests.size()));      // and some were not
+  ExpectDecodeClean(1);
+  // New requests go to the survivor.
+  auto after = RunAll({Workload(1, 5), Workload(2, 5)}, 2);
+  for (const auto& o : after) EXPECT_TRUE(o.status.ok()) << o.status.error_message();
+}
+
+// Prefill workers that take many steps per prompt (small chunks), so prompts are in flight
+// when one is killed.
+class MultiProcessPrefillFaultTest : public MultiProcessClusterTest {
+ protected:
+  std::vector<std::string> PrefillFlags() const override { return {"--max-batch-tokens", "64"}; }
+};
+
+// kill -9 of a prefill worker with prompts queued on it: they are retried on the other one
+// (into the same reservations, next generation) and complete with the right tokens.
+TEST_F(MultiProcessPrefillFaultTest, KillingAPrefillWorkerRetriesItsPrompts) {
+  std::vector<v1::GenerateRequest> requests;
+  for (int i = 0; i < 200; ++i) {
+    v1::GenerateRequest r = Workload(i, 4);
+    for (int k = 0; k < 600; ++k) r.mutable_token_ids()->add_ids((k * 5 + i) % 298);  // long prompts
+    requests.push_back(r);
+  }
+  const auto want = Expected(requests);
+  std::thread killer([&] {  // once prefill 0 has prompts in flight
+    auto stub = worker::v1::PrefillWorker::NewStub(
+        grpc::CreateChannel(prefill_addresses_[0], grpc::InsecureChannelCredentials()));
+    for (;;) {
+      grpc::ClientContext ctx;
+      worker::v1::PrefillStatusResponse st;
+      if (stub->Status(&ctx, worker::v1::PrefillStatusRequest(), &st).ok() &&
+          st.running() + st.queue_depth() >= 4) {
+        break;
+      }
+    }
+    prefill_[0]->Signal(SIGKILL);
+  });
+  const auto got = RunAll(requests, 48);
+  killer.join();
+  EXPECT_NE(router_->Log().find("retrying"), std::string::npos) << "no prompt was retried";
+  for (size_t i = 0; i < requests.size(); ++i) {
+    EXPECT_TRUE(got[i].status.ok()) << i << ": " << got[i].status.error_message();
+    EXPECT_EQ(got[i].token_ids, want[i]) << i;
+  }
+  ExpectDecodeClean(0);
+  ExpectDecodeClean(1);
+}
+
+}  // namespace
+}  // namespace preft

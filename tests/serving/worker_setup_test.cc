@@ -1,0 +1,51 @@
+#include "common/serving/worker_setup.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "common/model/make_model.h"
+#include "tests/testing/fixtures.h"
+
+namespace preft::serving {
+namespace {
+
+TEST(WorkerSetupTest, FingerprintIsStableAndTellsCheckpointsApart) {
+  auto a = LoadModel(testing::TinyLlamaFixture());
+  auto b = LoadModel(testing::TinyLlamaFixture());
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->fingerprint, b->fingerprint);
+  EXPECT_EQ(a->fingerprint.rfind("LlamaForCausalLM-", 0), 0u) << a->fingerprint;
+  EXPECT_NE(a->tokenizer, nullptr);
+  const std::string dir = ::testing::TempDir() + "/fingerprint_model";
+  std::filesystem::remove_all(dir);
+  model::MakeModelOptions m;
+  m.preset = "tiny";
+  m.out_dir = dir;
+  ASSERT_TRUE(model::MakeModel(m).ok());
+  auto c = LoadModel(dir);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_NE(c->fingerprint, a->fingerprint);
+  EXPECT_FALSE(LoadModel(dir + "/missing").ok());
+}
+
+TEST(WorkerSetupTest, TransportFactoryAndReadinessCheck) {
+  EXPECT_EQ(MakeTransport({.kind = "carrier-pigeon"}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto t = MakeTransport({.kind = "inproc"});
+  ASSERT_TRUE(t.ok());
+  EXPECT_EQ((*t)->name(), "inproc");
+  TransportFlags ucx{.kind = "ucx", .ucx_tls = "posix,self"};
+  EXPECT_TRUE(CheckTransport("ucx(posix,self)", ucx).ok());
+  EXPECT_TRUE(CheckTransport("ucx(self,posix)", ucx).ok());
+  const absl::Status fell_back = CheckTransport("ucx(tcp,self)", ucx);
+  EXPECT_EQ(fell_back.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(fell_back.message().find("ucx(tcp,self)"), std::string::npos) << fell_back;
+  EXPECT_FALSE(CheckTransport("ucx", ucx).ok());
+  EXPECT_TRUE(CheckTransport("ucx(tcp,self)", {.kind = "ucx"}).ok());  // nothing configured
+  EXPECT_TRUE(CheckTransport("ucx(posix,self)", {.kind = "ucx", .ucx_tls = "shm,self"}).ok());
+  EXPECT_TRUE(CheckTransport("inproc", {.kind = "inproc"}).ok());
+}
+
+}  // namespace
+}  // namespace preft::serving

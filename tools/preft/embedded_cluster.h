@@ -1,0 +1,70 @@
+#pragma once
+
+// The whole cluster in one process: prefill and decode workers (each with its own engine,
+// model instance and in-process KV transport, or UCX), served on an internal gRPC server, and
+// the router on the public address. What `preft serve` runs, and what the cluster tests drive
+// through the public API. The code paths are the multi-process ones: only the transport and
+// the channels (in-process gRPC) differ.
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/rpc/server.h"
+#include "common/serving/worker_setup.h"
+#include "services/decode/decode_service.h"
+#include "services/prefill/prefill_service.h"
+#include "services/router/router_service.h"
+
+namespace preft::tools {
+
+struct EmbeddedClusterOptions {
+  std::string model_dir;
+  std::string listen = "127.0.0.1:0";  // the router's public address
+  int num_prefill = 1;
+  int num_decode = 1;
+  std::string adapter_root;  // "" refuses adapter registration
+  int64_t prefill_kv_bytes = int64_t{256} << 20;
+  int64_t decode_kv_bytes = int64_t{512} << 20;
+  int64_t max_batch_tokens = 512;
+  int threads = 0;  // per engine; 0: all cores
+  serving::TransportFlags transport{.kind = "inproc"};
+  decode::DecodeServiceOptions decode;
+  prefill::PrefillServiceOptions prefill;  // adapter_root is filled from above
+  router::RouterOptions router;
+};
+
+class EmbeddedCluster {
+ public:
+  static absl::StatusOr<std::unique_ptr<EmbeddedCluster>> Start(EmbeddedClusterOptions options);
+  // Drains and shuts everything down.
+  ~EmbeddedCluster();
+
+  // The router's address (what clients dial).
+  const std::string& address() const;
+  decode::DecodeService& decode(int i) { return *decode_[i]; }
+  prefill::PrefillService& prefill(int i) { return *prefill_[i]; }
+  router::RouterService& router() { return *router_; }
+  router::WorkerPool& pool() { return *pool_; }
+  const model::Tokenizer* tokenizer() const { return tokenizer_.get(); }
+
+  // Graceful stop: routers and workers refuse new work, running requests finish (up to
+  // `timeout`), then the servers shut down.
+  void Drain(absl::Duration timeout);
+
+ private:
+  EmbeddedCluster() = default;
+
+  std::vector<std::unique_ptr<model::Model>> models_;  // one per engine (not thread-safe)
+  std::unique_ptr<model::Tokenizer> tokenizer_;
+  std::vector<std::unique_ptr<decode::DecodeService>> decode_;
+  std::vector<std::unique_ptr<prefill::PrefillService>> prefill_;
+  std::vector<std::unique_ptr<rpc::Server>> worker_servers_;
+  std::unique_ptr<router::WorkerPool> pool_;
+  std::unique_ptr<router::AdapterRegistry> registry_;
+  std::unique_ptr<router::RouterService> router_;
+  std::unique_ptr<rpc::Server> router_server_;
+};
+
+}  // namespace preft::tools

@@ -1,0 +1,93 @@
+// `preft serve`: the embedded cluster (router + prefill + decode in one process).
+
+#include <cstdio>
+#include <filesystem>
+
+#include "common/model/make_model.h"
+#include "tools/preft/commands.h"
+#include "tools/preft/embedded_cluster.h"
+
+namespace preft::tools {
+
+namespace {
+
+struct ServeFlags {
+  std::string model = "models/demo-tiny";
+  std::string preset;  // make the model first when the folder has none
+  std::string listen = "127.0.0.1:50051";
+  std::string adapter_root;
+  int prefill_workers = 1;
+  int decode_workers = 1;
+  int64_t prefill_kv_mib = 256;
+  int64_t decode_kv_mib = 512;
+  int threads = 0;
+  bool all_position_adapters = false;
+  double drain_timeout_s = 30;
+};
+
+int RunServe(const ServeFlags& f) {
+  if (!std::filesystem::exists(f.model + "/config.json")) {
+    if (f.preset.empty()) {
+      std::fprintf(stderr, "preft serve: no model in '%s' (pass --preset to make one)\n",
+                   f.model.c_str());
+      return 1;
+    }
+    model::MakeModelOptions m;
+    m.preset = f.preset;
+    m.out_dir = f.model;
+    m.seed = 7;
+    std::printf("making the demo model (%s) in %s\n", f.preset.c_str(), f.model.c_str());
+    if (absl::Status s = model::MakeModel(m); !s.ok()) {
+      std::fprintf(stderr, "preft serve: %s\n", s.ToString().c_str());
+      return 1;
+    }
+  }
+  serving::InstallTerminationHandler();
+  EmbeddedClusterOptions o;
+  o.model_dir = f.model;
+  o.listen = f.listen;
+  o.adapter_root = f.adapter_root;
+  o.num_prefill = f.prefill_workers;
+  o.num_decode = f.decode_workers;
+  o.prefill_kv_bytes = f.prefill_kv_mib << 20;
+  o.decode_kv_bytes = f.decode_kv_mib << 20;
+  o.threads = f.threads;
+  o.decode.all_position_adapters = f.all_position_adapters;
+  o.decode.adapter_root = f.adapter_root;
+  auto cluster = EmbeddedCluster::Start(o);
+  if (!cluster.ok()) {
+    std::fprintf(stderr, "preft serve: %s\n", cluster.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("preft serve listening on %s (prefill workers %d, decode workers %d)\n",
+              (*cluster)->address().c_str(), f.prefill_workers, f.decode_workers);
+  std::fflush(stdout);
+  serving::WaitForTerminationSignal();
+  std::printf("preft serve: draining\n");
+  std::fflush(stdout);
+  (*cluster)->Drain(absl::Seconds(f.drain_timeout_s));
+  return 0;
+}
+
+}  // namespace
+
+void RegisterServeCommand(CLI::App& app, int* exit_code) {
+  auto flags = std::make_shared<ServeFlags>();
+  CLI::App* cmd = app.add_subcommand(
+      "serve", "run the whole cluster in one process (router, prefill and decode workers)");
+  cmd->add_option("--model", flags->model, "base model folder");
+  cmd->add_option("--preset", flags->preset, "make a random model of this preset if --model has none");
+  cmd->add_option("--listen", flags->listen, "public gRPC address (port 0 picks one)");
+  cmd->add_option("--adapter-root", flags->adapter_root, "adapters may be registered from under this folder");
+  cmd->add_option("--prefill-workers", flags->prefill_workers)->check(CLI::Range(1, 64));
+  cmd->add_option("--decode-workers", flags->decode_workers)->check(CLI::Range(1, 64));
+  cmd->add_option("--prefill-kv-mib", flags->prefill_kv_mib)->check(CLI::PositiveNumber);
+  cmd->add_option("--decode-kv-mib", flags->decode_kv_mib)->check(CLI::PositiveNumber);
+  cmd->add_option("--threads", flags->threads, "compute threads per engine (0: all cores)");
+  cmd->add_flag("--all-position-adapters", flags->all_position_adapters,
+                "decode applies adapters to generated tokens too (the multi-LoRA baseline)");
+  cmd->add_option("--drain-timeout-s", flags->drain_timeout_s);
+  cmd->callback([flags, exit_code] { *exit_code = RunServe(*flags); });
+}
+
+}  // namespace preft::tools
