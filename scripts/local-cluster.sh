@@ -32,10 +32,16 @@ start() {
   : > "$run/pids"
   local ucx=(--transport ucx --ucx-tls "$tls")
   [[ -n "$devices" ]] && ucx+=(--ucx-net-devices "$devices")
-  local adapter_flags=()
+  local adapter_flags=() decode_flags=()
   [[ -n "$root" ]] && adapter_flags=(--adapter-root "$root")
+  # With adapters, decode workers also serve the all-position baseline (LoRA/DiReFT on every
+  # token); PREFT_DECODE_ADAPTERS=0 runs pure PreFT decode workers (no adapter ever loaded).
+  if [[ -n "$root" && "${PREFT_DECODE_ADAPTERS:-1}" != 0 ]]; then
+    decode_flags=(--all-position-adapters)
+  fi
   for i in 0 1; do
     "$build/services/decode/preft-decode" --model "$model" "${ucx[@]}" "${adapter_flags[@]}" \
+      "${decode_flags[@]}" \
       > "$run/decode-$i.log" 2>&1 &
     echo $! >> "$run/pids"
     "$build/services/prefill/preft-prefill" --model "$model" "${ucx[@]}" "${adapter_flags[@]}" \

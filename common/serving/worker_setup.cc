@@ -87,6 +87,48 @@ absl::Status CheckTransport(const std::string& opened, const TransportFlags& fla
   return absl::OkStatus();
 }
 
+void AddWorkerFlags(CLI::App& app, WorkerFlags* f) {
+  app.add_option("--model", f->model, "base model folder (config.json, safetensors, tokenizer)")
+      ->required();
+  app.add_option("--listen", f->listen, "gRPC address host:port (port 0 picks one)")
+      ->capture_default_str();
+  auto* kv_bytes = app.add_option("--kv-bytes", f->kv_bytes, "KV cache budget in bytes")
+                       ->capture_default_str()
+                       ->check(CLI::PositiveNumber);
+  app.add_option("--kv-blocks", f->kv_blocks, "KV cache size in blocks (instead of --kv-bytes)")
+      ->check(CLI::PositiveNumber)
+      ->excludes(kv_bytes);
+  app.add_option("--max-batch-tokens", f->max_batch_tokens, "tokens per forward step")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--threads", f->threads, "compute threads (0: all cores)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--transport", f->transport.kind, "KV transport")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"ucx", "inproc"}));
+  app.add_option("--ucx-tls", f->transport.ucx_tls,
+                 "UCX_TLS for this worker, e.g. posix,self (readiness is refused on others)");
+  app.add_option("--ucx-net-devices", f->transport.ucx_net_devices, "UCX_NET_DEVICES, e.g. lo");
+  app.add_option("--drain-timeout-s", f->drain_timeout_s,
+                 "on SIGTERM, how long work in flight may take to finish")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+}
+
+absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& f) {
+  WorkerEngine w;
+  PREFT_ASSIGN_OR_RETURN(w.model, LoadModel(f.model));
+  engine::EngineOptions o;
+  o.kv_bytes = f.kv_bytes;
+  o.kv_blocks = f.kv_blocks;
+  o.scheduler.max_batch_tokens = f.max_batch_tokens;
+  o.num_threads = f.threads;
+  PREFT_ASSIGN_OR_RETURN(
+      w.engine, engine::Engine::Create(w.model.model.get(), w.model.tokenizer.get(), o));
+  return w;
+}
+
 transport::KvLayout LayoutFor(engine::Engine& engine, const std::string& fingerprint) {
   return transport::KvLayout::ForCache(engine.cache()->shape(), fingerprint);
 }

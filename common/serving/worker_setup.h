@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 
+#include "CLI/CLI.hpp"
 #include "absl/status/statusor.h"
 #include "common/engine/engine.h"
 #include "common/model/model.h"
@@ -40,6 +41,26 @@ absl::StatusOr<std::unique_ptr<transport::KvTransport>> MakeTransport(const Tran
 // opened, named in `opened` ("ucx(posix,self)"), differ (FailedPrecondition naming both). UCX
 // aliases (shm, sm, ib, all, ...) are not checked.
 absl::Status CheckTransport(const std::string& opened, const TransportFlags& flags);
+
+// The flags every worker binary takes (preft-prefill, preft-decode), registered the same way.
+struct WorkerFlags {
+  std::string model;
+  std::string listen = "127.0.0.1:0";
+  int64_t kv_bytes = int64_t{1} << 30;
+  int64_t kv_blocks = 0;  // instead of kv_bytes
+  int64_t max_batch_tokens = 512;
+  int threads = 0;  // 0: all cores
+  TransportFlags transport;
+  double drain_timeout_s = 30;
+};
+void AddWorkerFlags(CLI::App& app, WorkerFlags* flags);
+
+// The worker's model, tokenizer and engine, sized by the flags. Errors name what failed.
+struct WorkerEngine {
+  LoadedModel model;
+  std::unique_ptr<engine::Engine> engine;
+};
+absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& flags);
 
 // The engine cache's layout under `fingerprint`.
 transport::KvLayout LayoutFor(engine::Engine& engine, const std::string& fingerprint);

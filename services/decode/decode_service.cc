@@ -351,6 +351,7 @@ grpc::ServerUnaryReactor* DecodeService::Status(grpc::CallbackServerContext* con
     response->set_running(static_cast<int32_t>(e.num_running()));
     response->set_queue_depth(static_cast<int32_t>(e.num_waiting()));
     *response->mutable_endpoint() = impl->endpoint;
+    response->set_all_position_adapters(impl->options.all_position_adapters);
     reactor->Finish(grpc::Status::OK);
   });
   return reactor;

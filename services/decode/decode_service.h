@@ -29,7 +29,7 @@ namespace preft::decode {
 
 struct DecodeServiceOptions {
   absl::Duration default_lease = absl::Seconds(10);  // when ReserveRequest.lease_ms is 0
-  absl::Duration max_lease = absl::Seconds(60);      // longer requests are clipped to this
+  absl::Duration max_lease = absl::Seconds(120);     // longer requests are clipped to this
   // How long an aborted reservation's blocks stay unusable before they are freed: longer than
   // any write of a prefill worker can take to land (the transport's transfer timeout).
   absl::Duration quarantine = absl::Seconds(2);

@@ -18,19 +18,11 @@
 
 namespace {
 
-struct Flags {
-  std::string model;
-  std::string listen = "127.0.0.1:0";
-  int64_t kv_bytes = int64_t{1} << 30;
-  int64_t kv_blocks = 0;
-  int64_t max_batch_tokens = 512;
-  int threads = 0;
-  preft::serving::TransportFlags transport;
+struct Flags : preft::serving::WorkerFlags {
   int64_t lease_ms = 10000;
   int64_t quarantine_ms = 2000;
   bool all_position_adapters = false;
   std::string adapter_root;
-  double drain_timeout_s = 30;
 };
 
 int Fail(const std::string& message) {
@@ -39,19 +31,14 @@ int Fail(const std::string& message) {
 }
 
 int Run(const Flags& f) {
-  auto loaded = preft::serving::LoadModel(f.model);
-  if (!loaded.ok()) return Fail(std::string(loaded.status().message()));
-  preft::engine::EngineOptions eo;
-  eo.kv_bytes = f.kv_bytes;
-  eo.kv_blocks = f.kv_blocks;
-  eo.scheduler.max_batch_tokens = f.max_batch_tokens;
-  eo.num_threads = f.threads;
-  auto engine = preft::engine::Engine::Create(loaded->model.get(), loaded->tokenizer.get(), eo);
-  if (!engine.ok()) return Fail(std::string(engine.status().message()));
+  auto worker = preft::serving::MakeWorkerEngine(f);
+  if (!worker.ok()) return Fail(std::string(worker.status().message()));
+  auto& loaded = worker->model;
+  auto& engine = worker->engine;
   auto transport = preft::serving::MakeTransport(f.transport);
   if (!transport.ok()) return Fail(std::string(transport.status().message()));
   const preft::transport::KvLayout layout =
-      preft::serving::LayoutFor(**engine, loaded->fingerprint);
+      preft::serving::LayoutFor(*engine, loaded.fingerprint);
 
   preft::decode::DecodeServiceOptions so;
   so.default_lease = absl::Milliseconds(f.lease_ms);
@@ -59,9 +46,9 @@ int Run(const Flags& f) {
   so.quarantine = absl::Milliseconds(f.quarantine_ms);
   so.all_position_adapters = f.all_position_adapters;
   so.adapter_root = f.adapter_root;
-  so.store.load.dtype = loaded->model->weight_dtype();  // adapters compute in the model's dtype
+  so.store.load.dtype = loaded.model->weight_dtype();  // adapters compute in the model's dtype
   auto service =
-      preft::decode::DecodeService::Create(std::move(*engine), std::move(*transport), layout, so);
+      preft::decode::DecodeService::Create(std::move(engine), std::move(*transport), layout, so);
   if (!service.ok()) return Fail(std::string(service.status().message()));
 
   preft::rpc::ServerOptions ro;
@@ -109,27 +96,7 @@ int main(int argc, char** argv) {
   Flags f;
   CLI::App app{
       "preft-decode: the decode tier of a preft cluster (KV reservations, base-model decode)"};
-  app.add_option("--model", f.model, "base model folder (config.json, safetensors, tokenizer)")
-      ->required();
-  app.add_option("--listen", f.listen, "gRPC address host:port (port 0 picks one)")
-      ->capture_default_str();
-  auto* kv_bytes = app.add_option("--kv-bytes", f.kv_bytes, "KV cache budget in bytes")
-                       ->capture_default_str()
-                       ->check(CLI::PositiveNumber);
-  app.add_option("--kv-blocks", f.kv_blocks, "KV cache size in blocks (instead of --kv-bytes)")
-      ->check(CLI::PositiveNumber)
-      ->excludes(kv_bytes);
-  app.add_option("--max-batch-tokens", f.max_batch_tokens, "tokens per forward step")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  app.add_option("--threads", f.threads, "compute threads (0: all cores)")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--transport", f.transport.kind, "KV transport")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"ucx", "inproc"}));
-  app.add_option("--ucx-tls", f.transport.ucx_tls, "UCX_TLS for this worker");
-  app.add_option("--ucx-net-devices", f.transport.ucx_net_devices, "UCX_NET_DEVICES");
+  preft::serving::AddWorkerFlags(app, &f);
   app.add_option("--lease-ms", f.lease_ms, "default reservation lease in milliseconds")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
@@ -141,10 +108,6 @@ int main(int argc, char** argv) {
                "all-position baseline: apply each request's adapter to generated tokens");
   app.add_option("--adapter-root", f.adapter_root,
                  "folder adapter paths must lie under (with --all-position-adapters)");
-  app.add_option("--drain-timeout-s", f.drain_timeout_s,
-                 "on SIGTERM, how long to wait for open streams")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -21,19 +21,11 @@
 
 namespace {
 
-struct Flags {
-  std::string model;
-  std::string listen = "127.0.0.1:0";
-  int64_t kv_bytes = int64_t{1} << 30;
-  int64_t kv_blocks = 0;
-  int64_t max_batch_tokens = 512;
-  int threads = 0;
-  preft::serving::TransportFlags transport;
+struct Flags : preft::serving::WorkerFlags {
   std::string adapter_root;
   int64_t adapter_host_bytes = int64_t{4} << 30;
   int64_t adapter_compute_bytes = int64_t{1} << 30;
   int64_t max_rank = 128;
-  double drain_timeout_s = 30;
 };
 
 int Fail(const std::string& what, const absl::Status& status) {
@@ -43,22 +35,14 @@ int Fail(const std::string& what, const absl::Status& status) {
 
 int Run(const Flags& f) {
   using namespace preft;
-  absl::StatusOr<serving::LoadedModel> loaded = serving::LoadModel(f.model);
-  if (!loaded.ok()) return Fail("cannot load --model " + f.model, loaded.status());
-
-  engine::EngineOptions engine_options;
-  engine_options.kv_bytes = f.kv_bytes;
-  engine_options.kv_blocks = f.kv_blocks;
-  engine_options.scheduler.max_batch_tokens = f.max_batch_tokens;
-  engine_options.num_threads = f.threads;
-  absl::StatusOr<std::unique_ptr<engine::Engine>> engine =
-      engine::Engine::Create(loaded->model.get(), loaded->tokenizer.get(), engine_options);
-  if (!engine.ok()) return Fail("cannot create the engine", engine.status());
+  absl::StatusOr<serving::WorkerEngine> worker = serving::MakeWorkerEngine(f);
+  if (!worker.ok()) return Fail("cannot start", worker.status());
+  std::unique_ptr<engine::Engine>& engine = worker->engine;
 
   absl::StatusOr<std::unique_ptr<transport::KvTransport>> transport =
       serving::MakeTransport(f.transport);
   if (!transport.ok()) return Fail("cannot create the transport", transport.status());
-  const transport::KvLayout layout = serving::LayoutFor(**engine, loaded->fingerprint);
+  const transport::KvLayout layout = serving::LayoutFor(*engine, worker->model.fingerprint);
 
   prefill::PrefillServiceOptions options;
   options.adapter_root = f.adapter_root;
@@ -66,7 +50,7 @@ int Run(const Flags& f) {
   options.store.compute_bytes = f.adapter_compute_bytes;
   options.store.load.max_rank = f.max_rank;
   absl::StatusOr<std::unique_ptr<prefill::PrefillService>> service =
-      prefill::PrefillService::Create(std::move(engine).value(), std::move(transport).value(),
+      prefill::PrefillService::Create(std::move(engine), std::move(transport).value(),
                                       layout, options);
   if (!service.ok()) return Fail("cannot start the prefill service", service.status());
 
@@ -116,25 +100,7 @@ int main(int argc, char** argv) {
       "preft-prefill: a prefill worker (runs prompts with adapters, pushes their KV "
       "to decode workers)"};
   Flags f;
-  app.add_option("--model", f.model, "Hugging Face model folder")->required();
-  app.add_option("--listen", f.listen, "gRPC address HOST:PORT (port 0 picks one)")
-      ->capture_default_str();
-  auto* kv_bytes =
-      app.add_option("--kv-bytes", f.kv_bytes, "KV cache size in bytes")->capture_default_str();
-  auto* kv_blocks = app.add_option("--kv-blocks", f.kv_blocks, "KV cache size in blocks")
-                        ->check(CLI::PositiveNumber);
-  kv_blocks->excludes(kv_bytes);
-  app.add_option("--max-batch-tokens", f.max_batch_tokens, "Tokens per forward (prompt chunks)")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_option("--threads", f.threads, "Compute threads (default: all cores)")
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--transport", f.transport.kind, "KV transport")
-      ->check(CLI::IsMember({"ucx", "inproc"}))
-      ->capture_default_str();
-  app.add_option("--ucx-tls", f.transport.ucx_tls, "UCX_TLS for this worker, e.g. posix,self");
-  app.add_option("--ucx-net-devices", f.transport.ucx_net_devices,
-                 "UCX_NET_DEVICES for this worker, e.g. lo");
+  preft::serving::AddWorkerFlags(app, &f);
   app.add_option("--adapter-root", f.adapter_root,
                  "Adapter folders must lie under this folder (none accepted if unset)");
   app.add_option("--adapter-host-bytes", f.adapter_host_bytes,
@@ -147,10 +113,6 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-rank", f.max_rank, "Adapters of a higher rank are refused")
       ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_option("--drain-timeout-s", f.drain_timeout_s,
-                 "On SIGTERM, how long prompts in flight may take to finish")
-      ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   try {
     app.parse(argc, argv);

@@ -162,6 +162,14 @@ absl::Status GenerateCall::Admit(std::vector<int32_t>* prompt,
   return absl::OkStatus();
 }
 
+int64_t GenerateCall::LeaseMs() const {
+  // Long enough for the prompt to wait its turn on a busy prefill worker: the configured lease,
+  // or the client's whole deadline when that is longer (decode workers clip it to their maximum).
+  absl::Duration lease = router_->options.lease;
+  if (has_deadline_) lease = std::max(lease, absl::FromChrono(client_deadline_) - absl::Now());
+  return absl::ToInt64Milliseconds(lease);
+}
+
 absl::StatusOr<GenerateCall::Reservation> GenerateCall::Reserve(int64_t prompt_tokens,
                                                                 int64_t max_new) {
   std::string last_error = "no decode worker is known";
@@ -169,9 +177,19 @@ absl::StatusOr<GenerateCall::Reservation> GenerateCall::Reserve(int64_t prompt_t
     if (stopped()) return absl::CancelledError("cancelled");
     const auto workers = router_->pool->decode();
     std::vector<DecodeView> views;
+    bool any_with_adapters = false;
     for (const auto& w : workers) {
       absl::MutexLock lock(&w->mu);
       views.push_back(w->view);
+      any_with_adapters |= w->view.healthy && w->view.adapters;
+      // The all-position baseline decodes with the adapter: only workers that run adapters.
+      if (needs_decode_adapter_ && !w->view.adapters) views.back().healthy = false;
+    }
+    if (needs_decode_adapter_ && !any_with_adapters && !workers.empty()) {
+      return absl::FailedPreconditionError(
+          "the request applies its adapter to generated tokens (all positions), but no decode "
+          "worker runs adapters (start them with --all-position-adapters), or ask for "
+          "adapter_positions PROMPT");
     }
     const int64_t bt = views.empty() ? 16 : std::max<int64_t>(1, views[0].block_tokens);
     const int64_t need = BlocksNeeded(prompt_tokens, max_new, bt);
@@ -190,7 +208,7 @@ absl::StatusOr<GenerateCall::Reservation> GenerateCall::Reserve(int64_t prompt_t
       req.set_request_id(id_);
       req.set_num_tokens(static_cast<int32_t>(prompt_tokens));
       req.set_max_new_tokens(static_cast<int32_t>(max_new));
-      req.set_lease_ms(absl::ToInt64Milliseconds(router_->options.lease));
+      req.set_lease_ms(LeaseMs());
       Reservation res;
       const absl::Status s = rpc::FromGrpcStatus(workers[i]->stub->Reserve(&ctx, req, &res.r));
       Untrack();
@@ -290,7 +308,7 @@ absl::StatusOr<worker::v1::PrefillResponse> GenerateCall::Prefill(
     rr.set_request_id(id_);
     rr.set_num_tokens(static_cast<int32_t>(prompt.size()));
     rr.set_max_new_tokens(sampling.max_tokens);
-    rr.set_lease_ms(absl::ToInt64Milliseconds(router_->options.lease));
+    rr.set_lease_ms(LeaseMs());
     rr.set_retry_of(res->r.reservation_id());
     worker::v1::ReserveResponse next;
     const absl::Status rs = rpc::FromGrpcStatus(res->worker->stub->Reserve(&rctx, rr, &next));
@@ -413,6 +431,11 @@ absl::Status GenerateCall::Run() {
   std::optional<RegisteredAdapter> adapter;
   engine::SamplingParams sampling;
   PREFT_RETURN_IF_ERROR(Admit(&prompt, &adapter, &sampling));
+  if (adapter) {
+    const std::optional<model::AdapterPositions> asked = wire::FromProto(request_.adapter_positions());
+    needs_decode_adapter_ =
+        asked.value_or(adapter->default_positions) == model::AdapterPositions::kAll;
+  }
 
   absl::StatusOr<Reservation> res =
       Reserve(static_cast<int64_t>(prompt.size()), sampling.max_tokens);

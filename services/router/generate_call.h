@@ -49,6 +49,7 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
                       const engine::SamplingParams& sampling,
                       const worker::v1::PrefillResponse& first);
   void Release(const Reservation& res, const std::string& reason);
+  int64_t LeaseMs() const;
 
   // Client context for a worker call: the client's deadline, registered for cancellation.
   void Track(grpc::ClientContext* ctx);
@@ -74,6 +75,7 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
   bool write_ok_ = true;
   grpc::ClientContext* current_ = nullptr;
   int32_t completion_tokens_ = 0;
+  bool needs_decode_adapter_ = false;  // all-position adapter: decode must run it too
 };
 
 }  // namespace preft::router

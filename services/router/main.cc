@@ -30,7 +30,7 @@ int main(int argc, char** argv) {
   CLI::App app{"preft-router: public gRPC API, placement and adapter admin for a preft cluster"};
   std::string model_dir, listen = "127.0.0.1:0", adapter_root, base_name;
   std::vector<std::string> prefill, decode;
-  int64_t lease_ms = 10000, poll_ms = 100, max_rank = 128;
+  int64_t lease_ms = 30000, poll_ms = 100, max_rank = 128;
   double admission_timeout_s = 30, drain_timeout_s = 30;
   app.add_option("--model", model_dir, "base model folder (config.json, tokenizer.json)")->required();
   app.add_option("--listen", listen, "host:port to serve on (port 0 picks one)");

@@ -26,7 +26,7 @@ struct RouterOptions {
   int32_t default_max_tokens = 16;
   // Waiting for KV room / a prefill worker when the client set no deadline.
   absl::Duration admission_timeout = absl::Seconds(30);
-  absl::Duration lease = absl::Seconds(10);  // reservation lease asked of decode workers
+  absl::Duration lease = absl::Seconds(30);  // reservation lease asked of decode workers
   int max_prefill_attempts = 3;              // prefill workers tried per request
 };
 

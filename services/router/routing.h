@@ -18,6 +18,7 @@ struct DecodeView {
   int64_t block_tokens = 16;
   int64_t running = 0;
   int64_t queue_depth = 0;
+  bool adapters = false;  // runs adapters on generated tokens (the all-position baseline)
 };
 
 // Where an adapter stands on one prefill worker, best first.

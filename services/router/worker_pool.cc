@@ -173,6 +173,7 @@ void WorkerPool::PollNow() {
     w->view.block_tokens = r.block_tokens();
     w->view.running = r.running();
     w->view.queue_depth = r.queue_depth();
+    w->view.adapters = r.all_position_adapters();
   }
   for (const auto& w : prefill()) {
     grpc::ClientContext ctx;

@@ -1,6 +1,7 @@
 #include "common/serving/worker_setup.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 
@@ -17,7 +18,7 @@ TEST(WorkerSetupTest, FingerprintIsStableAndTellsCheckpointsApart) {
   EXPECT_EQ(a->fingerprint, b->fingerprint);
   EXPECT_EQ(a->fingerprint.rfind("LlamaForCausalLM-", 0), 0u) << a->fingerprint;
   EXPECT_NE(a->tokenizer, nullptr);
-  const std::string dir = ::testing::TempDir() + "/fingerprint_model";
+  const std::string dir = ::testing::TempDir() + "/fingerprint_model_" + std::to_string(getpid());
   std::filesystem::remove_all(dir);
   model::MakeModelOptions m;
   m.preset = "tiny";

@@ -5,6 +5,7 @@
 #include "tools/preft/embedded_cluster.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <thread>
@@ -25,11 +26,16 @@ using testing::Generate;
 class EmbeddedClusterTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    root_ = new fs::path(fs::path(::testing::TempDir()) / "cluster_adapters");
+    root_ = new fs::path(fs::path(::testing::TempDir()) / ("cluster_adapters_" + std::to_string(getpid())));
     fs::remove_all(*root_);
     fs::create_directories(*root_);
     for (const char* a : {"lora", "lora_rs", "direft"})
       fs::copy(testing::TinyLlamaFixture() + "/" + a, *root_ / a);
+  }
+
+  static void TearDownTestSuite() {
+    std::error_code ec;
+    std::filesystem::remove_all(*root_, ec);
   }
 
   void SetUp() override {
@@ -373,6 +379,26 @@ TEST_F(EmbeddedClusterTest, DrainFinishesRunningStreamsAndRefusesNewOnes) {
             grpc::StatusCode::UNAVAILABLE);
   running.join();
   cluster_->Drain(absl::Seconds(5));
+}
+
+// PreFT-only decode workers (no adapters at all): LoRAP and DiReFTP work; a request whose
+// adapter must also run on generated tokens is refused up front, naming the fix.
+class PreftOnlyClusterTest : public EmbeddedClusterTest {
+ protected:
+  void Configure(EmbeddedClusterOptions* o) override { o->decode.all_position_adapters = false; }
+};
+
+TEST_F(PreftOnlyClusterTest, PromptOnlyAdaptersServeAllPositionAdaptersAreRefused) {
+  for (const char* a : {"lora", "direft"}) {
+    auto ok = Generate(stub_.get(), Request({5, 6, 7}, 6, a, v1::ADAPTER_POSITIONS_PROMPT));
+    EXPECT_TRUE(ok.status.ok()) << a << ": " << ok.status.error_message();
+    EXPECT_EQ(ok.finish.adapter_positions(), v1::ADAPTER_POSITIONS_PROMPT);
+    auto refused = Generate(stub_.get(), Request({5, 6, 7}, 6, a, v1::ADAPTER_POSITIONS_ALL));
+    EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << a;
+    EXPECT_NE(refused.status.error_message().find("--all-position-adapters"), std::string::npos)
+        << refused.status.error_message();
+  }
+  ExpectNoLeaks();
 }
 
 }  // namespace

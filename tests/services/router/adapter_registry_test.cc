@@ -1,6 +1,7 @@
 #include "services/router/adapter_registry.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -23,7 +24,7 @@ std::string ReadFile(const fs::path& p) {
 class AdapterRegistryTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    root_ = fs::path(::testing::TempDir()) / "registry_root";
+    root_ = fs::path(::testing::TempDir()) / ("registry_root_" + std::to_string(getpid()));
     fs::remove_all(root_);
     fs::create_directories(root_);
     fs::copy(testing::TinyLlamaFixture() + "/lora", root_ / "lora");

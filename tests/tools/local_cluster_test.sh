@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# scripts/local-cluster.sh end to end: five processes over UCX, a registered adapter, requests
+# through `preft client` equal to `preft generate`, bad requests with their gRPC codes, and a
+# graceful stop that leaves no process behind.
+# Usage: local_cluster_test.sh SOURCE_DIR BUILD_DIR WORK_DIR
+set -u
+src=$1
+build=$2
+work=$3
+rm -rf "$work" && mkdir -p "$work/adapters"
+export RUN_DIR="$work/run"
+preft="$build/tools/preft"
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+
+"$preft" make-model --preset tiny --seed 5 --out "$work/model" > /dev/null || exit 1
+"$preft" make-adapter --model "$work/model" --kind lora --rank 4 --seed 9 --out "$work/adapters/u1" > /dev/null || exit 1
+addr=$(bash "$src/scripts/local-cluster.sh" start "$build" "$work/model" "$work/adapters") || {
+  echo "FAIL: the cluster did not start"; exit 1; }
+trap 'bash "$src/scripts/local-cluster.sh" stop' EXIT
+echo "router at $addr"
+client=("$preft" client --server "$addr" --timeout-s 60)
+
+"${client[@]}" register --name u1 --path u1 > "$work/reg" || fail "register: $(cat "$work/reg")"
+for spec in "none prompt" "u1 prompt" "u1 all"; do
+  read -r adapter positions <<< "$spec"
+  if [[ $adapter == none ]]; then
+    got=$("${client[@]}" generate --prompt "hello cluster" --max-tokens 10 --ignore-eos --json)
+    want=$("$preft" generate --model "$work/model" --prompt "hello cluster" --max-tokens 10 --ignore-eos --json)
+  else
+    got=$("${client[@]}" generate --model u1 --adapter-positions "$positions" --prompt "hello cluster" \
+          --max-tokens 10 --ignore-eos --json)
+    want=$("$preft" generate --model "$work/model" --adapter "$work/adapters/u1" \
+           --adapter-positions "$positions" --prompt "hello cluster" --max-tokens 10 --ignore-eos --json)
+  fi
+  g=$(sed -n 's/.*"token_ids":\(\[[^]]*\]\).*/\1/p' <<< "$got")
+  w=$(sed -n 's/.*"token_ids":\(\[[^]]*\]\).*/\1/p' <<< "$want")
+  if [[ -z "$g" || "$g" != "$w" ]]; then fail "$spec: cluster $g, engine $w"; else echo "ok: $spec $g"; fi
+done
+
+expect_code() {  # CODE ARGS...: a client call fails with that gRPC code on stderr
+  local code=$1
+  shift
+  if "${client[@]}" "$@" > /dev/null 2> "$work/err"; then
+    fail "client $* succeeded"
+  elif ! grep -q "$code" "$work/err"; then
+    fail "client $*: $(cat "$work/err")"
+  else
+    echo "ok: $code: $(head -1 "$work/err")"
+  fi
+}
+expect_code NOT_FOUND generate --model nobody --prompt hi
+expect_code INVALID_ARGUMENT generate --prompt-ids 1,99999
+expect_code INVALID_ARGUMENT register --name evil --path ../../..
+
+bash "$src/scripts/local-cluster.sh" stop
+trap - EXIT
+for log in "$RUN_DIR"/*.log; do
+  grep -q "signal" "$log" || [[ $log == *router.log ]] || fail "$(basename "$log") did not drain: $(tail -2 "$log")"
+done
+if pgrep -f "$work/model" > /dev/null; then fail "processes left behind"; fi
+echo "local cluster: $failures failures"
+[[ $failures == 0 ]]
