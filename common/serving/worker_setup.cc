@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 
 #include <filesystem>
 #include <fstream>
@@ -143,6 +144,13 @@ void OnTerminationSignal(int sig) {
 }
 
 }  // namespace
+
+void UsePassiveOpenMpWaits(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;
+  setenv("OMP_WAIT_POLICY", "passive", 1);
+  execv("/proc/self/exe", argv);
+  // execv failed (no /proc): go on with the default policy.
+}
 
 void InstallTerminationHandler() {
   if (signal_pipe[0] >= 0) return;

@@ -65,6 +65,14 @@ absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& flags);
 // The engine cache's layout under `fingerprint`.
 transport::KvLayout LayoutFor(engine::Engine& engine, const std::string& fingerprint);
 
+// Worker processes share cores with other workers (and pods share a CPU quota): OpenMP threads
+// spinning while idle starve them (measured: a 2-core multi-process cluster ran at 0.02x the
+// engine's throughput with libgomp's default spin, 0.62x with passive waits). libgomp reads
+// OMP_WAIT_POLICY only when it loads, so when the variable is unset this sets it to "passive"
+// and re-executes the binary; set OMP_WAIT_POLICY=active to keep spinning on dedicated cores.
+// Call first thing in main.
+void UsePassiveOpenMpWaits(char** argv);
+
 // Routes SIGTERM and SIGINT to WaitForTerminationSignal: a handler (whichever thread the
 // kernel picks, including threads libraries started before main) writes the signal to a pipe.
 // Call it early in main ...

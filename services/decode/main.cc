@@ -91,6 +91,7 @@ int Run(const Flags& f) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  preft::serving::UsePassiveOpenMpWaits(argv);
   // Before any thread starts, so every thread inherits the mask and sigwait gets the signal.
   preft::serving::InstallTerminationHandler();
   Flags f;

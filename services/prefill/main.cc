@@ -94,6 +94,7 @@ int Run(const Flags& f) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  preft::serving::UsePassiveOpenMpWaits(argv);
   // Before any thread starts, so every thread inherits the mask and sigwait sees the signal.
   preft::serving::InstallTerminationHandler();
   CLI::App app{
