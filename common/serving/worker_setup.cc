@@ -57,7 +57,7 @@ absl::StatusOr<std::unique_ptr<transport::KvTransport>> MakeTransport(const Tran
     return std::make_unique<transport::UcxTransport>(o);
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown transport '", flags.kind, "' (expected ucx or inproc)"));
+      absl::StrCat("unknown transport '", flags.kind, "' (expected ucx or inproc here; grpc is made by the services)"));
 }
 
 absl::Status CheckTransport(const std::string& opened, const TransportFlags& flags) {
@@ -107,7 +107,7 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--transport", f->transport.kind, "KV transport")
       ->capture_default_str()
-      ->check(CLI::IsMember({"ucx", "inproc"}));
+      ->check(CLI::IsMember({"ucx", "grpc", "inproc"}));
   app.add_option("--ucx-tls", f->transport.ucx_tls,
                  "UCX_TLS for this worker, e.g. posix,self (readiness is refused on others)");
   app.add_option("--ucx-net-devices", f->transport.ucx_net_devices, "UCX_NET_DEVICES, e.g. lo");

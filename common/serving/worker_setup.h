@@ -29,7 +29,7 @@ struct LoadedModel {
 absl::StatusOr<LoadedModel> LoadModel(const std::string& dir);
 
 struct TransportFlags {
-  std::string kind = "ucx";  // "ucx" or "inproc" (one process only)
+  std::string kind = "ucx";  // "ucx", "grpc" (the fallback; services/wire) or "inproc"
   std::string ucx_tls;       // UCX_TLS for this worker ("" = environment / UCX default)
   std::string ucx_net_devices;
 };

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/base/status_macros.h"
 #include "services/wire/convert.h"
+#include "services/wire/grpc_kv_transport.h"
 #include "common/rpc/status.h"
 #include "services/decode/decode_impl.h"
 
@@ -246,6 +247,60 @@ void DecodeService::StartDrain() {
 
 const worker::v1::TransportEndpoint& DecodeService::endpoint() const { return impl_->endpoint; }
 
+void DecodeService::SetAdvertisedAddress(const std::string& address) {
+  auto* grpc_transport = dynamic_cast<wire::GrpcKvTransport*>(impl_->transport.get());
+  if (grpc_transport == nullptr) return;
+  grpc_transport->SetAdvertisedAddress(address);
+  absl::MutexLock lock(&impl_->mu);
+  impl_->endpoint.set_address(grpc_transport->LocalAddress());
+}
+
+namespace {
+
+// One WriteKv stream: every chunk goes to the "grpc" transport, which writes it into the cache.
+class WriteKvReactor final : public grpc::ServerReadReactor<worker::v1::KvChunk> {
+ public:
+  WriteKvReactor(wire::GrpcKvTransport* transport, worker::v1::KvWriteAck* ack)
+      : transport_(transport), ack_(ack) {
+    if (transport_ == nullptr) {
+      Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          "this decode worker's KV transport is not grpc"));
+      return;
+    }
+    StartRead(&chunk_);
+  }
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      ack_->set_bytes(bytes_);
+      Finish(grpc::Status::OK);
+      return;
+    }
+    const absl::Status s = transport_->Receive(chunk_, first_, &bytes_);
+    first_ = false;
+    if (!s.ok()) {
+      Finish(rpc::ToGrpcStatus(s));
+      return;
+    }
+    StartRead(&chunk_);
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  wire::GrpcKvTransport* const transport_;
+  worker::v1::KvWriteAck* const ack_;
+  worker::v1::KvChunk chunk_;
+  bool first_ = true;
+  int64_t bytes_ = 0;
+};
+
+}  // namespace
+
+grpc::ServerReadReactor<worker::v1::KvChunk>* DecodeService::WriteKv(
+    grpc::CallbackServerContext*, worker::v1::KvWriteAck* response) {
+  return new WriteKvReactor(dynamic_cast<wire::GrpcKvTransport*>(impl_->transport.get()),
+                            response);
+}
+
 int64_t DecodeService::active_streams() const {
   absl::MutexLock lock(&impl_->mu);
   return static_cast<int64_t>(impl_->starts.size());
@@ -344,13 +399,13 @@ grpc::ServerUnaryReactor* DecodeService::Status(grpc::CallbackServerContext* con
       absl::MutexLock lock(&impl->mu);
       response->set_reserved_blocks(static_cast<int32_t>(impl->reserved_blocks));
       response->set_draining(impl->draining);
+      *response->mutable_endpoint() = impl->endpoint;
     }
     response->set_free_blocks(e.allocator().num_free());
     response->set_total_blocks(e.allocator().num_blocks());
     response->set_block_tokens(static_cast<int32_t>(impl->block_tokens));
     response->set_running(static_cast<int32_t>(e.num_running()));
     response->set_queue_depth(static_cast<int32_t>(e.num_waiting()));
-    *response->mutable_endpoint() = impl->endpoint;
     response->set_all_position_adapters(impl->options.all_position_adapters);
     reactor->Finish(grpc::Status::OK);
   });

@@ -71,6 +71,9 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
   int64_t active_streams() const;
   // This worker's KV transport endpoint (its `transport` names what UCX opened).
   const worker::v1::TransportEndpoint& endpoint() const;
+  // The "grpc" transport's address is this worker's own gRPC address, known once the server is
+  // bound: call this before the worker reports ready. No effect on other transports.
+  void SetAdvertisedAddress(const std::string& address);
 
   // Block accounting, for tests and metrics.
   struct BlockCounts {
@@ -94,6 +97,8 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
   grpc::ServerUnaryReactor* Status(grpc::CallbackServerContext* context,
                                    const worker::v1::DecodeStatusRequest* request,
                                    worker::v1::DecodeStatusResponse* response) override;
+  grpc::ServerReadReactor<worker::v1::KvChunk>* WriteKv(grpc::CallbackServerContext* context,
+                                                        worker::v1::KvWriteAck* response) override;
 
  private:
   struct Impl;

@@ -14,11 +14,13 @@
 #include "common/engine/engine.h"
 #include "common/rpc/server.h"
 #include "common/serving/worker_setup.h"
+#include "services/wire/grpc_kv_transport.h"
 #include "services/decode/decode_service.h"
 
 namespace {
 
 struct Flags : preft::serving::WorkerFlags {
+  std::string advertise_address;  // "grpc" transport: where prefill workers reach this one
   int64_t lease_ms = 10000;
   int64_t quarantine_ms = 2000;
   bool all_position_adapters = false;
@@ -35,7 +37,7 @@ int Run(const Flags& f) {
   if (!worker.ok()) return Fail(std::string(worker.status().message()));
   auto& loaded = worker->model;
   auto& engine = worker->engine;
-  auto transport = preft::serving::MakeTransport(f.transport);
+  auto transport = preft::wire::MakeWorkerTransport(f.transport);
   if (!transport.ok()) return Fail(std::string(transport.status().message()));
   const preft::transport::KvLayout layout =
       preft::serving::LayoutFor(*engine, loaded.fingerprint);
@@ -57,6 +59,8 @@ int Run(const Flags& f) {
   auto server = preft::rpc::Server::Start(ro);
   if (!server.ok()) return Fail(std::string(server.status().message()));
   const std::string kServiceName = "preft.worker.v1.DecodeWorker";
+  (*service)->SetAdvertisedAddress(f.advertise_address.empty() ? (*server)->address()
+                                                                : f.advertise_address);
   // Ready only on the transport configured (a silent fallback, e.g. to TCP, is refused).
   const absl::Status transport_ok =
       preft::serving::CheckTransport((*service)->endpoint().transport(), f.transport);
@@ -98,6 +102,8 @@ int main(int argc, char** argv) {
   CLI::App app{
       "preft-decode: the decode tier of a preft cluster (KV reservations, base-model decode)"};
   preft::serving::AddWorkerFlags(app, &f);
+  app.add_option("--advertise-address", f.advertise_address,
+                 "host:port prefill workers dial for the grpc KV transport (default: --listen)");
   app.add_option("--lease-ms", f.lease_ms, "default reservation lease in milliseconds")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);

@@ -17,6 +17,7 @@
 #include "common/engine/engine.h"
 #include "common/rpc/server.h"
 #include "common/serving/worker_setup.h"
+#include "services/wire/grpc_kv_transport.h"
 #include "services/prefill/prefill_service.h"
 
 namespace {
@@ -40,7 +41,7 @@ int Run(const Flags& f) {
   std::unique_ptr<engine::Engine>& engine = worker->engine;
 
   absl::StatusOr<std::unique_ptr<transport::KvTransport>> transport =
-      serving::MakeTransport(f.transport);
+      preft::wire::MakeWorkerTransport(f.transport);
   if (!transport.ok()) return Fail("cannot create the transport", transport.status());
   const transport::KvLayout layout = serving::LayoutFor(*engine, worker->model.fingerprint);
 

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/base/status_macros.h"
 #include "common/rpc/server.h"
+#include "services/wire/grpc_kv_transport.h"
 
 namespace preft::tools {
 
@@ -44,7 +45,7 @@ absl::StatusOr<std::unique_ptr<EmbeddedCluster>> EmbeddedCluster::Start(
   for (int i = 0; i < o.num_decode; ++i) {
     model::Model* m = next_model();
     PREFT_ASSIGN_OR_RETURN(auto e, MakeEngine(m, c->tokenizer_.get(), o.decode_kv_bytes, o));
-    PREFT_ASSIGN_OR_RETURN(auto t, serving::MakeTransport(o.transport));
+    PREFT_ASSIGN_OR_RETURN(auto t, wire::MakeWorkerTransport(o.transport));
     const transport::KvLayout layout = serving::LayoutFor(*e, fingerprint);
     decode::DecodeServiceOptions d = o.decode;
     d.adapter_root = o.adapter_root;
@@ -56,7 +57,7 @@ absl::StatusOr<std::unique_ptr<EmbeddedCluster>> EmbeddedCluster::Start(
   for (int i = 0; i < o.num_prefill; ++i) {
     model::Model* m = next_model();
     PREFT_ASSIGN_OR_RETURN(auto e, MakeEngine(m, c->tokenizer_.get(), o.prefill_kv_bytes, o));
-    PREFT_ASSIGN_OR_RETURN(auto t, serving::MakeTransport(o.transport));
+    PREFT_ASSIGN_OR_RETURN(auto t, wire::MakeWorkerTransport(o.transport));
     const transport::KvLayout layout = serving::LayoutFor(*e, fingerprint);
     prefill::PrefillServiceOptions p = o.prefill;
     p.adapter_root = o.adapter_root;
@@ -70,6 +71,7 @@ absl::StatusOr<std::unique_ptr<EmbeddedCluster>> EmbeddedCluster::Start(
     rpc::ServerOptions so;
     so.services = {d.get()};
     PREFT_ASSIGN_OR_RETURN(auto server, rpc::Server::Start(so));
+    d->SetAdvertisedAddress(server->address());
     decode_addresses.push_back(server->address());
     c->worker_servers_.push_back(std::move(server));
   }

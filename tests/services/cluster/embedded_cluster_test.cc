@@ -12,6 +12,8 @@
 
 #include "common/adapters/adapter_loader.h"
 #include "common/base/mapped_file.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "common/engine/engine.h"
 #include "nlohmann/json.hpp"
 #include "tests/services/cluster/cluster_client.h"
@@ -102,15 +104,9 @@ class EmbeddedClusterTest : public ::testing::Test {
     return r;
   }
 
-  static fs::path* root_;
-  std::unique_ptr<EmbeddedCluster> cluster_;
-  std::unique_ptr<v1::Preft::Stub> stub_;
-};
-fs::path* EmbeddedClusterTest::root_ = nullptr;
-
-// Every case of the fixture's reference.json (base, lora, lora_rs, lorap, direft, direftp:
-// outputs of transformers + PEFT + pyreft), all at once through the cluster.
-TEST_F(EmbeddedClusterTest, ReproducesEveryFixtureModeConcurrently) {
+  // Every case of the fixture's reference.json (base, lora, lora_rs, lorap, direft, direftp:
+  // outputs of transformers + PEFT + pyreft), all at once through the cluster.
+  void ReproduceFixtureModes() {
   auto text = base::ReadFileToString(testing::TinyLlamaFixture() + "/reference.json");
   ASSERT_TRUE(text.ok());
   const nlohmann::json ref = nlohmann::json::parse(*text);
@@ -153,7 +149,15 @@ TEST_F(EmbeddedClusterTest, ReproducesEveryFixtureModeConcurrently) {
   }
   EXPECT_EQ(modes.size(), 6u);
   ExpectNoLeaks();
-}
+  }
+
+  static fs::path* root_;
+  std::unique_ptr<EmbeddedCluster> cluster_;
+  std::unique_ptr<v1::Preft::Stub> stub_;
+};
+fs::path* EmbeddedClusterTest::root_ = nullptr;
+
+TEST_F(EmbeddedClusterTest, ReproducesEveryFixtureModeConcurrently) { ReproduceFixtureModes(); }
 
 // Seeded sampling and text prompts: the cluster's tokens and text are one engine's.
 TEST_F(EmbeddedClusterTest, SeededTextRequestsEqualOneEngine) {
@@ -399,6 +403,59 @@ TEST_F(PreftOnlyClusterTest, PromptOnlyAdaptersServeAllPositionAdaptersAreRefuse
         << refused.status.error_message();
   }
   ExpectNoLeaks();
+}
+
+// The same through the "grpc" KV transport (the fallback where UCX is absent): blocks stream
+// over DecodeWorker.WriteKv on the decode workers' own servers.
+class GrpcTransportClusterTest : public EmbeddedClusterTest {
+ protected:
+  void Configure(EmbeddedClusterOptions* o) override { o->transport.kind = "grpc"; }
+};
+
+TEST_F(GrpcTransportClusterTest, ReproducesEveryFixtureModeConcurrently) {
+  ReproduceFixtureModes();
+  EXPECT_EQ(cluster_->decode(0).endpoint().transport(), "grpc");
+}
+
+// Hostile WriteKv streams are refused with precise codes and write nothing.
+TEST_F(GrpcTransportClusterTest, BadKvChunksAreRefused) {
+  auto decode = cluster_->pool().decode().front();
+  auto send = [&](const std::vector<worker::v1::KvChunk>& chunks) {
+    grpc::ClientContext ctx;
+    worker::v1::KvWriteAck ack;
+    auto w = decode->stub->WriteKv(&ctx, &ack);
+    for (const auto& c : chunks) w->Write(c);
+    w->WritesDone();
+    return w->Finish();
+  };
+  worker::v1::KvChunk wrong_layout;
+  wrong_layout.set_layout_hash(12345);
+  const grpc::Status a = send({wrong_layout});
+  EXPECT_EQ(a.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(a.error_message().find("layout"), std::string::npos) << a.error_message();
+  // The right hash (from the worker's advertised address), then a block out of range.
+  const std::string address = cluster_->decode(0).endpoint().address();
+  const std::vector<std::string> parts = absl::StrSplit(address, absl::MaxSplits('|', 3));
+  ASSERT_EQ(parts.size(), 4u);
+  worker::v1::KvChunk bad_block;
+  uint64_t hash = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(parts[2], &hash));
+  bad_block.set_layout_hash(hash);
+  bad_block.set_layer(0);
+  bad_block.set_block(1 << 30);
+  bad_block.set_data("xx");
+  const grpc::Status b = send({bad_block});
+  EXPECT_EQ(b.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(b.error_message().find("out of range"), std::string::npos) << b.error_message();
+  ExpectNoLeaks();
+}
+
+TEST_F(EmbeddedClusterTest, WriteKvNeedsTheGrpcTransport) {
+  grpc::ClientContext ctx;
+  worker::v1::KvWriteAck ack;
+  auto w = cluster_->pool().decode().front()->stub->WriteKv(&ctx, &ack);
+  w->WritesDone();
+  EXPECT_EQ(w->Finish().error_code(), grpc::StatusCode::FAILED_PRECONDITION);
 }
 
 }  // namespace
