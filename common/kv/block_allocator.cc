@@ -32,7 +32,9 @@ void BlockAllocator::Free(int32_t block) {
 }
 
 void BlockAllocator::Free(const std::vector<int32_t>& blocks) {
-  for (int32_t b : blocks) Free(b);
+  // Last block first: the next allocation of as many blocks pops them back in their original
+  // (often consecutive) order, so KV transfers keep moving runs of blocks, not single ones.
+  for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) Free(*it);
 }
 
 }  // namespace preft::kv

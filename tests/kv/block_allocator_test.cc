@@ -25,6 +25,18 @@ TEST(BlockAllocatorTest, AllocatesDistinctBlocksUntilExhausted) {
   EXPECT_TRUE(none.empty());
 }
 
+// Freed runs come back as runs (KV transfers put one run at a time).
+TEST(BlockAllocatorTest, FreedRunsAreReallocatedInOrder) {
+  BlockAllocator a(16);
+  std::vector<int32_t> first, second, again;
+  ASSERT_TRUE(a.Allocate(5, &first).ok());
+  EXPECT_EQ(first, (std::vector<int32_t>{0, 1, 2, 3, 4}));
+  ASSERT_TRUE(a.Allocate(3, &second).ok());
+  a.Free(first);
+  ASSERT_TRUE(a.Allocate(5, &again).ok());
+  EXPECT_EQ(again, first);
+}
+
 TEST(BlockAllocatorTest, FailedAllocationTakesNothing) {
   BlockAllocator a(4);
   std::vector<int32_t> got;

@@ -31,21 +31,27 @@ TEST(WorkerSetupTest, FingerprintIsStableAndTellsCheckpointsApart) {
 }
 
 TEST(WorkerSetupTest, TransportFactoryAndReadinessCheck) {
-  EXPECT_EQ(MakeTransport({.kind = "carrier-pigeon"}).status().code(),
+  auto flags = [](const std::string& kind, const std::string& tls = "") {
+    TransportFlags f;
+    f.kind = kind;
+    f.ucx_tls = tls;
+    return f;
+  };
+  EXPECT_EQ(MakeTransport(flags("carrier-pigeon")).status().code(),
             absl::StatusCode::kInvalidArgument);
-  auto t = MakeTransport({.kind = "inproc"});
+  auto t = MakeTransport(flags("inproc"));
   ASSERT_TRUE(t.ok());
   EXPECT_EQ((*t)->name(), "inproc");
-  TransportFlags ucx{.kind = "ucx", .ucx_tls = "posix,self"};
+  const TransportFlags ucx = flags("ucx", "posix,self");
   EXPECT_TRUE(CheckTransport("ucx(posix,self)", ucx).ok());
   EXPECT_TRUE(CheckTransport("ucx(self,posix)", ucx).ok());
   const absl::Status fell_back = CheckTransport("ucx(tcp,self)", ucx);
   EXPECT_EQ(fell_back.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(fell_back.message().find("ucx(tcp,self)"), std::string::npos) << fell_back;
   EXPECT_FALSE(CheckTransport("ucx", ucx).ok());
-  EXPECT_TRUE(CheckTransport("ucx(tcp,self)", {.kind = "ucx"}).ok());  // nothing configured
-  EXPECT_TRUE(CheckTransport("ucx(posix,self)", {.kind = "ucx", .ucx_tls = "shm,self"}).ok());
-  EXPECT_TRUE(CheckTransport("inproc", {.kind = "inproc"}).ok());
+  EXPECT_TRUE(CheckTransport("ucx(tcp,self)", flags("ucx")).ok());  // nothing configured
+  EXPECT_TRUE(CheckTransport("ucx(posix,self)", flags("ucx", "shm,self")).ok());
+  EXPECT_TRUE(CheckTransport("inproc", flags("inproc")).ok());
 }
 
 }  // namespace

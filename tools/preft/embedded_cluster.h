@@ -19,6 +19,12 @@
 
 namespace preft::tools {
 
+inline serving::TransportFlags InprocTransportFlags() {
+  serving::TransportFlags t;
+  t.kind = "inproc";
+  return t;
+}
+
 struct EmbeddedClusterOptions {
   std::string model_dir;
   std::string listen = "127.0.0.1:0";  // the router's public address
@@ -29,7 +35,7 @@ struct EmbeddedClusterOptions {
   int64_t decode_kv_bytes = int64_t{512} << 20;
   int64_t max_batch_tokens = 512;
   int threads = 0;  // per engine; 0: all cores
-  serving::TransportFlags transport{.kind = "inproc"};
+  serving::TransportFlags transport = InprocTransportFlags();
   decode::DecodeServiceOptions decode;
   prefill::PrefillServiceOptions prefill;  // adapter_root is filled from above
   router::RouterOptions router;

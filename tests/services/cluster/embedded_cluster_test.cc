@@ -186,7 +186,9 @@ TEST_F(EmbeddedClusterTest, SeededTextRequestsEqualOneEngine) {
       r.mutable_sampling()->set_ignore_eos(true);
       const auto got = Generate(stub_.get(), r);
       ASSERT_TRUE(got.status.ok()) << got.status.error_message();
-      if (!r.stream()) EXPECT_EQ(got.messages, 1);
+      if (!r.stream()) {
+        EXPECT_EQ(got.messages, 1);
+      }
 
       engine::Request er;
       er.id = "x";
@@ -330,6 +332,23 @@ TEST_F(EmbeddedClusterTest, AdapterAdminListsUpdatesAndUnregisters) {
   v1::RegisterAdapterResponse rr;
   EXPECT_EQ(stub_->RegisterAdapter(&rctx, reg, &rr).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
 
+  // LoadAdapter puts it in a compute slot on the workers asked for, before any request.
+  {
+    grpc::ClientContext ctx;
+    v1::LoadAdapterRequest req;
+    req.set_name("direft");
+    req.set_num_workers(2);
+    v1::LoadAdapterResponse resp;
+    const grpc::Status s = stub_->LoadAdapter(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    int resident = 0;
+    for (const auto& w : resp.adapter().workers())
+      resident += w.residency() == v1::ADAPTER_RESIDENCY_RESIDENT && w.version() == 1;
+    EXPECT_EQ(resident, 2);
+    grpc::ClientContext ctx2;
+    req.set_name("nobody");
+    EXPECT_EQ(stub_->LoadAdapter(&ctx2, req, &resp).error_code(), grpc::StatusCode::NOT_FOUND);
+  }
   // Version 2 of "lora" carries lora_rs's weights: requests after the update see them.
   auto before = Generate(stub_.get(), Request({7, 8, 9, 10}, 8, "lora", v1::ADAPTER_POSITIONS_ALL));
   auto rs = Generate(stub_.get(), Request({7, 8, 9, 10}, 8, "lora_rs", v1::ADAPTER_POSITIONS_ALL));
