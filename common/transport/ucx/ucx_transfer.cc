@@ -50,7 +50,9 @@ void UcxTransport::Impl::StartTransfer(WriteCommand command) {
   transfer.deadline = Clock::now() + absl::ToChronoMicroseconds(options_.transfer_timeout);
   transfers_[transfer.seq] = std::move(owned);
 
-  // One put per run of blocks consecutive on both sides, per layer.
+  // One put per run of blocks consecutive on both sides, per layer. Over network transports a
+  // run needs only consecutive destination blocks: scattered source blocks are first gathered
+  // into a staging buffer (a memcpy costs far less than a put per block over TCP).
   const std::vector<int32_t>& src = transfer.blocks.src_blocks;
   const std::vector<int32_t>& dst = transfer.blocks.dst_blocks;
   const uint64_t block_bytes = shape.block_floats() * sizeof(float);
@@ -61,17 +63,37 @@ void UcxTransport::Impl::StartTransfer(WriteCommand command) {
   for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
     for (size_t i = 0; i < src.size();) {
       size_t run = 1;
-      while (i + run < src.size() && src[i + run] == src[i] + static_cast<int32_t>(run) &&
-             dst[i + run] == dst[i] + static_cast<int32_t>(run)) {
+      bool src_consecutive = true;
+      while (i + run < src.size() && dst[i + run] == dst[i] + static_cast<int32_t>(run)) {
+        const bool next_consecutive = src[i + run] == src[i] + static_cast<int32_t>(run);
+        if (!next_consecutive && !gather_scattered_) break;  // a put per source run instead
+        src_consecutive &= next_consecutive;
         ++run;
       }
       const char* from = local_base + layer * local_layer_bytes + src[i] * block_bytes;
+      if (!src_consecutive) {
+        std::vector<char> buffer;
+        if (!staging_pool_.empty()) {
+          buffer = std::move(staging_pool_.back());
+          staging_pool_.pop_back();
+        }
+        buffer.resize(run * block_bytes);
+        for (size_t j = 0; j < run; ++j) {
+          std::memcpy(buffer.data() + j * block_bytes,
+                      local_base + layer * local_layer_bytes + src[i + j] * block_bytes,
+                      block_bytes);
+        }
+        from = buffer.data();
+        transfer.staging.push_back(std::move(buffer));
+      }
       const uint64_t to = peer.address.base + layer * remote_layer_bytes + dst[i] * block_bytes;
       ucs_status_ptr_t request = ucp_put_nbx(peer.ep, from, run * block_bytes, to, peer.rkey, &put);
       if (UCS_PTR_IS_ERR(request)) {
         // Puts already posted finish or fail on their own; the peer's blocks are undefined
         // until a retry (generation + 1) rewrites them.
         Finish(transfer, UcxError("ucp_put_nbx", UCS_PTR_STATUS(request)));
+        // Puts posted before this one may still read the staging: keep it with the transport.
+        for (auto& b : transfer.staging) retired_staging_.push_back(std::move(b));
         Release(transfer.seq);
         return;
       }
@@ -155,6 +177,10 @@ void UcxTransport::Impl::RunCompletions() {
 void UcxTransport::Impl::Release(uint64_t seq) {
   auto it = transfers_.find(seq);
   if (it != transfers_.end() && it->second->finished && it->second->pending_ops == 0) {
+    // No UCX op names it any more: its puts are done and its staging can be reused.
+    for (auto& b : it->second->staging) {
+      if (staging_pool_.size() < 64) staging_pool_.push_back(std::move(b));
+    }
     transfers_.erase(it);
   }
 }

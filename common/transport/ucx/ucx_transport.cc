@@ -104,6 +104,14 @@ absl::Status UcxTransport::Impl::Start(kv::KvCache* cache, const KvLayout& layou
                                              : "default",
                cache->bytes(), worker_address_size,
                efd_ >= 0 ? "event-driven progress" : "polled progress (no event fd)");
+  // Over shared memory a put is already a copy: gathering would add one. Over the network the
+  // per-put cost dominates, so scattered source blocks are gathered first.
+  gather_scattered_ = true;
+  for (const std::string& t : transports) {
+    if (t == "posix" || t == "sysv" || t == "cma" || t == "xpmem" || t == "knem") {
+      gather_scattered_ = false;
+    }
+  }
   absl::MutexLock lock(&mu_);
   address_ = EncodeUcxPeerAddress(self);
   transports_ = std::move(transports);

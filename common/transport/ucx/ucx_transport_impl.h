@@ -97,6 +97,9 @@ class UcxTransport::Impl {
     DoneHeader header{};
     int pending_ops = 0;  // UCX requests whose callbacks will still name this transfer
     bool finished = false;
+    // Scattered source blocks bound for one run of destination blocks, gathered so the run
+    // goes out as one put (read by UCX until the flush completes).
+    std::vector<std::vector<char>> staging;
   };
 
   struct ConnectCommand {
@@ -175,6 +178,12 @@ class UcxTransport::Impl {
   // Progress thread only.
   std::map<PeerId, std::unique_ptr<Peer>> peers_;
   absl::flat_hash_map<uint64_t, std::unique_ptr<Transfer>> transfers_;
+  // Staging buffers are reused (same pages, same UCX registration-cache entries: a fresh
+  // buffer per put cost more than the puts it saved). Those of a transfer that failed with puts
+  // possibly in flight are retired until the transport goes.
+  std::vector<std::vector<char>> staging_pool_;
+  bool gather_scattered_ = false;  // set at Start: network transports only
+  std::vector<std::vector<char>> retired_staging_;
   uint64_t next_seq_ = 1;
   std::vector<OpEvent> flushed_, done_sent_;
   std::vector<uint64_t> acked_;
