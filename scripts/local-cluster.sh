@@ -37,7 +37,7 @@ start() {
   # With adapters, decode workers also serve the all-position baseline (LoRA/DiReFT on every
   # token); PREFT_DECODE_ADAPTERS=0 runs pure PreFT decode workers (no adapter ever loaded).
   if [[ -n "$root" && "${PREFT_DECODE_ADAPTERS:-1}" != 0 ]]; then
-    decode_flags=(--all-position-adapters)
+    decode_flags=(--adapters all-positions)
   fi
   for i in 0 1; do
     "$build/services/decode/preft-decode" --model "$model" "${ucx[@]}" "${adapter_flags[@]}" \

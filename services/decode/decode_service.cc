@@ -75,7 +75,7 @@ absl::Status DecodeService::Impl::BeginStart(const std::shared_ptr<StartStream>&
   if (with_adapter && !options.all_position_adapters) {
     return absl::FailedPreconditionError(absl::StrCat(
         "this decode worker runs no adapters (PreFT mode): adapter must be empty, got '",
-        req.adapter(), "' (start the worker with --all-position-adapters for the baseline)"));
+        req.adapter(), "' (start the worker with --adapters all-positions for the baseline)"));
   }
   if (with_adapter && req.adapter_path().empty()) {
     return absl::InvalidArgumentError(

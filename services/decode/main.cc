@@ -111,18 +111,23 @@ int main(int argc, char** argv) {
                  "how long aborted reservations' blocks stay unusable, in milliseconds")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  app.add_flag("--all-position-adapters", f.all_position_adapters,
-               "all-position baseline: apply each request's adapter to generated tokens");
+  std::string adapters = "none";
+  app.add_option("--adapters", adapters,
+                 "none (PreFT: decode never loads an adapter) or all-positions (the multi-LoRA "
+                 "baseline: each request's adapter also runs on generated tokens)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"none", "all-positions"}));
   app.add_option("--adapter-root", f.adapter_root,
-                 "folder adapter paths must lie under (with --all-position-adapters)");
+                 "folder adapter paths must lie under (with --adapters all-positions)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     // CLI11 prints the message; every usage error exits 2, --help exits 0.
     return app.exit(e) == 0 ? 0 : 2;
   }
+  f.all_position_adapters = adapters == "all-positions";
   if (f.all_position_adapters && f.adapter_root.empty()) {
-    std::fprintf(stderr, "preft-decode: --all-position-adapters needs --adapter-root\n");
+    std::fprintf(stderr, "preft-decode: --adapters all-positions needs --adapter-root\n");
     return 2;
   }
   return Run(f);

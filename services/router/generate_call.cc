@@ -188,7 +188,7 @@ absl::StatusOr<GenerateCall::Reservation> GenerateCall::Reserve(int64_t prompt_t
     if (needs_decode_adapter_ && !any_with_adapters && !workers.empty()) {
       return absl::FailedPreconditionError(
           "the request applies its adapter to generated tokens (all positions), but no decode "
-          "worker runs adapters (start them with --all-position-adapters), or ask for "
+          "worker runs adapters (start them with --adapters all-positions), or ask for "
           "adapter_positions PROMPT");
     }
     const int64_t bt = views.empty() ? 16 : std::max<int64_t>(1, views[0].block_tokens);

@@ -21,22 +21,24 @@ struct ServeFlags {
   int64_t prefill_kv_mib = 256;
   int64_t decode_kv_mib = 512;
   int threads = 0;
-  bool all_position_adapters = false;
+  std::string decode_adapters = "none";
   double drain_timeout_s = 30;
 };
 
 int RunServe(const ServeFlags& f) {
   if (!std::filesystem::exists(f.model + "/config.json")) {
-    if (f.preset.empty()) {
+    // The default folder is the demo model: made on first run.
+    const std::string preset = f.preset.empty() && f.model == ServeFlags().model ? "tiny" : f.preset;
+    if (preset.empty()) {
       std::fprintf(stderr, "preft serve: no model in '%s' (pass --preset to make one)\n",
                    f.model.c_str());
       return 1;
     }
     model::MakeModelOptions m;
-    m.preset = f.preset;
+    m.preset = preset;
     m.out_dir = f.model;
     m.seed = 7;
-    std::printf("making the demo model (%s) in %s\n", f.preset.c_str(), f.model.c_str());
+    std::printf("making the demo model (%s) in %s\n", preset.c_str(), f.model.c_str());
     if (absl::Status s = model::MakeModel(m); !s.ok()) {
       std::fprintf(stderr, "preft serve: %s\n", s.ToString().c_str());
       return 1;
@@ -52,7 +54,7 @@ int RunServe(const ServeFlags& f) {
   o.prefill_kv_bytes = f.prefill_kv_mib << 20;
   o.decode_kv_bytes = f.decode_kv_mib << 20;
   o.threads = f.threads;
-  o.decode.all_position_adapters = f.all_position_adapters;
+  o.decode.all_position_adapters = f.decode_adapters == "all-positions";
   o.decode.adapter_root = f.adapter_root;
   auto cluster = EmbeddedCluster::Start(o);
   if (!cluster.ok()) {
@@ -84,8 +86,10 @@ void RegisterServeCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--prefill-kv-mib", flags->prefill_kv_mib)->check(CLI::PositiveNumber);
   cmd->add_option("--decode-kv-mib", flags->decode_kv_mib)->check(CLI::PositiveNumber);
   cmd->add_option("--threads", flags->threads, "compute threads per engine (0: all cores)");
-  cmd->add_flag("--all-position-adapters", flags->all_position_adapters,
-                "decode applies adapters to generated tokens too (the multi-LoRA baseline)");
+  cmd->add_option("--adapters", flags->decode_adapters,
+                  "decode workers: none (PreFT) or all-positions (also the multi-LoRA baseline)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"none", "all-positions"}));
   cmd->add_option("--drain-timeout-s", flags->drain_timeout_s);
   cmd->callback([flags, exit_code] { *exit_code = RunServe(*flags); });
 }

@@ -418,7 +418,7 @@ TEST_F(PreftOnlyClusterTest, PromptOnlyAdaptersServeAllPositionAdaptersAreRefuse
     EXPECT_EQ(ok.finish.adapter_positions(), v1::ADAPTER_POSITIONS_PROMPT);
     auto refused = Generate(stub_.get(), Request({5, 6, 7}, 6, a, v1::ADAPTER_POSITIONS_ALL));
     EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << a;
-    EXPECT_NE(refused.status.error_message().find("--all-position-adapters"), std::string::npos)
+    EXPECT_NE(refused.status.error_message().find("--adapters all-positions"), std::string::npos)
         << refused.status.error_message();
   }
   ExpectNoLeaks();

@@ -68,7 +68,7 @@ class MultiProcessClusterTest : public ::testing::Test {
     for (int i = 0; i < 2; ++i) {
       std::vector<std::string> argv = {Bin("services/decode/preft-decode"), "--model", model,
                                        "--kv-bytes", "16777216", "--threads", "1",
-                                       "--quarantine-ms", "100", "--all-position-adapters",
+                                       "--quarantine-ms", "100", "--adapters", "all-positions",
                                        "--adapter-root", (*dir_ / "adapters").string()};
       argv.insert(argv.end(), ucx.begin(), ucx.end());
       auto p = ChildProcess::Spawn(argv, (*dir_ / ("decode" + std::to_string(i) + ".log")).string());
