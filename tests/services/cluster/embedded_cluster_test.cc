@@ -477,5 +477,53 @@ TEST_F(EmbeddedClusterTest, WriteKvNeedsTheGrpcTransport) {
   EXPECT_EQ(w->Finish().error_code(), grpc::StatusCode::FAILED_PRECONDITION);
 }
 
+// UpdateAdapter streams that break the protocol are refused and change nothing.
+TEST_F(EmbeddedClusterTest, HostileUpdateStreamsAreRefused) {
+  auto update = [&](const std::vector<v1::UpdateAdapterRequest>& msgs) {
+    grpc::ClientContext ctx;
+    v1::UpdateAdapterResponse resp;
+    auto w = stub_->UpdateAdapter(&ctx, &resp);
+    for (const auto& m : msgs) w->Write(m);
+    w->WritesDone();
+    return w->Finish();
+  };
+  v1::UpdateAdapterRequest header;
+  header.mutable_header()->set_name("lora");
+  auto chunk = [](const std::string& file, const std::string& data) {
+    v1::UpdateAdapterRequest c;
+    c.mutable_chunk()->set_file_name(file);
+    c.mutable_chunk()->set_data(data);
+    return c;
+  };
+  auto expect = [](const grpc::Status& s, grpc::StatusCode code, const std::string& part) {
+    EXPECT_EQ(s.error_code(), code) << s.error_message();
+    EXPECT_NE(s.error_message().find(part), std::string::npos) << s.error_message();
+  };
+  expect(update({chunk("adapter_config.json", "{}")}), grpc::StatusCode::INVALID_ARGUMENT,
+         "first message must be the header");
+  expect(update({}), grpc::StatusCode::INVALID_ARGUMENT, "no header");
+  expect(update({header}), grpc::StatusCode::INVALID_ARGUMENT, "no files");
+  expect(update({header, chunk("../../evil.sh", "x")}), grpc::StatusCode::INVALID_ARGUMENT,
+         "is not adapter_config.json");
+  expect(update({header, header}), grpc::StatusCode::INVALID_ARGUMENT, "only the first");
+  expect(update({header, chunk("adapter_config.json", "{"), chunk("adapter_model.safetensors", "x"),
+                 chunk("adapter_config.json", "}")}),
+         grpc::StatusCode::INVALID_ARGUMENT, "interleaved");
+  v1::UpdateAdapterRequest stale = header;
+  stale.mutable_header()->set_expected_version(7);
+  expect(update({stale, chunk("adapter_config.json", "{}")}),
+         grpc::StatusCode::FAILED_PRECONDITION, "version 1");
+  // Garbage files: validated before the swap, so version 1 stays.
+  EXPECT_FALSE(update({header, chunk("adapter_config.json", "not json"),
+                       chunk("adapter_model.safetensors", "garbage")})
+                   .ok());
+  grpc::ClientContext ctx;
+  v1::ListAdaptersRequest req;
+  req.set_name("lora");
+  v1::ListAdaptersResponse resp;
+  ASSERT_TRUE(stub_->ListAdapters(&ctx, req, &resp).ok());
+  EXPECT_EQ(resp.adapters(0).version(), 1);
+}
+
 }  // namespace
 }  // namespace preft::tools
