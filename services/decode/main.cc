@@ -15,11 +15,14 @@
 #include "common/rpc/server.h"
 #include "common/serving/worker_setup.h"
 #include "services/wire/grpc_kv_transport.h"
+#include "common/metrics/metrics_server.h"
+#include "services/decode/decode_metrics.h"
 #include "services/decode/decode_service.h"
 
 namespace {
 
 struct Flags : preft::serving::WorkerFlags {
+  std::string metrics_listen;  // host:port of GET /metrics; empty: none
   std::string advertise_address;  // "grpc" transport: where prefill workers reach this one
   int64_t lease_ms = 10000;
   int64_t quarantine_ms = 2000;
@@ -59,6 +62,16 @@ int Run(const Flags& f) {
   auto server = preft::rpc::Server::Start(ro);
   if (!server.ok()) return Fail(std::string(server.status().message()));
   const std::string kServiceName = "preft.worker.v1.DecodeWorker";
+  std::unique_ptr<preft::metrics::MetricsServer> metrics;
+  std::unique_ptr<preft::decode::DecodeMetrics> decode_metrics;
+  if (!f.metrics_listen.empty()) {
+    auto m = preft::metrics::MetricsServer::Start(f.metrics_listen);
+    if (!m.ok()) return Fail(std::string(m.status().message()));
+    metrics = std::move(m).value();
+    decode_metrics =
+        std::make_unique<preft::decode::DecodeMetrics>(metrics->registry(), service->get());
+    std::printf("preft-decode metrics on http://%s/metrics\n", metrics->address().c_str());
+  }
   (*service)->SetAdvertisedAddress(f.advertise_address.empty() ? (*server)->address()
                                                                 : f.advertise_address);
   // Ready only on the transport configured (a silent fallback, e.g. to TCP, is refused).
@@ -88,6 +101,7 @@ int Run(const Flags& f) {
   }
   (*server)->Shutdown(absl::Seconds(5));
   server->reset();
+  decode_metrics.reset();  // reads the service
   service->reset();
   return 0;
 }
@@ -102,6 +116,8 @@ int main(int argc, char** argv) {
   CLI::App app{
       "preft-decode: the decode tier of a preft cluster (KV reservations, base-model decode)"};
   preft::serving::AddWorkerFlags(app, &f);
+  app.add_option("--metrics-listen", f.metrics_listen,
+                 "serve Prometheus metrics on host:port (GET /metrics)");
   app.add_option("--advertise-address", f.advertise_address,
                  "host:port prefill workers dial for the grpc KV transport (default: --listen)");
   app.add_option("--lease-ms", f.lease_ms, "default reservation lease in milliseconds")

@@ -5,6 +5,13 @@
 
 #include "services/decode/decode_service.h"
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "common/metrics/metrics_server.h"
+#include "services/decode/decode_metrics.h"
+#include "tests/testing/http_get.h"
+
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -623,6 +630,51 @@ TEST_F(DecodeServiceTest, AllPositionBaselineRunsTheAdapterOnGeneratedTokens) {
   EXPECT_EQ(bad.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(bad.status.error_message(), HasSubstr("outside the adapter root"));
   EXPECT_TRUE(WaitAllFree());
+}
+
+}  // namespace
+}  // namespace preft::decode
+
+namespace preft::decode {
+namespace {
+
+// The value of the sample named exactly `series` in a Prometheus text exposition, or -1.
+double Sample(const std::string& exposition, const std::string& series) {
+  for (absl::string_view line : absl::StrSplit(exposition, '\n')) {
+    if (absl::ConsumePrefix(&line, series) && absl::ConsumePrefix(&line, " ")) {
+      double v = -1;
+      return absl::SimpleAtod(line, &v) ? v : -1;
+    }
+  }
+  return -1;
+}
+
+// GET /metrics shows the KV block states and usage the service reports.
+TEST_F(DecodeServiceTest, MetricsEndpointShowsKvBlockStates) {
+  auto server = metrics::MetricsServer::Start("127.0.0.1:0");
+  ASSERT_TRUE(server.ok()) << server.status();
+  DecodeMetrics m((*server)->registry(), service_.get(), absl::Hours(1));
+  auto scrape = [&] {
+    m.Refresh();
+    auto body = testing::HttpGet((*server)->address(), "/metrics");
+    EXPECT_TRUE(body.ok()) << body.status();
+    return body.ok() ? *body : std::string();
+  };
+  std::string text = scrape();
+  EXPECT_EQ(Sample(text, "preft:kv_blocks{state=\"free\"}"), kDecodeBlocks) << text;
+  EXPECT_EQ(Sample(text, "preft:kv_cache_usage_perc"), 0);
+  EXPECT_EQ(Sample(text, "preft:num_requests_running"), 0);
+  ReserveResponse res;
+  ASSERT_TRUE(Reserve(40, 8, &res).ok());  // 48 tokens: 3 blocks
+  text = scrape();
+  EXPECT_EQ(Sample(text, "preft:kv_blocks{state=\"reserved\"}"), 3) << text;
+  EXPECT_EQ(Sample(text, "preft:kv_blocks{state=\"free\"}"), kDecodeBlocks - 3);
+  EXPECT_NEAR(Sample(text, "preft:kv_cache_usage_perc"), 3.0 / kDecodeBlocks, 1e-9);
+  EXPECT_FALSE(testing::HttpGet((*server)->address(), "/nothing").ok());
+  EXPECT_EQ(metrics::MetricsServer::Start("nonsense").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(metrics::MetricsServer::Start("256.0.0.1:0").status().code(),
+            absl::StatusCode::kUnavailable);  // not an address of this host
 }
 
 }  // namespace

@@ -1,0 +1,41 @@
+#pragma once
+
+// The decode worker's Prometheus metrics, refreshed from the service on a background thread
+// every `period`: KV block states and usage, running sequences. Names follow vLLM's
+// (`vllm:num_requests_running` -> `preft:num_requests_running`, `vllm:kv_cache_usage_perc` ->
+// `preft:kv_cache_usage_perc`).
+
+#include <thread>
+
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "prometheus/gauge.h"
+#include "prometheus/registry.h"
+#include "services/decode/decode_service.h"
+
+namespace preft::decode {
+
+class DecodeMetrics {
+ public:
+  // Borrows both; they must outlive this object.
+  DecodeMetrics(prometheus::Registry& registry, const DecodeService* service,
+                absl::Duration period = absl::Milliseconds(500));
+  ~DecodeMetrics();
+
+  // Reads the service now (tests; the thread does it every period).
+  void Refresh();
+
+ private:
+  const DecodeService* const service_;
+  prometheus::Gauge& running_;
+  prometheus::Gauge& usage_;
+  prometheus::Family<prometheus::Gauge>& blocks_;
+  prometheus::Gauge& free_;
+  prometheus::Gauge& reserved_;
+  prometheus::Gauge& quarantined_;
+  prometheus::Gauge& filled_;
+  absl::Notification stop_;
+  std::thread thread_;
+};
+
+}  // namespace preft::decode
