@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/adapters/loader_util.h"
+#include "common/base/fnv.h"
 #include "common/base/mapped_file.h"
 #include "common/base/status_macros.h"
 #include "common/model/safetensors.h"
@@ -32,11 +33,7 @@ uint64_t SplitMix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-uint64_t HashName(const std::string& s) {
-  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
-  for (unsigned char ch : s) h = (h ^ ch) * 0x100000001b3ull;
-  return h;
-}
+uint64_t HashName(const std::string& s) { return base::Fnv1a64(s); }
 
 // Box-Muller over mt19937_64: std::normal_distribution's algorithm differs between standard
 // libraries, and a seed should give the same adapter wherever it is built.

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/base/fnv.h"
 #include "common/base/mapped_file.h"
 #include "common/base/status_macros.h"
 #include "common/model/checkpoint.h"
@@ -151,11 +152,7 @@ uint64_t SplitMix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-uint64_t HashName(std::string_view s) {
-  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
-  for (unsigned char ch : s) h = (h ^ ch) * 0x100000001b3ull;
-  return h;
-}
+uint64_t HashName(std::string_view s) { return base::Fnv1a64(s); }
 
 // murmur3's finalizer: 32-bit multiplies, so the fill loop vectorizes with AVX2.
 inline uint32_t Fmix32(uint32_t h) {

@@ -7,15 +7,15 @@
 #include <cstdlib>
 
 #include <filesystem>
-#include <fstream>
 #include <set>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/strings/ascii.h"
+#include "common/base/fnv.h"
+#include "common/base/mapped_file.h"
 #include "common/base/status_macros.h"
 #include "common/transport/inproc_transport.h"
 #include "common/transport/ucx/ucx_transport.h"
@@ -28,9 +28,7 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir) {
   if (std::filesystem::exists(std::filesystem::path(dir) / "tokenizer.json")) {
     PREFT_ASSIGN_OR_RETURN(out.tokenizer, model::Tokenizer::LoadFromModelDir(dir));
   }
-  std::ifstream config(std::filesystem::path(dir) / "config.json", std::ios::binary);
-  std::stringstream bytes;
-  bytes << config.rdbuf();
+  PREFT_ASSIGN_OR_RETURN(std::string config, base::ReadFileToString(dir + "/config.json"));
   std::string weights;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
@@ -38,12 +36,7 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir) {
       absl::StrAppend(&weights, entry.path().filename().string(), ":", entry.file_size(ec), ";");
     }
   }
-  // FNV-1a 64: stable across processes (absl::Hash is seeded per process).
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : bytes.str() + '\0' + weights) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
+  const uint64_t h = base::Fnv1a64(weights, base::Fnv1a64(config + '\0'));
   out.fingerprint = absl::StrFormat("%s-%016x", out.model->config().architecture_name, h);
   return out;
 }

@@ -2,22 +2,15 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/base/fnv.h"
 #include "common/transport/kv_transport.h"
 
 namespace preft::transport {
 namespace {
 
-// FNV-1a, 64 bit: stable across processes, builds and machines (std::hash is none of these).
-constexpr uint64_t kFnvOffset = 14695981039346656037ull;
-constexpr uint64_t kFnvPrime = 1099511628211ull;
-
 void Mix(uint64_t* h, const std::string& field) {
   // Length-prefixed, so no two field lists share a byte string ("ab","c" vs "a","bc").
-  const std::string bytes = absl::StrCat(field.size(), ":", field, ";");
-  for (unsigned char c : bytes) {
-    *h ^= c;
-    *h *= kFnvPrime;
-  }
+  *h = base::Fnv1a64(absl::StrCat(field.size(), ":", field, ";"), *h);
 }
 
 }  // namespace
@@ -33,7 +26,7 @@ KvLayout KvLayout::ForCache(const kv::KvCacheShape& shape, const std::string& mo
 }
 
 uint64_t KvLayout::Hash() const {
-  uint64_t h = kFnvOffset;
+  uint64_t h = base::kFnv1a64Offset;
   Mix(&h, "preft.kv_layout");
   Mix(&h, model);
   Mix(&h, dtype);
