@@ -48,6 +48,23 @@ struct Engine::Sequence {
   int64_t num_generated() const { return static_cast<int64_t>(tokens.size()) - num_prompt; }
 };
 
+absl::Status ValidatePrompt(const std::vector<int32_t>& prompt_ids,
+                            const model::ModelConfig& config) {
+  if (prompt_ids.empty()) return absl::InvalidArgumentError("prompt is empty");
+  for (int32_t id : prompt_ids) {
+    if (id < 0 || id >= config.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prompt token id ", id, " is outside the vocabulary [0, ", config.vocab_size, ")"));
+    }
+  }
+  const int64_t n = static_cast<int64_t>(prompt_ids.size());
+  if (n >= config.max_position_embeddings) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt has ", n, " tokens; the model's context is ", config.max_position_embeddings));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(model::Model* model,
                                                        const model::Tokenizer* tokenizer,
                                                        const EngineOptions& options) {
@@ -78,18 +95,8 @@ Engine::~Engine() = default;
 absl::Status Engine::Add(Request request) {
   const model::ModelConfig& c = model_->config();
   PREFT_RETURN_IF_ERROR(request.sampling.Validate(c.vocab_size));
-  if (request.prompt_ids.empty()) return absl::InvalidArgumentError("prompt is empty");
-  for (int32_t id : request.prompt_ids) {
-    if (id < 0 || id >= c.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "prompt token id ", id, " is outside the vocabulary [0, ", c.vocab_size, ")"));
-    }
-  }
+  PREFT_RETURN_IF_ERROR(ValidatePrompt(request.prompt_ids, c));
   const int64_t n = static_cast<int64_t>(request.prompt_ids.size());
-  if (n >= c.max_position_embeddings) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt has ", n, " tokens; the model's context is ", c.max_position_embeddings));
-  }
   auto same_id = [&](const std::unique_ptr<Sequence>& s) { return s->request.id == request.id; };
   if (std::any_of(running_.begin(), running_.end(), same_id) ||
       std::any_of(waiting_.begin(), waiting_.end(), same_id)) {

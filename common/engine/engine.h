@@ -35,6 +35,12 @@ struct EngineStats {
   int64_t preemptions = 0;
 };
 
+// InvalidArgument, naming the token or the lengths, for an empty prompt, an id outside the
+// vocabulary or a prompt that leaves no room in the model's context. Engine::Add checks it;
+// the router checks it before reserving anything.
+absl::Status ValidatePrompt(const std::vector<int32_t>& prompt_ids,
+                            const model::ModelConfig& config);
+
 // Owned and driven by one thread (the engine thread); not thread-safe. Borrows the model
 // and tokenizer (tokenizer may be null: then no text and no stop strings).
 class Engine {

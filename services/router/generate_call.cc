@@ -131,18 +131,8 @@ absl::Status GenerateCall::Admit(std::vector<int32_t>* prompt,
     default:
       return absl::InvalidArgumentError("prompt: set text or token_ids");
   }
-  if (prompt->empty()) return absl::InvalidArgumentError("prompt is empty");
-  for (int32_t id : *prompt) {
-    if (id < 0 || id >= c.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "prompt token id ", id, " is outside the vocabulary [0, ", c.vocab_size, ")"));
-    }
-  }
+  PREFT_RETURN_IF_ERROR(engine::ValidatePrompt(*prompt, c));
   const int64_t n = static_cast<int64_t>(prompt->size());
-  if (n >= c.max_position_embeddings) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt has ", n, " tokens; the model's context is ", c.max_position_embeddings));
-  }
   if (!request_.model().empty() && request_.model() != router_->options.base_name) {
     PREFT_ASSIGN_OR_RETURN(RegisteredAdapter a, router_->registry->Get(request_.model()));
     *adapter = std::move(a);
@@ -168,6 +158,18 @@ int64_t GenerateCall::LeaseMs() const {
   absl::Duration lease = router_->options.lease;
   if (has_deadline_) lease = std::max(lease, absl::FromChrono(client_deadline_) - absl::Now());
   return absl::ToInt64Milliseconds(lease);
+}
+
+worker::v1::ReserveRequest GenerateCall::ReserveRequestFor(int64_t prompt_tokens,
+                                                          int64_t max_new,
+                                                          uint64_t retry_of) const {
+  worker::v1::ReserveRequest req;
+  req.set_request_id(id_);
+  req.set_num_tokens(static_cast<int32_t>(prompt_tokens));
+  req.set_max_new_tokens(static_cast<int32_t>(max_new));
+  req.set_lease_ms(LeaseMs());
+  req.set_retry_of(retry_of);
+  return req;
 }
 
 absl::StatusOr<GenerateCall::Reservation> GenerateCall::Reserve(int64_t prompt_tokens,
@@ -204,11 +206,7 @@ absl::StatusOr<GenerateCall::Reservation> GenerateCall::Reserve(int64_t prompt_t
     for (size_t i : RankDecode(views, need)) {
       grpc::ClientContext ctx;
       Track(&ctx);
-      worker::v1::ReserveRequest req;
-      req.set_request_id(id_);
-      req.set_num_tokens(static_cast<int32_t>(prompt_tokens));
-      req.set_max_new_tokens(static_cast<int32_t>(max_new));
-      req.set_lease_ms(LeaseMs());
+      const worker::v1::ReserveRequest req = ReserveRequestFor(prompt_tokens, max_new, 0);
       Reservation res;
       const absl::Status s = rpc::FromGrpcStatus(workers[i]->stub->Reserve(&ctx, req, &res.r));
       Untrack();
@@ -304,12 +302,8 @@ absl::StatusOr<worker::v1::PrefillResponse> GenerateCall::Prefill(
     // Same reservation, next generation: late writes of the failed attempt cannot land in it.
     grpc::ClientContext rctx;
     Track(&rctx);
-    worker::v1::ReserveRequest rr;
-    rr.set_request_id(id_);
-    rr.set_num_tokens(static_cast<int32_t>(prompt.size()));
-    rr.set_max_new_tokens(sampling.max_tokens);
-    rr.set_lease_ms(LeaseMs());
-    rr.set_retry_of(res->r.reservation_id());
+    const worker::v1::ReserveRequest rr = ReserveRequestFor(
+        static_cast<int64_t>(prompt.size()), sampling.max_tokens, res->r.reservation_id());
     worker::v1::ReserveResponse next;
     const absl::Status rs = rpc::FromGrpcStatus(res->worker->stub->Reserve(&rctx, rr, &next));
     Untrack();

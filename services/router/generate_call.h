@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "absl/status/status.h"
+#include "common/engine/engine.h"
 #include "common/engine/sampling_params.h"
 #include "proto/preft/v1/preft.grpc.pb.h"
 #include "proto/preft/v1/worker.grpc.pb.h"
@@ -50,6 +51,9 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
                       const worker::v1::PrefillResponse& first);
   void Release(const Reservation& res, const std::string& reason);
   int64_t LeaseMs() const;
+  // A new reservation (retry_of 0) or the next generation of `retry_of`.
+  worker::v1::ReserveRequest ReserveRequestFor(int64_t prompt_tokens, int64_t max_new,
+                                               uint64_t retry_of) const;
 
   // Client context for a worker call: the client's deadline, registered for cancellation.
   void Track(grpc::ClientContext* ctx);

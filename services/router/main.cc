@@ -71,16 +71,13 @@ int main(int argc, char** argv) {
   pool_options.prefill = SplitList(prefill);
   pool_options.decode = SplitList(decode);
   pool_options.poll_interval = absl::Milliseconds(poll_ms);
-  for (const auto& spec : pool_options.prefill) {
-    if (auto r = router::ResolveSpec(spec); !r.ok() && r.status().code() == absl::StatusCode::kInvalidArgument) {
-      std::fprintf(stderr, "preft-router: %s\n", r.status().ToString().c_str());
-      return 2;
-    }
-  }
-  for (const auto& spec : pool_options.decode) {
-    if (auto r = router::ResolveSpec(spec); !r.ok() && r.status().code() == absl::StatusCode::kInvalidArgument) {
-      std::fprintf(stderr, "preft-router: %s\n", r.status().ToString().c_str());
-      return 2;
+  for (const auto* specs : {&pool_options.prefill, &pool_options.decode}) {
+    for (const auto& spec : *specs) {  // malformed is a usage error; unresolvable may heal
+      if (auto r = router::ResolveSpec(spec);
+          !r.ok() && r.status().code() == absl::StatusCode::kInvalidArgument) {
+        std::fprintf(stderr, "preft-router: %s\n", r.status().ToString().c_str());
+        return 2;
+      }
     }
   }
   router::WorkerPool pool(pool_options);

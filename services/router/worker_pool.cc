@@ -13,23 +13,16 @@
 namespace preft::router {
 
 absl::StatusOr<std::vector<std::string>> ResolveSpec(const std::string& spec) {
-  if (spec.rfind("dns:", 0) != 0) {
-    const size_t colon = spec.rfind(':');
-    int port = 0;
-    if (colon == std::string::npos || colon == 0 ||
-        !absl::SimpleAtoi(spec.substr(colon + 1), &port) || port <= 0 || port > 65535) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("worker '", spec, "' is not host:port or dns:NAME:PORT"));
-    }
-    return std::vector<std::string>{spec};
-  }
-  const std::string rest = spec.substr(4);
+  const bool dns = spec.rfind("dns:", 0) == 0;
+  const std::string rest = dns ? spec.substr(4) : spec;  // NAME:PORT or host:port
   const size_t colon = rest.rfind(':');
   int port = 0;
   if (colon == std::string::npos || colon == 0 ||
       !absl::SimpleAtoi(rest.substr(colon + 1), &port) || port <= 0 || port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("worker '", spec, "' is not dns:NAME:PORT"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "worker '", spec, dns ? "' is not dns:NAME:PORT" : "' is not host:port or dns:NAME:PORT"));
   }
+  if (!dns) return std::vector<std::string>{spec};
   const std::string name = rest.substr(0, colon);
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
