@@ -20,13 +20,19 @@ absl::StatusOr<std::string> ResolveUnderRoot(const std::string& root, const std:
   const fs::path canonical_root = fs::canonical(root, ec);
   if (ec) return absl::NotFoundError(absl::StrCat("adapter root '", root, "': ", ec.message()));
   const fs::path path = fs::path(dir).is_absolute() ? fs::path(dir) : canonical_root / dir;
-  const fs::path canonical = fs::canonical(path, ec);
+  // Confinement is judged before existence (weakly_canonical resolves the symlinks that exist
+  // and normalises the rest), so a path outside the root is refused as such whether or not it
+  // exists, and the answer does not reveal what lies outside.
+  const fs::path canonical = fs::weakly_canonical(path, ec);
   if (ec) return absl::NotFoundError(absl::StrCat("adapter path '", dir, "': ", ec.message()));
   const std::string r = canonical_root.string() + "/";
   if (canonical.string().compare(0, r.size(), r) != 0) {
     return absl::InvalidArgumentError(absl::StrCat("adapter path '", dir, "' (", canonical.string(),
                                                    ") is outside the adapter root '",
                                                    canonical_root.string(), "'"));
+  }
+  if (!fs::exists(canonical, ec)) {
+    return absl::NotFoundError(absl::StrCat("adapter path '", dir, "': No such file or directory"));
   }
   if (!fs::is_directory(canonical, ec)) {
     return absl::InvalidArgumentError(absl::StrCat("adapter path '", dir, "' is not a folder"));

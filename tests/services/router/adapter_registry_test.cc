@@ -62,6 +62,12 @@ TEST_F(AdapterRegistryTest, RefusesPathsOutsideTheRootBadNamesAndBadAdapters) {
       << outside.status();
   EXPECT_EQ(registry_->Register("x", "../registry_root/../..").status().code(),
             absl::StatusCode::kInvalidArgument);
+  // Outside and absent is still "outside", not NotFound: the answer must not depend on (or
+  // reveal) what exists beyond the root.
+  auto absent = registry_->Register("x", "../../../../../../../../../../no-such-preft-dir");
+  EXPECT_EQ(absent.status().code(), absl::StatusCode::kInvalidArgument) << absent.status();
+  EXPECT_EQ(registry_->Register("x", "/no-such-preft-dir").status().code(),
+            absl::StatusCode::kInvalidArgument);
   fs::create_directory_symlink(fs::path(testing::TinyLlamaFixture()) / "lora", root_ / "escape");
   EXPECT_EQ(registry_->Register("x", "escape").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(registry_->Register("x", "missing").status().code(), absl::StatusCode::kNotFound);
