@@ -24,13 +24,30 @@ for p in "${PACKAGES[@]}"; do
   fi
 done
 
-if [[ ${#missing[@]} -eq 0 ]]; then
-  exit 0
+# Test tools from the npm registry (schema validators, Dockerfile parser): every tests/*/
+# folder with a package-lock.json gets `npm ci` when its node_modules is missing or older
+# than the lock. Needs node and npm: Debian's are used when the machine has none.
+NPM_DIRS=()
+repo_root="$(cd "$(dirname "$0")/.." && pwd)"
+for lock in "$repo_root"/tests/*/package-lock.json; do
+  [[ -f "$lock" ]] && NPM_DIRS+=("$(dirname "$lock")")
+done
+if [[ ${#NPM_DIRS[@]} -gt 0 ]] && ! command -v npm >/dev/null 2>&1; then
+  missing+=(nodejs npm)
 fi
 
-echo "install-deps: installing ${missing[*]}"
-SUDO=""
-if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
-export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+if [[ ${#missing[@]} -gt 0 ]]; then
+  echo "install-deps: installing ${missing[*]}"
+  SUDO=""
+  if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+for dir in "${NPM_DIRS[@]}"; do
+  if [[ ! -d "$dir/node_modules" || "$dir/package-lock.json" -nt "$dir/node_modules" ]]; then
+    echo "install-deps: npm ci in ${dir#"$repo_root"/}"
+    (cd "$dir" && npm ci --no-audit --no-fund --loglevel=error && touch node_modules)
+  fi
+done

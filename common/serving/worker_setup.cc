@@ -86,6 +86,8 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f) {
       ->required();
   app.add_option("--listen", f->listen, "gRPC address host:port (port 0 picks one)")
       ->capture_default_str();
+  app.add_option("--metrics-listen", f->metrics_listen,
+                 "serve Prometheus metrics on host:port (GET /metrics); none if unset");
   auto* kv_bytes = app.add_option("--kv-bytes", f->kv_bytes, "KV cache budget in bytes")
                        ->capture_default_str()
                        ->check(CLI::PositiveNumber);

@@ -46,6 +46,7 @@ absl::Status CheckTransport(const std::string& opened, const TransportFlags& fla
 struct WorkerFlags {
   std::string model;
   std::string listen = "127.0.0.1:0";
+  std::string metrics_listen;  // host:port of GET /metrics; empty: none
   int64_t kv_bytes = int64_t{1} << 30;
   int64_t kv_blocks = 0;  // instead of kv_bytes
   int64_t max_batch_tokens = 512;

@@ -22,7 +22,6 @@
 namespace {
 
 struct Flags : preft::serving::WorkerFlags {
-  std::string metrics_listen;  // host:port of GET /metrics; empty: none
   std::string advertise_address;  // "grpc" transport: where prefill workers reach this one
   int64_t lease_ms = 10000;
   int64_t quarantine_ms = 2000;
@@ -116,8 +115,6 @@ int main(int argc, char** argv) {
   CLI::App app{
       "preft-decode: the decode tier of a preft cluster (KV reservations, base-model decode)"};
   preft::serving::AddWorkerFlags(app, &f);
-  app.add_option("--metrics-listen", f.metrics_listen,
-                 "serve Prometheus metrics on host:port (GET /metrics)");
   app.add_option("--advertise-address", f.advertise_address,
                  "host:port prefill workers dial for the grpc KV transport (default: --listen)");
   app.add_option("--lease-ms", f.lease_ms, "default reservation lease in milliseconds")

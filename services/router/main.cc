@@ -8,6 +8,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_split.h"
+#include "common/metrics/metrics_server.h"
 #include "common/model/config.h"
 #include "common/model/tokenizer.h"
 #include "common/rpc/server.h"
@@ -28,12 +29,13 @@ std::vector<std::string> SplitList(const std::vector<std::string>& flags) {
 int main(int argc, char** argv) {
   using namespace preft;
   CLI::App app{"preft-router: public gRPC API, placement and adapter admin for a preft cluster"};
-  std::string model_dir, listen = "127.0.0.1:0", adapter_root, base_name;
+  std::string model_dir, listen = "127.0.0.1:0", metrics_listen, adapter_root, base_name;
   std::vector<std::string> prefill, decode;
   int64_t lease_ms = 30000, poll_ms = 100, max_rank = 128;
   double admission_timeout_s = 30, drain_timeout_s = 30;
   app.add_option("--model", model_dir, "base model folder (config.json, tokenizer.json)")->required();
   app.add_option("--listen", listen, "host:port to serve on (port 0 picks one)");
+  app.add_option("--metrics-listen", metrics_listen, "serve Prometheus metrics on host:port (GET /metrics); none if unset");
   app.add_option("--prefill", prefill, "prefill workers: host:port or dns:NAME:PORT (repeatable, comma-separated)")->required();
   app.add_option("--decode", decode, "decode workers: host:port or dns:NAME:PORT (repeatable, comma-separated)")->required();
   app.add_option("--adapter-root", adapter_root, "folder adapters are registered from (shared with the workers)");
@@ -98,6 +100,16 @@ int main(int argc, char** argv) {
   if (!server.ok()) {
     std::fprintf(stderr, "preft-router: %s\n", server.status().ToString().c_str());
     return 1;
+  }
+  std::unique_ptr<metrics::MetricsServer> metrics;
+  if (!metrics_listen.empty()) {
+    auto m = metrics::MetricsServer::Start(metrics_listen);
+    if (!m.ok()) {
+      std::fprintf(stderr, "preft-router: --metrics-listen: %s\n", m.status().ToString().c_str());
+      return 1;
+    }
+    metrics = std::move(m).value();
+    std::printf("preft-router metrics on http://%s/metrics\n", metrics->address().c_str());
   }
   std::printf("preft-router listening on %s\n", (*server)->address().c_str());
   std::fflush(stdout);
