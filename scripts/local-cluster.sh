@@ -6,7 +6,8 @@
 #   scripts/local-cluster.sh start BUILD_DIR MODEL_DIR [ADAPTER_ROOT]   # prints the router address
 #   scripts/local-cluster.sh stop                                       # SIGTERM (graceful drain)
 #
-# RUN_DIR (default /tmp/preft-local-cluster) holds pids and addresses between the two calls.
+# RUN_DIR (default /tmp/preft-local-cluster) holds pids and addresses between the two calls;
+# RUN_DIR/metrics-targets lists "NAME HOST:PORT" of each process's Prometheus endpoint.
 set -euo pipefail
 run=${RUN_DIR:-/tmp/preft-local-cluster}
 tls=${PREFT_UCX_TLS:-posix,self}
@@ -26,11 +27,20 @@ wait_address() {  # log file -> address from its "listening on ADDR" line
   return 1
 }
 
+record_metrics() {  # NAME -> appends "NAME HOST:PORT" from its log's "metrics on" line
+  local name=$1
+  local addr
+  addr=$(sed -n 's|.*metrics on http://\([^/]*\)/metrics.*|\1|p' "$run/$name.log" | head -1)
+  [[ -n "$addr" ]] && echo "$name $addr" >> "$run/metrics-targets"
+  return 0
+}
+
 start() {
   local build=$1 model=$2 root=${3:-}
   mkdir -p "$run"
   : > "$run/pids"
-  local ucx=(--transport ucx --ucx-tls "$tls")
+  : > "$run/metrics-targets"
+  local ucx=(--transport ucx --ucx-tls "$tls" --metrics-listen 127.0.0.1:0)
   [[ -n "$devices" ]] && ucx+=(--ucx-net-devices "$devices")
   local adapter_flags=() decode_flags=()
   [[ -n "$root" ]] && adapter_flags=(--adapter-root "$root")
@@ -52,9 +62,12 @@ start() {
   decode="$(wait_address "$run/decode-0.log"),$(wait_address "$run/decode-1.log")"
   prefill="$(wait_address "$run/prefill-0.log"),$(wait_address "$run/prefill-1.log")"
   "$build/services/router/preft-router" --model "$model" --prefill "$prefill" --decode "$decode" \
-    --listen "${PREFT_ROUTER_LISTEN:-127.0.0.1:0}" "${adapter_flags[@]}" > "$run/router.log" 2>&1 &
+    --listen "${PREFT_ROUTER_LISTEN:-127.0.0.1:0}" --metrics-listen 127.0.0.1:0 \
+    "${adapter_flags[@]}" > "$run/router.log" 2>&1 &
   echo $! >> "$run/pids"
-  wait_address "$run/router.log" | tee "$run/router.addr"
+  wait_address "$run/router.log" > "$run/router.addr"
+  for name in decode-0 decode-1 prefill-0 prefill-1 router; do record_metrics "$name"; done
+  cat "$run/router.addr"
 }
 
 stop() {

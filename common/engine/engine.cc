@@ -6,6 +6,7 @@
 #include <unordered_set>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/base/check.h"
 #include "common/base/status_macros.h"
 #include "common/engine/sampler.h"
@@ -44,6 +45,13 @@ struct Engine::Sequence {
   model::AdapterPositions adapter_positions = model::AdapterPositions::kAll;
   std::vector<uint8_t> mask;  // per-step scratch: adapter mask of the tokens computed now
   bool imported = false;      // prompt KV computed elsewhere: never recomputed here
+  // For the observer (RequestReport).
+  absl::Time arrival;
+  absl::Time scheduled = absl::InfinitePast();
+  absl::Time first_token = absl::InfinitePast();
+  absl::Time last_token = absl::InfinitePast();
+  int64_t sampled = 0;         // tokens sampled here
+  int64_t prompt_counted = 0;  // prompt tokens counted in the stats (not again if recomputed)
 
   int64_t num_generated() const { return static_cast<int64_t>(tokens.size()) - num_prompt; }
 };
@@ -110,6 +118,7 @@ absl::Status Engine::Add(Request request) {
     return absl::InvalidArgumentError("a request cannot be both prefill-only and imported");
   }
   auto seq = std::make_unique<Sequence>();
+  seq->arrival = absl::Now();
   seq->tokens = request.prompt_ids;
   seq->num_prompt = n;
   seq->max_new = std::min<int64_t>(request.sampling.max_tokens, c.max_position_embeddings - n);
@@ -154,9 +163,11 @@ absl::Status Engine::AddImported(std::unique_ptr<Sequence> seq) {
   }
   seq->blocks = in.blocks;
   seq->num_computed = seq->num_prompt;
+  seq->prompt_counted = seq->num_prompt;  // computed by the prefill worker
   seq->imported = true;
   const int32_t first = in.first_token;
   const std::optional<TokenLogprob> first_logprob = in.first_logprob;
+  now_ = absl::Now();
   const FinishReason finish = AppendToken(*seq, first, /*logits=*/nullptr, first_logprob);
   if (finish != FinishReason::kNone) {
     Finish(seq, finish, absl::OkStatus());
@@ -210,6 +221,7 @@ void Engine::HandOverPrefilled(std::unique_ptr<Sequence>& seq, int32_t token,
   seq->blocks.clear();
   prefilled_[p.request_id] = p.blocks;
   ++stats_.generated_tokens;
+  seq->first_token = now_;
   seq->request.on_prefilled(p);
   seq->tokens.push_back(token);  // the result (Generate) shows the first token
   Finish(seq, FinishReason::kLength, absl::OkStatus());
@@ -233,6 +245,19 @@ absl::Status Engine::Abort(const std::string& request_id) {
 void Engine::Finish(std::unique_ptr<Sequence>& seq, FinishReason reason, absl::Status status) {
   allocator_.Free(seq->blocks);
   seq->blocks.clear();
+  if (observer_ != nullptr) {
+    RequestReport r;
+    r.finish = reason;
+    r.prefill_only = static_cast<bool>(seq->request.on_prefilled);
+    r.imported = seq->imported;
+    r.prompt_tokens = seq->num_prompt;
+    r.generated_tokens = seq->sampled;
+    r.arrival = seq->arrival;
+    r.scheduled = seq->scheduled;
+    r.first_token = seq->first_token;
+    r.end = absl::Now();
+    observer_->OnRequestEnd(r);
+  }
   if (seq->request.on_token && (reason == FinishReason::kAbort || reason == FinishReason::kError)) {
     TokenEvent e;
     e.request_id = seq->request.id;
@@ -264,6 +289,7 @@ void Engine::Preempt(Sequence& seq) {
   seq.blocks.clear();
   seq.num_computed = 0;  // recompute prompt + generated tokens when readmitted
   ++stats_.preemptions;
+  ++step_report_.preemptions;
 }
 
 namespace {
@@ -304,6 +330,12 @@ FinishReason Engine::AppendToken(Sequence& seq, int32_t token, const float* logi
   const model::ModelConfig& c = model_->config();
   seq.tokens.push_back(token);
   ++stats_.generated_tokens;
+  if (seq.first_token == absl::InfinitePast()) {
+    seq.first_token = now_;
+  } else {
+    step_report_.inter_token.push_back(now_ - seq.last_token);
+  }
+  seq.last_token = now_;
   const TokenLogprob* lp = nullptr;
   if (sp.logprobs) {
     seq.logprobs.push_back(logprob ? *logprob
@@ -344,6 +376,10 @@ FinishReason Engine::AppendToken(Sequence& seq, int32_t token, const float* logi
 }
 
 absl::Status Engine::Step() {
+  const absl::Time start = absl::Now();
+  step_report_.num_sequences = step_report_.num_tokens = step_report_.prompt_tokens = 0;
+  step_report_.generated_tokens = step_report_.preemptions = 0;
+  step_report_.inter_token.clear();
   std::vector<SequenceView> running_views, waiting_views;
   for (const auto& s : running_) {
     running_views.push_back({static_cast<int64_t>(s->tokens.size()), s->num_computed,
@@ -388,6 +424,7 @@ absl::Status Engine::Step() {
   std::deque<std::unique_ptr<Sequence>> still_waiting;
   for (auto& s : waiting_) {
     if (admitted.count(s.get())) {
+      if (s->scheduled == absl::InfinitePast()) s->scheduled = start;
       still_running.push_back(std::move(s));
     } else if (rejected.count(s.get())) {
       const int64_t bt = options_.scheduler.block_tokens;
@@ -404,7 +441,10 @@ absl::Status Engine::Step() {
     still_waiting.push_front(std::move(*it));
   running_ = std::move(still_running);
   waiting_ = std::move(still_waiting);
-  if (work.empty()) return absl::OkStatus();
+  if (work.empty()) {
+    if (observer_ != nullptr && step_report_.preemptions > 0) observer_->OnStep(step_report_);
+    return absl::OkStatus();
+  }
 
   model::ForwardBatch batch;
   std::vector<Sequence*> sampled;
@@ -429,11 +469,21 @@ absl::Status Engine::Step() {
     batch.AddSequence(s->blocks.data(), static_cast<int64_t>(s->blocks.size()),
                       s->tokens.data() + s->num_computed, n, context, last_chunk, adapter,
                       adapter != nullptr ? s->mask.data() : nullptr);
-    if (s->num_computed < s->num_prompt)
-      stats_.prompt_tokens += std::min(n, s->num_prompt - s->num_computed);
+    // Prompt tokens recomputed after a preemption are not counted again.
+    const int64_t prompt = std::min(context, s->num_prompt) - s->prompt_counted;
+    if (prompt > 0) {
+      s->prompt_counted += prompt;
+      stats_.prompt_tokens += prompt;
+      step_report_.prompt_tokens += prompt;
+    }
+    step_report_.num_tokens += n;
     if (last_chunk) sampled.push_back(s);
   }
+  step_report_.num_sequences = static_cast<int64_t>(work.size());
   PREFT_RETURN_IF_ERROR(model_->Forward(batch, cache_.get(), &logits_));
+  now_ = absl::Now();
+  step_report_.forward = now_ - start;
+  step_report_.generated_tokens = static_cast<int64_t>(sampled.size());
   ++stats_.steps;
   for (auto& [s, n] : work) s->num_computed += n;
 
@@ -447,6 +497,7 @@ absl::Status Engine::Step() {
     const float* row = logits_.data() + r * vocab;
     const int32_t token = SampleToken(row, vocab, s->request.sampling, s->seed,
                                       static_cast<uint64_t>(s->num_generated()), &sample_scratch_);
+    ++s->sampled;
     if (s->request.on_prefilled) {
       prefill_done[s] = token;
       continue;
@@ -469,6 +520,7 @@ absl::Status Engine::Step() {
     }
     running_ = std::move(keep);
   }
+  if (observer_ != nullptr) observer_->OnStep(step_report_);
   return absl::OkStatus();
 }
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/engine/engine_observer.h"
 #include "common/engine/request.h"
 #include "common/engine/scheduler.h"
 #include "common/kv/block_allocator.h"
@@ -79,6 +80,9 @@ class Engine {
   absl::StatusOr<std::vector<GenerationResult>> Generate(std::vector<Request> requests);
 
   const EngineStats& stats() const { return stats_; }
+  // Told about every step and every request's end (metrics); borrowed, may be null. Set it
+  // before the engine runs.
+  void set_observer(EngineObserver* observer) { observer_ = observer; }
   const kv::BlockAllocator& allocator() const { return allocator_; }
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
@@ -110,6 +114,9 @@ class Engine {
   bool collect_results_ = false;
   uint64_t next_seed_;
   EngineStats stats_;
+  EngineObserver* observer_ = nullptr;
+  StepReport step_report_;  // filled during Step
+  absl::Time now_;          // when the tokens being appended were sampled
   std::vector<float> logits_;
   std::vector<std::pair<float, int32_t>> sample_scratch_;
 };

@@ -114,6 +114,17 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f) {
 
 absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& f) {
   WorkerEngine w;
+  if (!f.metrics_listen.empty()) {
+    absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> m =
+        metrics::MetricsServer::Start(f.metrics_listen);
+    if (!m.ok()) {
+      return absl::Status(m.status().code(),
+                          absl::StrCat("--metrics-listen ", f.metrics_listen, ": ",
+                                       m.status().message()));
+    }
+    w.metrics = *std::move(m);
+    w.engine_metrics = std::make_unique<metrics::EngineMetrics>(w.metrics->registry());
+  }
   PREFT_ASSIGN_OR_RETURN(w.model, LoadModel(f.model));
   engine::EngineOptions o;
   o.kv_bytes = f.kv_bytes;
@@ -122,6 +133,7 @@ absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& f) {
   o.num_threads = f.threads;
   PREFT_ASSIGN_OR_RETURN(
       w.engine, engine::Engine::Create(w.model.model.get(), w.model.tokenizer.get(), o));
+  w.engine->set_observer(w.engine_metrics.get());
   return w;
 }
 

@@ -10,6 +10,8 @@
 #include "CLI/CLI.hpp"
 #include "absl/status/statusor.h"
 #include "common/engine/engine.h"
+#include "common/metrics/engine_metrics.h"
+#include "common/metrics/metrics_server.h"
 #include "common/model/model.h"
 #include "common/model/tokenizer.h"
 #include "common/transport/kv_transport.h"
@@ -56,8 +58,13 @@ struct WorkerFlags {
 };
 void AddWorkerFlags(CLI::App& app, WorkerFlags* flags);
 
-// The worker's model, tokenizer and engine, sized by the flags. Errors name what failed.
+// The worker's model, tokenizer and engine, sized by the flags, and with --metrics-listen its
+// metrics endpoint (serving before the weights load) with the engine's metrics attached.
+// Errors name what failed. Destroy the engine (or the service that took it) first: the engine
+// reports to `engine_metrics`.
 struct WorkerEngine {
+  std::unique_ptr<metrics::MetricsServer> metrics;  // null without --metrics-listen
+  std::unique_ptr<metrics::EngineMetrics> engine_metrics;
   LoadedModel model;
   std::unique_ptr<engine::Engine> engine;
 };

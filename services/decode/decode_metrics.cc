@@ -1,25 +1,22 @@
 #include "services/decode/decode_metrics.h"
 
+#include "common/metrics/families.h"
+
 namespace preft::decode {
 
 DecodeMetrics::DecodeMetrics(prometheus::Registry& registry, const DecodeService* service,
                              absl::Duration period)
     : service_(service),
-      running_(prometheus::BuildGauge()
-                   .Name("preft:num_requests_running")
-                   .Help("Sequences decoding on this worker.")
-                   .Register(registry)
-                   .Add({})),
-      usage_(prometheus::BuildGauge()
-                 .Name("preft:kv_cache_usage_perc")
-                 .Help("Fraction of KV blocks not free (1 = full).")
-                 .Register(registry)
-                 .Add({})),
-      blocks_(prometheus::BuildGauge()
-                  .Name("preft:kv_blocks")
-                  .Help("KV blocks by state: free, reserved (awaiting a prefill's KV), filled "
-                        "(decoding), quarantined (aborted, waiting out late writes).")
-                  .Register(registry)),
+      running_(metrics::Gauge(registry, "preft:num_requests_running",
+                              "Sequences decoding on this worker.")),
+      waiting_(metrics::Gauge(registry, "preft:num_requests_waiting",
+                              "Reservations waiting for their prompt's KV from a prefill worker.")),
+      usage_(metrics::Gauge(registry, "preft:kv_cache_usage_perc",
+                            "Fraction of KV blocks not free (1 = full).")),
+      blocks_(metrics::GaugeFamily(
+          registry, "preft:kv_blocks",
+          "KV blocks by state: free, reserved (awaiting a prefill's KV), filled "
+          "(decoding), quarantined (aborted, waiting out late writes).")),
       free_(blocks_.Add({{"state", "free"}})),
       reserved_(blocks_.Add({{"state", "reserved"}})),
       quarantined_(blocks_.Add({{"state", "quarantined"}})),
@@ -37,12 +34,13 @@ DecodeMetrics::~DecodeMetrics() {
 
 void DecodeMetrics::Refresh() {
   const DecodeService::BlockCounts b = service_->block_counts();
-  running_.Set(b.running);
+  running_.Set(b.sequences);
+  waiting_.Set(b.reservations_waiting);
   usage_.Set(b.total > 0 ? 1.0 - static_cast<double>(b.free) / b.total : 0.0);
   free_.Set(b.free);
   reserved_.Set(b.reserved);
   quarantined_.Set(b.quarantined);
-  filled_.Set(b.total - b.free - b.reserved - b.quarantined);
+  filled_.Set(b.filled);
 }
 
 }  // namespace preft::decode

@@ -28,6 +28,7 @@ class DecodeMetrics {
  private:
   const DecodeService* const service_;
   prometheus::Gauge& running_;
+  prometheus::Gauge& waiting_;
   prometheus::Gauge& usage_;
   prometheus::Family<prometheus::Gauge>& blocks_;
   prometheus::Gauge& free_;

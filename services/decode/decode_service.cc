@@ -315,7 +315,11 @@ DecodeService::BlockCounts DecodeService::block_counts() const {
     c.free = e.allocator().num_free();
     c.reserved = static_cast<int32_t>(impl->reserved_blocks);
     c.quarantined = static_cast<int32_t>(impl->quarantined_blocks);
-    c.running = c.total - c.free - c.reserved - c.quarantined;
+    c.filled = c.total - c.free - c.reserved - c.quarantined;
+    c.sequences = static_cast<int32_t>(e.num_running());
+    for (const auto& [id, r] : impl->reservations) {
+      c.reservations_waiting += r.state == Impl::State::kReserved;
+    }
     return c;
   };
   try {

@@ -81,7 +81,10 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
     int32_t free = 0;         // in the allocator
     int32_t reserved = 0;     // held by reservations not yet started
     int32_t quarantined = 0;  // aborted, waiting to be freed
-    int32_t running = 0;      // sequences decoding
+    int32_t filled = 0;       // held by sequences decoding
+    // Not blocks: sequences decoding, and reservations waiting for their prompt's KV.
+    int32_t sequences = 0;
+    int32_t reservations_waiting = 0;
   };
   // Taken on the engine thread, so the counts add up to total; waits for the current step.
   BlockCounts block_counts() const;

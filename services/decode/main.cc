@@ -15,7 +15,6 @@
 #include "common/rpc/server.h"
 #include "common/serving/worker_setup.h"
 #include "services/wire/grpc_kv_transport.h"
-#include "common/metrics/metrics_server.h"
 #include "services/decode/decode_metrics.h"
 #include "services/decode/decode_service.h"
 
@@ -61,15 +60,11 @@ int Run(const Flags& f) {
   auto server = preft::rpc::Server::Start(ro);
   if (!server.ok()) return Fail(std::string(server.status().message()));
   const std::string kServiceName = "preft.worker.v1.DecodeWorker";
-  std::unique_ptr<preft::metrics::MetricsServer> metrics;
   std::unique_ptr<preft::decode::DecodeMetrics> decode_metrics;
-  if (!f.metrics_listen.empty()) {
-    auto m = preft::metrics::MetricsServer::Start(f.metrics_listen);
-    if (!m.ok()) return Fail(std::string(m.status().message()));
-    metrics = std::move(m).value();
-    decode_metrics =
-        std::make_unique<preft::decode::DecodeMetrics>(metrics->registry(), service->get());
-    std::printf("preft-decode metrics on http://%s/metrics\n", metrics->address().c_str());
+  if (worker->metrics != nullptr) {
+    decode_metrics = std::make_unique<preft::decode::DecodeMetrics>(worker->metrics->registry(),
+                                                                    service->get());
+    std::printf("preft-decode metrics on http://%s/metrics\n", worker->metrics->address().c_str());
   }
   (*service)->SetAdvertisedAddress(f.advertise_address.empty() ? (*server)->address()
                                                                 : f.advertise_address);

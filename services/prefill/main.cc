@@ -15,7 +15,6 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/engine/engine.h"
-#include "common/metrics/metrics_server.h"
 #include "common/rpc/server.h"
 #include "common/serving/worker_setup.h"
 #include "services/wire/grpc_kv_transport.h"
@@ -51,6 +50,7 @@ int Run(const Flags& f) {
   options.store.host_bytes = f.adapter_host_bytes;
   options.store.compute_bytes = f.adapter_compute_bytes;
   options.store.load.max_rank = f.max_rank;
+  if (worker->metrics != nullptr) options.metrics = &worker->metrics->registry();
   absl::StatusOr<std::unique_ptr<prefill::PrefillService>> service =
       prefill::PrefillService::Create(std::move(engine), std::move(transport).value(),
                                       layout, options);
@@ -61,12 +61,8 @@ int Run(const Flags& f) {
   server_options.services = {service->get()};
   absl::StatusOr<std::unique_ptr<rpc::Server>> server = rpc::Server::Start(server_options);
   if (!server.ok()) return Fail("cannot serve on --listen " + f.listen, server.status());
-  std::unique_ptr<metrics::MetricsServer> metrics;
-  if (!f.metrics_listen.empty()) {
-    auto m = metrics::MetricsServer::Start(f.metrics_listen);
-    if (!m.ok()) return Fail("cannot serve on --metrics-listen " + f.metrics_listen, m.status());
-    metrics = std::move(m).value();
-    std::printf("preft-prefill metrics on http://%s/metrics\n", metrics->address().c_str());
+  if (worker->metrics != nullptr) {
+    std::printf("preft-prefill metrics on http://%s/metrics\n", worker->metrics->address().c_str());
   }
   const std::string service_name = worker::v1::PrefillWorker::service_full_name();
   // Ready only on the transport configured (a silent fallback, e.g. to TCP, is refused).

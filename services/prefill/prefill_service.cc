@@ -22,6 +22,7 @@
 #include "common/adapters/versioned_adapters.h"
 #include "common/base/status_macros.h"
 #include "common/engine/engine_loop.h"
+#include "services/prefill/prefill_metrics.h"
 #include "services/wire/convert.h"
 #include "common/rpc/status.h"
 
@@ -57,6 +58,8 @@ struct PrefillService::Impl {
   void LoadEnded(const std::string& key, int64_t bytes);  // bytes < 0: the load failed
   // Status's adapter, budget and endpoint fields (the caller adds the engine's figures).
   void FillStatus(worker::v1::PrefillStatusResponse* response);
+  // What the metrics' gauges show; waits for the engine thread.
+  PrefillMetrics::State ReadMetricsState();
 
   const transport::KvLayout layout;
   const PrefillServiceOptions options;
@@ -68,10 +71,12 @@ struct PrefillService::Impl {
   std::unique_ptr<transport::KvTransport> transport;
   TransportEndpoint endpoint;
   std::unique_ptr<engine::EngineLoop> loop;
+  std::unique_ptr<PrefillMetrics> metrics;  // null without options.metrics
 
   std::atomic<bool> draining{false};
   std::atomic<int64_t> active{0};     // Prefill calls not answered yet
   std::atomic<int64_t> transfers{0};  // KV writes in flight
+  std::atomic<int64_t> awaiting_adapter{0};  // calls waiting for their adapter's lease
   std::atomic<uint64_t> next_call{0};
 
   absl::Mutex mu;
@@ -126,6 +131,7 @@ class PrefillService::Impl::Call : public std::enable_shared_from_this<Call> {
   const std::string engine_id_;              // unique: a retry may reuse the request id
   const absl::Time arrival_;
   transport::PeerId peer_ = -1;  // set by Start before the call is shared
+  absl::Time acquire_started_;   // set by Start before the call is shared
 
   absl::Mutex mu_;
   bool in_engine_ ABSL_GUARDED_BY(mu_) = false;  // Add posted, not prefilled yet
@@ -212,6 +218,8 @@ void PrefillService::Impl::Call::Start() {
   peer_ = *peer;
   if (request_.adapter().empty()) return Enqueue();
   impl_->LoadStarted(adapters::VersionKey(request_.adapter(), request_.adapter_version()));
+  impl_->awaiting_adapter.fetch_add(1);
+  acquire_started_ = absl::Now();
   // The callback comes at once (compute hit, bad path) or on a loader thread.
   impl_->versioned->Acquire(
       request_.adapter(), request_.adapter_version(), request_.adapter_path(),
@@ -223,6 +231,8 @@ void PrefillService::Impl::Call::Start() {
 void PrefillService::Impl::Call::OnLease(absl::StatusOr<adapters::AdapterLease> lease) {
   const std::string key = adapters::VersionKey(request_.adapter(), request_.adapter_version());
   impl_->LoadEnded(key, lease.ok() ? static_cast<int64_t>(lease->weights->bytes()) : -1);
+  impl_->awaiting_adapter.fetch_sub(1);
+  if (impl_->metrics != nullptr) impl_->metrics->OnAdapterWait(absl::Now() - acquire_started_);
   if (!lease.ok()) {
     const absl::Status& s = lease.status();
     // Cancelled: the store is shutting down, not the client.
@@ -328,6 +338,7 @@ void PrefillService::Impl::Call::OnEngineEnd(const engine::TokenEvent& event) {
 void PrefillService::Impl::Call::OnTransferred(const absl::Status& status, int64_t bytes,
                                                absl::Duration took) {
   impl_->transfers.fetch_sub(1);
+  if (impl_->metrics != nullptr) impl_->metrics->OnTransfer(status, bytes, took);
   PostRelease();
   if (!status.ok()) {
     // A bad block id is the caller's; anything else means the peer is unreachable.
@@ -387,9 +398,14 @@ PrefillService::Impl::Impl(std::unique_ptr<engine::Engine> engine,
   versioned = std::make_unique<adapters::VersionedAdapters>(store.get(), options.adapter_root);
   endpoint = wire::MakeEndpoint(*transport, layout);
   loop = std::make_unique<engine::EngineLoop>(std::move(engine));
+  if (options.metrics != nullptr) {
+    metrics = std::make_unique<PrefillMetrics>(
+        *options.metrics, [this] { return ReadMetricsState(); }, endpoint.transport());
+  }
 }
 
 PrefillService::Impl::~Impl() {
+  metrics.reset();  // it reads the engine
   {
     absl::MutexLock lock(&mu);
     stopping = true;
@@ -486,6 +502,40 @@ void PrefillService::Impl::FillStatus(worker::v1::PrefillStatusResponse* respons
   response->set_loading(static_cast<int32_t>(loading.size()));
   response->set_draining(draining.load());
   *response->mutable_endpoint() = endpoint;
+}
+
+PrefillMetrics::State PrefillService::Impl::ReadMetricsState() {
+  PrefillMetrics::State s;
+  std::promise<void> read;
+  const bool posted = Post([&](engine::Engine& e) {
+    s.kv_total_blocks = e.allocator().num_blocks();
+    s.kv_free_blocks = e.allocator().num_free();
+    s.waiting = e.num_waiting();
+    s.running = e.num_running();
+    read.set_value();
+  });
+  if (!posted) return s;
+  read.get_future().wait();
+  s.waiting += awaiting_adapter.load();
+  s.running += transfers.load();
+  s.store = store->stats();
+  s.compute_capacity_bytes = options.store.compute_bytes;
+  s.host_capacity_bytes = options.store.host_bytes;
+  auto name_of = [](const std::string& key) { return key.substr(0, key.rfind("@v")); };
+  for (const adapters::AdapterInfo& a : store->List()) {
+    s.adapters_in_compute += a.in_compute;
+    s.adapters_in_host += a.in_host;
+    if (a.leases > 0) s.running_adapters.push_back(name_of(a.name));
+  }
+  {
+    absl::MutexLock lock(&adapters_mu);
+    for (const auto& [key, pending] : loading) s.waiting_adapters.push_back(name_of(key));
+  }
+  for (auto* names : {&s.running_adapters, &s.waiting_adapters}) {
+    std::sort(names->begin(), names->end());
+    names->erase(std::unique(names->begin(), names->end()), names->end());
+  }
+  return s;
 }
 
 absl::StatusOr<std::unique_ptr<PrefillService>> PrefillService::Create(

@@ -17,6 +17,7 @@
 #include "common/engine/engine.h"
 #include "common/model/config.h"
 #include "common/transport/kv_transport.h"
+#include "prometheus/registry.h"
 #include "proto/preft/v1/worker.grpc.pb.h"
 
 namespace preft::prefill {
@@ -27,6 +28,8 @@ struct PrefillServiceOptions {
   adapters::AdapterStoreOptions store;
   // Adapter folders must lie under this root (canonical paths); "" accepts none.
   std::string adapter_root;
+  // Where the service's metrics (prefill_metrics.h) go; none if null. Must outlive the service.
+  prometheus::Registry* metrics = nullptr;
 };
 
 // Thread-safe (a gRPC callback service). Takes ownership of the engine (run by its own

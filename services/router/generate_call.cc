@@ -22,7 +22,7 @@ bool Retryable(absl::StatusCode code) {
 
 GenerateCall::GenerateCall(RouterService::Impl* router, grpc::CallbackServerContext* context,
                            const v1::GenerateRequest* request)
-    : router_(router), context_(context), request_(*request) {
+    : router_(router), context_(context), request_(*request), arrival_(absl::Now()) {
   client_deadline_ = context->deadline();
   has_deadline_ = client_deadline_ < std::chrono::system_clock::time_point::max() -
                                          std::chrono::hours(24 * 365);
@@ -88,13 +88,31 @@ bool GenerateCall::Write(const v1::GenerateResponse& response) {
 }
 
 void GenerateCall::Drive() {
+  router_->metrics->Started();
   absl::Status status = Run();
+  router_->metrics->Ended(status, positions_, absl::Now() - arrival_, prompt_tokens_,
+                          completion_tokens_);
   {
     std::lock_guard<std::mutex> lock(router_->mu);
     auto it = router_->active.find(id_);
     if (it != router_->active.end() && it->second == this) router_->active.erase(it);
   }
   Finish(rpc::ToGrpcStatus(status));  // `this` may be deleted from here on
+}
+
+void GenerateCall::ObserveTokens(int n) {
+  const absl::Time now = absl::Now();
+  RouterMetrics& m = *router_->metrics;
+  const bool first = last_token_at_ == absl::InfinitePast();
+  if (first) {
+    m.FirstToken(positions_, now - arrival_);
+    m.Stage("decode_start", now - prefilled_at_);
+    --n;  // the first token has no gap before it
+  }
+  // Tokens that arrive together share the gap since the previous message.
+  const absl::Duration gap = first || n == 0 ? absl::ZeroDuration() : (now - last_token_at_) / n;
+  for (int i = 0; i < n; ++i) m.InterToken(gap);
+  last_token_at_ = now;
 }
 
 absl::Status GenerateCall::AbortedResult() {
@@ -211,6 +229,7 @@ absl::StatusOr<GenerateCall::Reservation> GenerateCall::Reserve(int64_t prompt_t
       const absl::Status s = rpc::FromGrpcStatus(workers[i]->stub->Reserve(&ctx, req, &res.r));
       Untrack();
       if (s.ok()) {
+        router_->metrics->Routed("decode", "most_free");
         res.worker = workers[i];
         absl::MutexLock lock(&workers[i]->mu);  // until the next poll says otherwise
         workers[i]->view.free_blocks -= res.r.block_ids_size();
@@ -218,6 +237,7 @@ absl::StatusOr<GenerateCall::Reservation> GenerateCall::Reserve(int64_t prompt_t
       }
       if (stopped()) return absl::CancelledError("cancelled");
       last_error = absl::StrCat(workers[i]->address, ": ", s.message());
+      router_->metrics->Retried("decode", s);
       if (s.code() == absl::StatusCode::kUnavailable) WorkerPool::MarkUnhealthy(*workers[i]);
       if (s.code() == absl::StatusCode::kDeadlineExceeded && has_deadline_) return s;
     }
@@ -226,9 +246,17 @@ absl::StatusOr<GenerateCall::Reservation> GenerateCall::Reserve(int64_t prompt_t
           "no decode worker had room for the request before the deadline (last: ", last_error,
           ")"));
     }
+    WaitForCapacity();
+  }
+}
+
+void GenerateCall::WaitForCapacity() {
+  router_->metrics->WaitingForCapacity(true);
+  {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait_for(lock, std::chrono::milliseconds(20), [&] { return cancelled_ || aborted_; });
   }
+  router_->metrics->WaitingForCapacity(false);
 }
 
 absl::StatusOr<worker::v1::PrefillResponse> GenerateCall::Prefill(
@@ -260,12 +288,14 @@ absl::StatusOr<worker::v1::PrefillResponse> GenerateCall::Prefill(
         return absl::UnavailableError(absl::StrCat("no prefill worker could run the prompt (last: ",
                                                    last_error, ")"));
       }
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait_for(lock, std::chrono::milliseconds(20), [&] { return cancelled_ || aborted_; });
+      WaitForCapacity();
       if (!tried.empty() && tried.size() >= workers.size()) tried.clear();  // all failed once
       continue;
     }
     const auto& w = workers[order.front()];
+    router_->metrics->Routed(
+        "prefill", adapter ? ResidencyName(Classify(views[order.front()], true, adapter->bytes))
+                           : "base");
     worker::v1::PrefillRequest req;
     req.set_request_id(id_);
     for (int32_t t : prompt) req.add_prompt_ids(t);
@@ -294,6 +324,7 @@ absl::StatusOr<worker::v1::PrefillResponse> GenerateCall::Prefill(
     if (stopped()) return absl::CancelledError("cancelled");
     if (!Retryable(s.code())) return s;  // the request itself is bad: no other worker helps
     ++attempt;
+    router_->metrics->Retried("prefill", s);
     last_error = absl::StrCat(w->address, ": ", s.message());
     std::fprintf(stderr, "router: prefill of %s on %s failed (%s); retrying\n", id_.c_str(),
                  w->address.c_str(), s.ToString().c_str());
@@ -371,6 +402,7 @@ absl::Status GenerateCall::Decode(const Reservation& res, const std::vector<int3
   while (reader->Read(&msg)) {
     msg.set_request_id(id_);
     completion_tokens_ += msg.token_ids_size();
+    if (msg.token_ids_size() > 0) ObserveTokens(msg.token_ids_size());
     if (adapter && msg.has_finish()) {
       msg.mutable_finish()->set_adapter(adapter->name);
       msg.mutable_finish()->set_adapter_version(first.adapter_version());
@@ -425,20 +457,37 @@ absl::Status GenerateCall::Run() {
   std::optional<RegisteredAdapter> adapter;
   engine::SamplingParams sampling;
   PREFT_RETURN_IF_ERROR(Admit(&prompt, &adapter, &sampling));
+  prompt_tokens_ = static_cast<int64_t>(prompt.size());
   if (adapter) {
     const std::optional<model::AdapterPositions> asked = wire::FromProto(request_.adapter_positions());
     needs_decode_adapter_ =
         asked.value_or(adapter->default_positions) == model::AdapterPositions::kAll;
+    positions_ = needs_decode_adapter_ ? "all" : "prompt";
   }
+  RouterMetrics& m = *router_->metrics;
+  const absl::Time admitted = absl::Now();
+  m.Stage("admit", admitted - arrival_);
 
   absl::StatusOr<Reservation> res =
       Reserve(static_cast<int64_t>(prompt.size()), sampling.max_tokens);
   if (!res.ok()) return stopped() ? AbortedResult() : res.status();
+  const absl::Time reserved = absl::Now();
+  m.QueueTime(reserved - arrival_);
+  m.Stage("reserve", reserved - admitted);
   absl::StatusOr<worker::v1::PrefillResponse> first = Prefill(&*res, prompt, adapter, sampling);
   if (!first.ok()) {
     Release(*res, stopped() ? "cancelled" : "prefill failed");
     return stopped() ? AbortedResult() : first.status();
   }
+  prefilled_at_ = absl::Now();
+  const absl::Duration queue = absl::Microseconds(first->queue_us());
+  const absl::Duration compute = absl::Microseconds(first->compute_us());
+  const absl::Duration transfer = absl::Microseconds(first->transfer_us());
+  m.Stage("prefill_queue", queue);
+  m.Stage("prefill_compute", compute);
+  m.Stage("kv_transfer", transfer);
+  m.Stage("prefill_rpc",
+          std::max(absl::ZeroDuration(), prefilled_at_ - reserved - queue - compute - transfer));
   return Decode(*res, prompt, adapter, sampling, *first);
 }
 

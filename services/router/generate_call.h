@@ -59,6 +59,10 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
   void Track(grpc::ClientContext* ctx);
   void Untrack();
   bool stopped();  // cancelled or aborted
+  // Waits up to 20 ms for a cancel or an abort, counted as waiting for capacity.
+  void WaitForCapacity();
+  // Time to first token and inter-token latency for `n` tokens relayed now.
+  void ObserveTokens(int n);
   // Blocks until the write is done; false when the client is gone.
   bool Write(const v1::GenerateResponse& response);
   absl::Status AbortedResult();
@@ -79,6 +83,12 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
   bool write_ok_ = true;
   grpc::ClientContext* current_ = nullptr;
   int32_t completion_tokens_ = 0;
+  // Metrics (driver thread only).
+  const absl::Time arrival_;
+  RouterMetrics::Positions positions_ = "base";
+  int64_t prompt_tokens_ = 0;
+  absl::Time prefilled_at_;  // the prefill's answer
+  absl::Time last_token_at_ = absl::InfinitePast();
   bool needs_decode_adapter_ = false;  // all-position adapter: decode must run it too
 };
 

@@ -91,6 +91,17 @@ int main(int argc, char** argv) {
   options.base_dtype = absl::AsciiStrToLower(kernels::DTypeName(config->torch_dtype));
   options.lease = absl::Milliseconds(lease_ms);
   options.admission_timeout = absl::Seconds(admission_timeout_s);
+  std::unique_ptr<metrics::MetricsServer> metrics;
+  if (!metrics_listen.empty()) {
+    auto m = metrics::MetricsServer::Start(metrics_listen);
+    if (!m.ok()) {
+      std::fprintf(stderr, "preft-router: --metrics-listen: %s\n", m.status().ToString().c_str());
+      return 1;
+    }
+    metrics = std::move(m).value();
+    options.metrics = &metrics->registry();
+    std::printf("preft-router metrics on http://%s/metrics\n", metrics->address().c_str());
+  }
   router::RouterService service(*config, tokenizer.get(), &pool, &registry, options);
 
   rpc::ServerOptions server_options;
@@ -100,16 +111,6 @@ int main(int argc, char** argv) {
   if (!server.ok()) {
     std::fprintf(stderr, "preft-router: %s\n", server.status().ToString().c_str());
     return 1;
-  }
-  std::unique_ptr<metrics::MetricsServer> metrics;
-  if (!metrics_listen.empty()) {
-    auto m = metrics::MetricsServer::Start(metrics_listen);
-    if (!m.ok()) {
-      std::fprintf(stderr, "preft-router: --metrics-listen: %s\n", m.status().ToString().c_str());
-      return 1;
-    }
-    metrics = std::move(m).value();
-    std::printf("preft-router metrics on http://%s/metrics\n", metrics->address().c_str());
   }
   std::printf("preft-router listening on %s\n", (*server)->address().c_str());
   std::fflush(stdout);

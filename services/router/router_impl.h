@@ -9,6 +9,7 @@
 #include <string>
 #include <thread>
 
+#include "services/router/router_metrics.h"
 #include "services/router/router_service.h"
 
 namespace preft::router {
@@ -21,6 +22,8 @@ struct RouterService::Impl {
   WorkerPool* pool;
   AdapterRegistry* registry;
   RouterOptions options;
+  std::shared_ptr<prometheus::Registry> own_registry;  // when options.metrics is null
+  std::unique_ptr<RouterMetrics> metrics;
 
   std::mutex mu;
   std::condition_variable idle;  // threads == 0

@@ -31,6 +31,12 @@ RouterService::RouterService(const model::ModelConfig& config, const model::Toke
   impl_->pool = pool;
   impl_->registry = registry;
   impl_->options = std::move(options);
+  prometheus::Registry* metrics = impl_->options.metrics;
+  if (metrics == nullptr) {
+    impl_->own_registry = std::make_shared<prometheus::Registry>();
+    metrics = impl_->own_registry.get();
+  }
+  impl_->metrics = std::make_unique<RouterMetrics>(*metrics);
 }
 
 RouterService::~RouterService() {

@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 
+#include "prometheus/registry.h"
 #include "absl/time/time.h"
 #include "common/model/config.h"
 #include "common/model/tokenizer.h"
@@ -28,6 +29,9 @@ struct RouterOptions {
   absl::Duration admission_timeout = absl::Seconds(30);
   absl::Duration lease = absl::Seconds(30);  // reservation lease asked of decode workers
   int max_prefill_attempts = 3;              // prefill workers tried per request
+  // Where the router's metrics (router_metrics.h) go; a private registry if null. Must outlive
+  // the service.
+  prometheus::Registry* metrics = nullptr;
 };
 
 // Thread-safe; borrows the tokenizer (may be null: then only token-id prompts), the pool and

@@ -24,6 +24,20 @@ std::vector<size_t> RankDecode(const std::vector<DecodeView>& workers, int64_t b
   return order;
 }
 
+const char* ResidencyName(Residency r) {
+  switch (r) {
+    case Residency::kResident:
+      return "resident";
+    case Residency::kFreeSlot:
+      return "free_slot";
+    case Residency::kLoading:
+      return "loading";
+    case Residency::kFull:
+      return "full";
+  }
+  return "?";
+}
+
 Residency Classify(const PrefillView& w, bool has_adapter, int64_t adapter_bytes) {
   if (!has_adapter || w.adapter_resident) return Residency::kResident;
   if (w.adapter_loading) return Residency::kLoading;

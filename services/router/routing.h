@@ -23,6 +23,7 @@ struct DecodeView {
 
 // Where an adapter stands on one prefill worker, best first.
 enum class Residency { kResident = 0, kFreeSlot = 1, kLoading = 2, kFull = 3 };
+const char* ResidencyName(Residency r);  // "resident", "free_slot", "loading", "full"
 
 struct PrefillView {
   bool healthy = false;

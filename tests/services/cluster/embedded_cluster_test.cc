@@ -86,7 +86,7 @@ class EmbeddedClusterTest : public ::testing::Test {
     for (int i = 0; i < 2; ++i) {
       const auto b = cluster_->decode(i).block_counts();
       ADD_FAILURE() << "decode " << i << ": free " << b.free << "/" << b.total << " reserved "
-                    << b.reserved << " quarantined " << b.quarantined << " running " << b.running
+                    << b.reserved << " quarantined " << b.quarantined << " filled " << b.filled
                     << "; prefill " << i << " active " << cluster_->prefill(i).active_requests();
     }
   }

@@ -248,7 +248,7 @@ class DecodeServiceTest : public ::testing::Test {
   bool WaitAllFree() {
     return WaitForCounts([&](const DecodeService::BlockCounts& c) {
       return c.free == start_counts_.free && c.reserved == 0 && c.quarantined == 0 &&
-             c.running == 0;
+             c.filled == 0;
     });
   }
 
@@ -454,13 +454,13 @@ TEST_F(DecodeServiceTest, CancellingAStreamFreesItsBlocks) {
   EXPECT_EQ(m.token_ids(0), pa.first_token);
   auto kept = std::async(std::launch::async, [&] { return RunStart(MakeStart(b, pb, rb)); });
   ASSERT_TRUE(
-      WaitForCounts([&](const DecodeService::BlockCounts& c) { return c.running == na + nb; }));
+      WaitForCounts([&](const DecodeService::BlockCounts& c) { return c.filled == na + nb; }));
   ctx.TryCancel();
   const StreamResult got = Collect(*reader, {m});
   EXPECT_EQ(got.status.error_code(), grpc::StatusCode::CANCELLED);
   EXPECT_LT(got.tokens.size(), 1100u);
   EXPECT_TRUE(WaitForCounts([&](const DecodeService::BlockCounts& c) {
-    return c.running == nb && c.reserved == 0;
+    return c.filled == nb && c.reserved == 0;
   })) << "the cancelled request kept its blocks";
   EXPECT_EQ(kept.wait_for(std::chrono::seconds(0)), std::future_status::timeout)
       << "the other stream ended first: the cancelled one was not aborted";
@@ -664,9 +664,11 @@ TEST_F(DecodeServiceTest, MetricsEndpointShowsKvBlockStates) {
   EXPECT_EQ(Sample(text, "preft:kv_blocks{state=\"free\"}"), kDecodeBlocks) << text;
   EXPECT_EQ(Sample(text, "preft:kv_cache_usage_perc"), 0);
   EXPECT_EQ(Sample(text, "preft:num_requests_running"), 0);
+  EXPECT_EQ(Sample(text, "preft:num_requests_waiting"), 0);
   ReserveResponse res;
   ASSERT_TRUE(Reserve(40, 8, &res).ok());  // 48 tokens: 3 blocks
   text = scrape();
+  EXPECT_EQ(Sample(text, "preft:num_requests_waiting"), 1) << text;
   EXPECT_EQ(Sample(text, "preft:kv_blocks{state=\"reserved\"}"), 3) << text;
   EXPECT_EQ(Sample(text, "preft:kv_blocks{state=\"free\"}"), kDecodeBlocks - 3);
   EXPECT_NEAR(Sample(text, "preft:kv_cache_usage_perc"), 3.0 / kDecodeBlocks, 1e-9);
