@@ -1,9 +1,35 @@
 #!/usr/bin/env bash
 # Installs every Debian package preft needs. Idempotent: installs only what is missing.
-# Called by `make demo`, `make test`, CI and the Dockerfiles.
+# Called by `make demo`, `make test`, CI and the Dockerfiles (docker/).
+#   (no option)  everything to build and test preft
+#   --runtime    only the shared libraries the built binaries load: no compiler, no -dev package
+#                (the images' runtime stage); no npm either
+#   --cuda       adds the CUDA 13 toolkit, or with --runtime its run-time libraries, from NVIDIA's
+#                apt repository, which must be set up first (docker/Dockerfile.cuda does)
+#   --print      prints the package list, one a line, and installs nothing
 set -euo pipefail
 
-PACKAGES=(
+runtime=0 cuda=0 print=0
+for arg in "$@"; do
+  case "$arg" in
+    --runtime) runtime=1 ;;
+    --cuda) cuda=1 ;;
+    --print) print=1 ;;
+    *) echo "install-deps: unknown option '$arg' (--runtime, --cuda, --print)" >&2; exit 2 ;;
+  esac
+done
+
+# What preft-router, preft-prefill, preft-decode and preft load (ldd), less what every Debian
+# image has (libc6, libstdc++6, libgcc-s1, zlib1g, libpcre2-8-0); tests/docker measures it.
+RUNTIME_PACKAGES=(
+  libgrpc++1.51 libgrpc29 libprotobuf32 libabsl20220623 libre2-9 libc-ares2 libssl3
+  libucx0 libnuma1 libprometheus-cpp-core1.0 libcpp-httplib0.11 libbrotli1
+  libopenblas0-pthread libgfortran5 libquadmath0 libgomp1
+)
+CUDA_PACKAGES=(cuda-nvcc-13-0 cuda-cudart-dev-13-0 cuda-cccl-13-0 libcublas-dev-13-0)
+CUDA_RUNTIME_PACKAGES=(cuda-cudart-13-0 libcublas-13-0)
+
+DEV_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   libabsl-dev libucx-dev ucx-utils prometheus-cpp-dev prometheus
@@ -14,7 +40,19 @@ PACKAGES=(
 )
 # The Python oracle (torch) is large; PREFT_SKIP_TORCH=1 leaves it out (its tests then skip).
 if [[ "${PREFT_SKIP_TORCH:-0}" != "1" ]]; then
-  PACKAGES+=(python3-torch)
+  DEV_PACKAGES+=(python3-torch)
+fi
+
+if [[ $runtime -eq 1 ]]; then
+  PACKAGES=("${RUNTIME_PACKAGES[@]}")
+  if [[ $cuda -eq 1 ]]; then PACKAGES+=("${CUDA_RUNTIME_PACKAGES[@]}"); fi
+else
+  PACKAGES=("${DEV_PACKAGES[@]}")
+  if [[ $cuda -eq 1 ]]; then PACKAGES+=("${CUDA_PACKAGES[@]}"); fi
+fi
+if [[ $print -eq 1 ]]; then
+  printf '%s\n' "${PACKAGES[@]}"
+  exit 0
 fi
 
 missing=()
@@ -27,15 +65,23 @@ done
 # Test tools from the npm registry (schema validators, Dockerfile parser): every tests/*/
 # folder with a package-lock.json gets `npm ci` when its node_modules is missing or older
 # than the lock. Needs node and npm: Debian's are used when the machine has none.
+# Not with --runtime (images have no tests/).
 NPM_DIRS=()
 repo_root="$(cd "$(dirname "$0")/.." && pwd)"
-for lock in "$repo_root"/tests/*/package-lock.json; do
-  [[ -f "$lock" ]] && NPM_DIRS+=("$(dirname "$lock")")
-done
+if [[ $runtime -eq 0 ]]; then
+  for lock in "$repo_root"/tests/*/package-lock.json; do
+    [[ -f "$lock" ]] && NPM_DIRS+=("$(dirname "$lock")")
+  done
+fi
 if [[ ${#NPM_DIRS[@]} -gt 0 ]] && ! command -v npm >/dev/null 2>&1; then
   missing+=(nodejs npm)
 fi
 
+if [[ $cuda -eq 1 && ${#missing[@]} -gt 0 ]] && ! compgen -G "/etc/apt/sources.list.d/cuda*" >/dev/null; then
+  echo "install-deps: --cuda needs NVIDIA's CUDA apt repository (the cuda-keyring package;" \
+       "docker/Dockerfile.cuda shows how)" >&2
+  exit 1
+fi
 if [[ ${#missing[@]} -gt 0 ]]; then
   echo "install-deps: installing ${missing[*]}"
   SUDO=""
