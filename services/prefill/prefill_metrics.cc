@@ -65,6 +65,7 @@ PrefillMetrics::PrefillMetrics(prometheus::Registry& r, std::function<State()> r
   metrics::GaugeFamily(r, "preft:kv_transport_info", "The KV transport this worker opened.")
       .Add({{"transport", transport}})
       .Set(1);
+  transfer_failures_.Add({{"reason", "unavailable"}});  // visible (at 0) from the first scrape
   Refresh();
   thread_ = std::thread([this, period] {
     while (!stop_.WaitForNotificationWithTimeout(period)) Refresh();

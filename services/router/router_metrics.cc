@@ -59,6 +59,8 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r)
     ttft_.Add({{"positions", p}}, metrics::TtftBuckets());
     e2e_.Add({{"positions", p}}, metrics::RequestBuckets());
   }
+  for (const char* tier : {"prefill", "decode"})
+    retries_.Add({{"tier", tier}, {"reason", "unavailable"}});
   for (const char* stage : {"admit", "reserve", "prefill_queue", "prefill_compute", "kv_transfer",
                             "prefill_rpc", "decode_start"}) {
     stage_.Add({{"stage", stage}}, metrics::TtftBuckets());

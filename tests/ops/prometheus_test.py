@@ -11,7 +11,9 @@ Usage: prometheus_test.py SOURCE_DIR BUILD_DIR WORK_DIR
 """
 import concurrent.futures
 import json
+import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -42,6 +44,46 @@ class Checks:
         print(("ok: " if ok else "FAIL: ") + what, flush=True)
         if not ok:
             self.failures += 1
+
+
+def exported_names(addresses):
+    """Metric names the processes export (histograms also as _bucket, _sum, _count)."""
+    names = set()
+    for addr in addresses:
+        for line in http_get(f"http://{addr}/metrics").splitlines():
+            if line.startswith("# TYPE "):
+                _, _, name, kind = line.split()
+                names.add(name)
+                if kind in ("histogram", "summary"):
+                    names.update(name + s for s in ("_bucket", "_sum", "_count"))
+    return names
+
+
+def check_dashboard(path, targets, query, checks):
+    """Every PromQL expression of the Grafana dashboard parses, names only metrics the
+    processes export, and shows data after the load."""
+    with open(path) as f:
+        dashboard = json.load(f)
+    defaults = {v["name"]: v["query"] for v in dashboard["templating"]["list"]
+                if v["type"] == "textbox"}
+    exported = exported_names([a for addrs in targets.values() for a in addrs])
+    exprs = [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
+    checks.expect(len(exprs) >= 30, f"dashboard has {len(exprs)} queries")
+    for title, expr in exprs:
+        names = set(re.findall(r"preft:[a-z0-9_:]+", expr))
+        unknown = names - exported
+        checks.expect(names and not unknown, f"{title}: names {sorted(names)} exported"
+                      + (f" (unknown: {sorted(unknown)})" if unknown else ""))
+        q = expr.replace("$__rate_interval", "2m")
+        for var, value in defaults.items():
+            q = q.replace(f"${var}", value)
+        try:
+            result = query(q)
+        except Exception as e:  # a PromQL error comes back as HTTP 400
+            checks.expect(False, f"{title}: {q}: {e}")
+            continue
+        values = [v for v in result.values() if not math.isnan(v)]
+        checks.expect(bool(values), f"{title}: shows data ({len(values)} series)")
 
 
 def main():
@@ -213,6 +255,8 @@ def main():
                     break
         checks.expect(len(seen) == 2 and all(0 < v <= 1 for v in seen.values()),
                       f"decode KV usage seen in (0, 1] on both workers under load: {seen}")
+
+        check_dashboard(f"{src}/deploy/grafana/preft.json", targets, query, checks)
     finally:
         subprocess.run(cluster + ["stop"], env=env)
         if prom is not None:
