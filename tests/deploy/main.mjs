@@ -58,14 +58,14 @@ async function main() {
     }
   }
 
+  const failedBefore = failed;
   const named = [];
   for (const [name, objs] of Object.entries(rendered)) {
     for (const p of await validateSchemas(objs)) check(false, `${name}: ${p}`);
     named.push(...objs.map((obj) => ({ name: `${name} ${obj.kind}/${obj.metadata?.name}`, obj })));
   }
-  const fieldProblems = await checkFields(named, join(work, "types"));
-  for (const p of fieldProblems) check(false, `unknown or mistyped field: ${p}`);
-  note(`${named.length} objects checked against the API schemas and types`);
+  for (const p of await checkFields(named, join(work, "types"))) check(false, `unknown or mistyped field: ${p}`);
+  if (failed === failedBefore) note(`${named.length} objects valid against the API schemas and types`);
 
   const adapterConfig = rendered["prometheus-adapter"]?.find((o) => o.kind === "ConfigMap");
   const rules = check(adapterConfig, "prometheus-adapter: no rules ConfigMap") ? parseAdapterRules(adapterConfig, check) : [];
@@ -81,9 +81,9 @@ async function main() {
       check(false, `${overlay}: ${e.message}`);
       continue;
     }
-    const failedBefore = failed;
+    const failedBeforeOverlay = failed;
     const { required, scrapes } = staticChecks(pods, objs, rules, (ok, m) => check(ok, `${overlay}: ${m}`));
-    if (failed === failedBefore) note(`${overlay}: ports, probes, Services, ServiceMonitor, HPAs, PDBs, volumes agree`);
+    if (failed === failedBeforeOverlay) note(`${overlay}: ports, probes, Services, ServiceMonitor, HPAs, PDBs, volumes agree`);
     // The live run reads the same pods' loopback twins.
     const local = (p) => localPods.find((x) => x.name === p.name);
     await liveChecks({

@@ -52,9 +52,7 @@ export async function checkFields(objs, workDir) {
   if (!existsSync(join(workDir, "node_modules"))) symlinkSync(join(here, "node_modules"), join(workDir, "node_modules"));
   const lines = [];
   const starts = [];  // [first line, name] per object
-  objs.forEach(({ name, obj }, i) => {
-    lines.push(`import type { I${obj.kind} as T${i} } from "${modulePath(obj)}";`);
-  });
+  objs.forEach(({ obj }, i) => lines.push(`import type { I${obj.kind} as T${i} } from "${modulePath(obj)}";`));
   objs.forEach(({ name, obj }, i) => {
     starts.push([lines.length + 1, name]);
     lines.push(...`export const o${i}: T${i} = ${JSON.stringify(obj, null, 2)};`.split("\n"));
