@@ -11,6 +11,7 @@
 #include "absl/strings/str_split.h"
 #include "nlohmann/json.hpp"
 #include "common/rpc/status.h"
+#include "proto/grpc/health/v1/health.grpc.pb.h"
 #include "proto/preft/v1/preft.grpc.pb.h"
 #include "tools/preft/commands.h"
 
@@ -32,6 +33,8 @@ struct ClientFlags {
   // adapters
   std::string name, path;
   bool load = false, unregister = false;
+  // health
+  std::string service;
 };
 
 std::unique_ptr<v1::Preft::Stub> Connect(const ClientFlags& f) {
@@ -229,6 +232,22 @@ int RunUpdate(const ClientFlags& f) {
   return 0;
 }
 
+// What a Kubernetes grpc probe does: Check(service), healthy only on SERVING. Works against
+// any preft binary (router, prefill, decode), not only the public API.
+int RunHealth(const ClientFlags& f) {
+  grpc::ClientContext ctx;
+  SetDeadline(f, &ctx);
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(f.service);
+  grpc::health::v1::HealthCheckResponse r;
+  auto stub = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(f.server, grpc::InsecureChannelCredentials()));
+  const grpc::Status s = stub->Check(&ctx, req, &r);
+  if (!s.ok()) return Fail(s);
+  std::printf("%s\n", grpc::health::v1::HealthCheckResponse::ServingStatus_Name(r.status()).c_str());
+  return r.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
+}
+
 }  // namespace
 
 void RegisterClientCommand(CLI::App& app, int* exit_code) {
@@ -281,6 +300,11 @@ void RegisterClientCommand(CLI::App& app, int* exit_code) {
   update->add_option("--name", f->name)->required();
   update->add_option("--path", f->path, "local folder with the new files")->required();
   update->callback([f, exit_code] { *exit_code = RunUpdate(*f); });
+
+  CLI::App* health = client->add_subcommand(
+      "health", "grpc.health.v1 Check of any preft server; exits 0 only when SERVING");
+  health->add_option("--service", f->service, "service name (default \"\": the whole server)");
+  health->callback([f, exit_code] { *exit_code = RunHealth(*f); });
 }
 
 }  // namespace preft::tools
