@@ -32,7 +32,7 @@ CUDA_RUNTIME_PACKAGES=(cuda-cudart-13-0 libcublas-13-0)
 DEV_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
-  libabsl-dev libucx-dev ucx-utils prometheus-cpp-dev prometheus
+  libabsl-dev libucx-dev ucx-utils prometheus-cpp-dev prometheus openssl
   libopenblas-dev nlohmann-json3-dev libpcre2-dev libcpp-httplib-dev libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev

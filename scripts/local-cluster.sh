@@ -6,6 +6,8 @@
 #   scripts/local-cluster.sh start BUILD_DIR MODEL_DIR [ADAPTER_ROOT]   # prints the router address
 #   scripts/local-cluster.sh stop                                       # SIGTERM (graceful drain)
 #
+# PREFT_TLS_DIR=DIR (from scripts/make-dev-certs.sh) runs every gRPC hop over mutual TLS;
+# PREFT_TRANSPORT=grpc moves KV onto gRPC (WriteKv) instead of UCX.
 # RUN_DIR (default /tmp/preft-local-cluster) holds pids and addresses between the two calls;
 # RUN_DIR/metrics-targets lists "NAME HOST:PORT" of each process's Prometheus endpoint.
 set -euo pipefail
@@ -40,8 +42,15 @@ start() {
   mkdir -p "$run"
   : > "$run/pids"
   : > "$run/metrics-targets"
-  local ucx=(--transport ucx --ucx-tls "$tls" --metrics-listen 127.0.0.1:0)
-  [[ -n "$devices" ]] && ucx+=(--ucx-net-devices "$devices")
+  local worker_flags=(--transport "${PREFT_TRANSPORT:-ucx}" --metrics-listen 127.0.0.1:0)
+  [[ "${PREFT_TRANSPORT:-ucx}" == ucx ]] && worker_flags+=(--ucx-tls "$tls")
+  [[ -n "$devices" ]] && worker_flags+=(--ucx-net-devices "$devices")
+  local tls_flags=()
+  if [[ -n "${PREFT_TLS_DIR:-}" ]]; then
+    tls_flags=(--tls-cert "$PREFT_TLS_DIR/server.pem" --tls-key "$PREFT_TLS_DIR/server.key"
+               --tls-ca "$PREFT_TLS_DIR/ca.pem")
+    worker_flags+=("${tls_flags[@]}")
+  fi
   local adapter_flags=() decode_flags=()
   [[ -n "$root" ]] && adapter_flags=(--adapter-root "$root")
   # With adapters, decode workers also serve the all-position baseline (LoRA/DiReFT on every
@@ -50,11 +59,11 @@ start() {
     decode_flags=(--adapters all-positions)
   fi
   for i in 0 1; do
-    "$build/services/decode/preft-decode" --model "$model" "${ucx[@]}" "${adapter_flags[@]}" \
+    "$build/services/decode/preft-decode" --model "$model" "${worker_flags[@]}" "${adapter_flags[@]}" \
       "${decode_flags[@]}" \
       > "$run/decode-$i.log" 2>&1 &
     echo $! >> "$run/pids"
-    "$build/services/prefill/preft-prefill" --model "$model" "${ucx[@]}" "${adapter_flags[@]}" \
+    "$build/services/prefill/preft-prefill" --model "$model" "${worker_flags[@]}" "${adapter_flags[@]}" \
       > "$run/prefill-$i.log" 2>&1 &
     echo $! >> "$run/pids"
   done
@@ -63,7 +72,7 @@ start() {
   prefill="$(wait_address "$run/prefill-0.log"),$(wait_address "$run/prefill-1.log")"
   "$build/services/router/preft-router" --model "$model" --prefill "$prefill" --decode "$decode" \
     --listen "${PREFT_ROUTER_LISTEN:-127.0.0.1:0}" --metrics-listen 127.0.0.1:0 \
-    "${adapter_flags[@]}" > "$run/router.log" 2>&1 &
+    "${tls_flags[@]}" "${adapter_flags[@]}" > "$run/router.log" 2>&1 &
   echo $! >> "$run/pids"
   wait_address "$run/router.log" > "$run/router.addr"
   for name in decode-0 decode-1 prefill-0 prefill-1 router; do record_metrics "$name"; done

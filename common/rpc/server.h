@@ -1,8 +1,8 @@
 #pragma once
 
-// Starting and stopping a gRPC server the same way in every preft service: insecure
-// credentials (the cluster network is trusted; TLS belongs to the mesh), one port, no port
-// sharing, message size limits, and the built-in grpc.health.v1 service.
+// Starting and stopping a gRPC server the same way in every preft service: plaintext or TLS
+// (tls.h), one port, no port sharing, message size limits, and the built-in grpc.health.v1
+// service.
 //
 // Health: the overall status ("") is SERVING once started. Services register their own names
 // with SetServing(name, ...) (unknown names answer NOT_FOUND); a service that is not ready
@@ -15,6 +15,7 @@
 // Shutdown waits for them.
 
 #include <grpcpp/impl/service_type.h>
+#include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server.h>
 
 #include <memory>
@@ -38,6 +39,8 @@ struct ServerOptions {
   // 4 MiB). UpdateAdapter streams weights in chunks well below this.
   int max_receive_message_bytes = 16 << 20;
   int max_send_message_bytes = 16 << 20;
+  // TLS or mutual TLS (MakeServerCredentials); null: plaintext.
+  std::shared_ptr<grpc::ServerCredentials> credentials;
 };
 
 // Thread-safe. Destruction shuts down with no grace period if Shutdown was not called.

@@ -86,6 +86,7 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f) {
       ->required();
   app.add_option("--listen", f->listen, "gRPC address host:port (port 0 picks one)")
       ->capture_default_str();
+  rpc::AddTlsFlags(app, &f->tls);
   app.add_option("--metrics-listen", f->metrics_listen,
                  "serve Prometheus metrics on host:port (GET /metrics); none if unset");
   auto* kv_bytes = app.add_option("--kv-bytes", f->kv_bytes, "KV cache budget in bytes")

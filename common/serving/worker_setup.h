@@ -14,6 +14,7 @@
 #include "common/metrics/metrics_server.h"
 #include "common/model/model.h"
 #include "common/model/tokenizer.h"
+#include "common/rpc/tls.h"
 #include "common/transport/kv_transport.h"
 
 namespace preft::serving {
@@ -55,6 +56,7 @@ struct WorkerFlags {
   int threads = 0;  // 0: all cores
   TransportFlags transport;
   double drain_timeout_s = 30;
+  rpc::TlsFiles tls;  // the worker's gRPC server, and the channels it dials
 };
 void AddWorkerFlags(CLI::App& app, WorkerFlags* flags);
 

@@ -34,6 +34,9 @@ int Fail(const std::string& message) {
 }
 
 int Run(const Flags& f) {
+  // TLS files first: a typo fails before minutes of weight loading.
+  auto server_credentials = preft::rpc::MakeServerCredentials(f.tls);
+  if (!server_credentials.ok()) return Fail(std::string(server_credentials.status().message()));
   auto worker = preft::serving::MakeWorkerEngine(f);
   if (!worker.ok()) return Fail(std::string(worker.status().message()));
   auto& loaded = worker->model;
@@ -56,6 +59,7 @@ int Run(const Flags& f) {
 
   preft::rpc::ServerOptions ro;
   ro.address = f.listen;
+  ro.credentials = *server_credentials;
   ro.services = {service->get()};
   auto server = preft::rpc::Server::Start(ro);
   if (!server.ok()) return Fail(std::string(server.status().message()));

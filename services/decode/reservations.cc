@@ -175,8 +175,12 @@ void DecodeService::Impl::QuarantineLocked(std::vector<int32_t> blocks) {
 
 absl::Status DecodeService::Impl::Release(const worker::v1::ReleaseRequest& req,
                                           Failures* failures) {
-  absl::MutexLock lock(&mu);
   const uint64_t id = req.reservation_id();
+  if (req.generation() == 0) {  // proto3's default: the caller forgot it, not a stale Release
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Release of reservation ", id, " has generation 0; generations start at 1"));
+  }
+  absl::MutexLock lock(&mu);
   auto it = reservations.find(id);
   if (it == reservations.end()) {
     return absl::NotFoundError(absl::StrCat("reservation ", id, " is unknown"));

@@ -36,12 +36,17 @@ int Fail(const std::string& what, const absl::Status& status) {
 
 int Run(const Flags& f) {
   using namespace preft;
+  // TLS files first: a typo fails before minutes of weight loading.
+  auto server_credentials = rpc::MakeServerCredentials(f.tls);
+  if (!server_credentials.ok()) return Fail("TLS", server_credentials.status());
+  auto channel_credentials = rpc::MakeChannelCredentials(f.tls);
+  if (!channel_credentials.ok()) return Fail("TLS", channel_credentials.status());
   absl::StatusOr<serving::WorkerEngine> worker = serving::MakeWorkerEngine(f);
   if (!worker.ok()) return Fail("cannot start", worker.status());
   std::unique_ptr<engine::Engine>& engine = worker->engine;
 
   absl::StatusOr<std::unique_ptr<transport::KvTransport>> transport =
-      preft::wire::MakeWorkerTransport(f.transport);
+      preft::wire::MakeWorkerTransport(f.transport, *channel_credentials);
   if (!transport.ok()) return Fail("cannot create the transport", transport.status());
   const transport::KvLayout layout = serving::LayoutFor(*engine, worker->model.fingerprint);
 
@@ -58,6 +63,7 @@ int Run(const Flags& f) {
 
   rpc::ServerOptions server_options;
   server_options.address = f.listen;
+  server_options.credentials = *server_credentials;
   server_options.services = {service->get()};
   absl::StatusOr<std::unique_ptr<rpc::Server>> server = rpc::Server::Start(server_options);
   if (!server.ok()) return Fail("cannot serve on --listen " + f.listen, server.status());

@@ -5,8 +5,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status_macros.h"
-#include "services/wire/convert.h"
 #include "common/rpc/status.h"
+#include "services/wire/convert.h"
 
 namespace preft::router {
 
@@ -24,15 +24,14 @@ GenerateCall::GenerateCall(RouterService::Impl* router, grpc::CallbackServerCont
                            const v1::GenerateRequest* request)
     : router_(router), context_(context), request_(*request), arrival_(absl::Now()) {
   client_deadline_ = context->deadline();
-  has_deadline_ = client_deadline_ < std::chrono::system_clock::time_point::max() -
-                                         std::chrono::hours(24 * 365);
+  has_deadline_ = client_deadline_ <
+                  std::chrono::system_clock::time_point::max() - std::chrono::hours(24 * 365);
   // Waiting for capacity ends before the client's deadline, so the client hears
   // RESOURCE_EXHAUSTED (no room) rather than a bare DEADLINE_EXCEEDED.
   admission_deadline_ = absl::Now() + router->options.admission_timeout;
   if (has_deadline_) {
     const absl::Time deadline = absl::FromChrono(client_deadline_);
-    const absl::Duration margin =
-        std::max(absl::Milliseconds(20), (deadline - absl::Now()) / 10);
+    const absl::Duration margin = std::max(absl::Milliseconds(20), (deadline - absl::Now()) / 10);
     admission_deadline_ = std::min(admission_deadline_, deadline - margin);
   }
   router_->Spawn([this] { Drive(); });
@@ -151,17 +150,24 @@ absl::Status GenerateCall::Admit(std::vector<int32_t>* prompt,
   }
   PREFT_RETURN_IF_ERROR(engine::ValidatePrompt(*prompt, c));
   const int64_t n = static_cast<int64_t>(prompt->size());
+  const int64_t max_prompt = router_->options.max_prompt_tokens;
+  if (max_prompt > 0 && n > max_prompt) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt has ", n,
+                                                   " tokens; this server accepts at most ",
+                                                   max_prompt, " (--max-prompt-tokens)"));
+  }
   if (!request_.model().empty() && request_.model() != router_->options.base_name) {
     PREFT_ASSIGN_OR_RETURN(RegisteredAdapter a, router_->registry->Get(request_.model()));
     *adapter = std::move(a);
   }
   *sampling = wire::FromProto(request_.sampling());
-  if (!request_.sampling().has_max_tokens()) sampling->max_tokens = router_->options.default_max_tokens;
+  if (!request_.sampling().has_max_tokens())
+    sampling->max_tokens = router_->options.default_max_tokens;
   PREFT_RETURN_IF_ERROR(sampling->Validate(c.vocab_size));
   if (n + sampling->max_tokens > c.max_position_embeddings) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "max_tokens ", sampling->max_tokens, " + prompt of ", n, " tokens exceeds the context of ",
-        c.max_position_embeddings));
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_tokens ", sampling->max_tokens, " + prompt of ", n,
+                     " tokens exceeds the context of ", c.max_position_embeddings));
   }
   if (!sampling->seed) {
     std::lock_guard<std::mutex> lock(router_->mu);
@@ -178,9 +184,8 @@ int64_t GenerateCall::LeaseMs() const {
   return absl::ToInt64Milliseconds(lease);
 }
 
-worker::v1::ReserveRequest GenerateCall::ReserveRequestFor(int64_t prompt_tokens,
-                                                          int64_t max_new,
-                                                          uint64_t retry_of) const {
+worker::v1::ReserveRequest GenerateCall::ReserveRequestFor(int64_t prompt_tokens, int64_t max_new,
+                                                           uint64_t retry_of) const {
   worker::v1::ReserveRequest req;
   req.set_request_id(id_);
   req.set_num_tokens(static_cast<int32_t>(prompt_tokens));
@@ -217,9 +222,9 @@ absl::StatusOr<GenerateCall::Reservation> GenerateCall::Reserve(int64_t prompt_t
     for (const DecodeView& v : views) fits_somewhere |= v.total_blocks >= need;
     if (!views.empty() && !fits_somewhere &&
         std::all_of(views.begin(), views.end(), [](const DecodeView& v) { return v.healthy; })) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "prompt of ", prompt_tokens, " tokens + max_tokens ", max_new, " needs ", need,
-          " KV blocks; the largest decode worker has ", views[0].total_blocks));
+      return absl::InvalidArgumentError(
+          absl::StrCat("prompt of ", prompt_tokens, " tokens + max_tokens ", max_new, " needs ",
+                       need, " KV blocks; the largest decode worker has ", views[0].total_blocks));
     }
     for (size_t i : RankDecode(views, need)) {
       grpc::ClientContext ctx;
@@ -285,8 +290,8 @@ absl::StatusOr<worker::v1::PrefillResponse> GenerateCall::Prefill(
         RankPrefill(views, adapter.has_value(), adapter ? adapter->bytes : 0);
     if (order.empty()) {
       if (absl::Now() >= admission_deadline_) {
-        return absl::UnavailableError(absl::StrCat("no prefill worker could run the prompt (last: ",
-                                                   last_error, ")"));
+        return absl::UnavailableError(
+            absl::StrCat("no prefill worker could run the prompt (last: ", last_error, ")"));
       }
       WaitForCapacity();
       if (!tried.empty() && tried.size() >= workers.size()) tried.clear();  // all failed once
@@ -294,8 +299,8 @@ absl::StatusOr<worker::v1::PrefillResponse> GenerateCall::Prefill(
     }
     const auto& w = workers[order.front()];
     router_->metrics->Routed(
-        "prefill", adapter ? ResidencyName(Classify(views[order.front()], true, adapter->bytes))
-                           : "base");
+        "prefill",
+        adapter ? ResidencyName(Classify(views[order.front()], true, adapter->bytes)) : "base");
     worker::v1::PrefillRequest req;
     req.set_request_id(id_);
     for (int32_t t : prompt) req.add_prompt_ids(t);
@@ -349,14 +354,14 @@ absl::StatusOr<worker::v1::PrefillResponse> GenerateCall::Prefill(
     absl::StatusOr<Reservation> again =
         Reserve(static_cast<int64_t>(prompt.size()), sampling.max_tokens);
     if (!again.ok()) {
-      return absl::Status(again.status().code(),
-                          absl::StrCat("prefill failed (", s.message(),
-                                       ") and its retry found no KV room: ",
-                                       again.status().message()));
+      return absl::Status(again.status().code(), absl::StrCat("prefill failed (", s.message(),
+                                                              ") and its retry found no KV room: ",
+                                                              again.status().message()));
     }
     *res = std::move(again).value();
   }
-  return absl::UnavailableError(absl::StrCat("prefill failed on ", router_->options.max_prefill_attempts,
+  return absl::UnavailableError(absl::StrCat("prefill failed on ",
+                                             router_->options.max_prefill_attempts,
                                              " workers (last: ", last_error, ")"));
 }
 
@@ -430,8 +435,8 @@ absl::Status GenerateCall::Decode(const Reservation& res, const std::vector<int3
     if (completion_tokens_ == 0) Release(res, "start failed");
     if (s.code() == absl::StatusCode::kUnavailable) {
       WorkerPool::MarkUnhealthy(*res.worker);
-      return absl::UnavailableError(absl::StrCat("decode worker ", res.worker->address,
-                                                 " failed mid-stream: ", s.message()));
+      return absl::UnavailableError(
+          absl::StrCat("decode worker ", res.worker->address, " failed mid-stream: ", s.message()));
     }
     return s;
   }
@@ -443,9 +448,9 @@ absl::Status GenerateCall::Run() {
   {
     std::lock_guard<std::mutex> lock(router_->mu);
     if (router_->draining) return absl::UnavailableError("the router is draining");
-    id_ = request_.request_id().empty() ? absl::StrCat("req-", ++router_->next_id, "-",
-                                                       router_->rng() % 1000000)
-                                        : request_.request_id();
+    id_ = request_.request_id().empty()
+              ? absl::StrCat("req-", ++router_->next_id, "-", router_->rng() % 1000000)
+              : request_.request_id();
     if (!router_->active.emplace(id_, this).second) {
       const std::string taken = id_;
       id_.clear();  // not ours to remove
@@ -453,13 +458,16 @@ absl::Status GenerateCall::Run() {
           absl::StrCat("request id '", taken, "' is already running"));
     }
   }
+  PREFT_RETURN_IF_ERROR(router_->access->Authorize(*context_, Scope::kApi));
+  PREFT_ASSIGN_OR_RETURN(slot_, router_->access->OpenStream(*context_));
   std::vector<int32_t> prompt;
   std::optional<RegisteredAdapter> adapter;
   engine::SamplingParams sampling;
   PREFT_RETURN_IF_ERROR(Admit(&prompt, &adapter, &sampling));
   prompt_tokens_ = static_cast<int64_t>(prompt.size());
   if (adapter) {
-    const std::optional<model::AdapterPositions> asked = wire::FromProto(request_.adapter_positions());
+    const std::optional<model::AdapterPositions> asked =
+        wire::FromProto(request_.adapter_positions());
     needs_decode_adapter_ =
         asked.value_or(adapter->default_positions) == model::AdapterPositions::kAll;
     positions_ = needs_decode_adapter_ ? "all" : "prompt";

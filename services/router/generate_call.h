@@ -90,6 +90,7 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
   absl::Time prefilled_at_;  // the prefill's answer
   absl::Time last_token_at_ = absl::InfinitePast();
   bool needs_decode_adapter_ = false;  // all-position adapter: decode must run it too
+  Access::Slot slot_;  // this client's stream, held until the call ends
 };
 
 }  // namespace preft::router

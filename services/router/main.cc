@@ -31,7 +31,11 @@ int main(int argc, char** argv) {
   CLI::App app{"preft-router: public gRPC API, placement and adapter admin for a preft cluster"};
   std::string model_dir, listen = "127.0.0.1:0", metrics_listen, adapter_root, base_name;
   std::vector<std::string> prefill, decode;
-  int64_t lease_ms = 30000, poll_ms = 100, max_rank = 128;
+  int64_t lease_ms = 30000, poll_ms = 100, max_rank = 128, max_prompt_tokens = 0;
+  int max_streams_per_client = 0, max_request_bytes = 16 << 20;
+  std::string admin_token_file, api_token_file;
+  rpc::TlsFiles tls;
+  rpc::AddTlsFlags(app, &tls);
   double admission_timeout_s = 30, drain_timeout_s = 30;
   app.add_option("--model", model_dir, "base model folder (config.json, tokenizer.json)")->required();
   app.add_option("--listen", listen, "host:port to serve on (port 0 picks one)");
@@ -45,12 +49,25 @@ int main(int argc, char** argv) {
   app.add_option("--poll-ms", poll_ms, "worker status poll interval")->check(CLI::PositiveNumber);
   app.add_option("--admission-timeout-s", admission_timeout_s, "wait for capacity when the client sets no deadline");
   app.add_option("--drain-timeout-s", drain_timeout_s, "on SIGTERM, wait this long for running requests");
+  app.add_option("--admin-token-file", admin_token_file, "adapter admin RPCs need 'authorization: Bearer <this file's token>'");
+  app.add_option("--api-token-file", api_token_file, "every other RPC needs 'authorization: Bearer <this file's token>' (or the admin token)");
+  app.add_option("--max-streams-per-client", max_streams_per_client, "concurrent Generate streams per client (TLS identity, token or IP); 0: no cap")->check(CLI::NonNegativeNumber);
+  app.add_option("--max-prompt-tokens", max_prompt_tokens, "longer prompts are refused; 0: the model's context")->check(CLI::NonNegativeNumber);
+  app.add_option("--max-request-bytes", max_request_bytes, "larger request messages are refused (RESOURCE_EXHAUSTED)")->check(CLI::PositiveNumber)->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
   serving::InstallTerminationHandler();
+  auto server_credentials = rpc::MakeServerCredentials(tls);
+  auto channel_credentials = rpc::MakeChannelCredentials(tls);
+  for (const absl::Status& s : {server_credentials.status(), channel_credentials.status()}) {
+    if (!s.ok()) {
+      std::fprintf(stderr, "preft-router: %s\n", s.ToString().c_str());
+      return 2;
+    }
+  }
 
   auto config = model::ModelConfig::FromFile(model_dir + "/config.json");
   if (!config.ok()) {
@@ -73,6 +90,7 @@ int main(int argc, char** argv) {
   pool_options.prefill = SplitList(prefill);
   pool_options.decode = SplitList(decode);
   pool_options.poll_interval = absl::Milliseconds(poll_ms);
+  pool_options.credentials = *channel_credentials;
   for (const auto* specs : {&pool_options.prefill, &pool_options.decode}) {
     for (const auto& spec : *specs) {  // malformed is a usage error; unresolvable may heal
       if (auto r = router::ResolveSpec(spec);
@@ -91,6 +109,18 @@ int main(int argc, char** argv) {
   options.base_dtype = absl::AsciiStrToLower(kernels::DTypeName(config->torch_dtype));
   options.lease = absl::Milliseconds(lease_ms);
   options.admission_timeout = absl::Seconds(admission_timeout_s);
+  options.max_prompt_tokens = max_prompt_tokens;
+  options.access.max_streams_per_client = max_streams_per_client;
+  for (auto [file, token] : {std::pair{&admin_token_file, &options.access.admin_token},
+                             std::pair{&api_token_file, &options.access.api_token}}) {
+    if (file->empty()) continue;
+    absl::StatusOr<std::string> t = router::ReadTokenFile(*file);
+    if (!t.ok()) {
+      std::fprintf(stderr, "preft-router: %s\n", t.status().ToString().c_str());
+      return 2;
+    }
+    *token = *std::move(t);
+  }
   std::unique_ptr<metrics::MetricsServer> metrics;
   if (!metrics_listen.empty()) {
     auto m = metrics::MetricsServer::Start(metrics_listen);
@@ -106,6 +136,8 @@ int main(int argc, char** argv) {
 
   rpc::ServerOptions server_options;
   server_options.address = listen;
+  server_options.credentials = *server_credentials;
+  server_options.max_receive_message_bytes = max_request_bytes;
   server_options.services = {&service};
   auto server = rpc::Server::Start(server_options);
   if (!server.ok()) {

@@ -24,6 +24,7 @@ struct RouterService::Impl {
   RouterOptions options;
   std::shared_ptr<prometheus::Registry> own_registry;  // when options.metrics is null
   std::unique_ptr<RouterMetrics> metrics;
+  std::unique_ptr<Access> access;
 
   std::mutex mu;
   std::condition_variable idle;  // threads == 0

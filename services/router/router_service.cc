@@ -37,6 +37,7 @@ RouterService::RouterService(const model::ModelConfig& config, const model::Toke
     metrics = impl_->own_registry.get();
   }
   impl_->metrics = std::make_unique<RouterMetrics>(*metrics);
+  impl_->access = std::make_unique<Access>(impl_->options.access);
 }
 
 RouterService::~RouterService() {
@@ -59,10 +60,31 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* RouterService::Generate(
   return new GenerateCall(impl_.get(), context, request);
 }
 
+namespace {
+
+// Finishes `reactor` with the refusal and returns true when the caller may not make the call.
+bool Refused(const Access& access, const grpc::CallbackServerContext& context, Scope scope,
+             grpc::ServerUnaryReactor* reactor) {
+  const absl::Status s = access.Authorize(context, scope);
+  if (s.ok()) return false;
+  reactor->Finish(rpc::ToGrpcStatus(s));
+  return true;
+}
+
+// An UpdateAdapter stream refused before its first message.
+class RefusedUpdate final : public grpc::ServerReadReactor<v1::UpdateAdapterRequest> {
+ public:
+  explicit RefusedUpdate(const absl::Status& status) { Finish(rpc::ToGrpcStatus(status)); }
+  void OnDone() override { delete this; }
+};
+
+}  // namespace
+
 grpc::ServerUnaryReactor* RouterService::Abort(grpc::CallbackServerContext* context,
                                                const v1::AbortRequest* request,
                                                v1::AbortResponse*) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (Refused(*impl_->access, *context, Scope::kApi, reactor)) return reactor;
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->active.find(request->request_id());
   if (it == impl_->active.end()) {
@@ -136,6 +158,8 @@ absl::Status LoadOnWorkers(WorkerPool* pool, const RegisteredAdapter& a, int lim
 grpc::ServerUnaryReactor* RouterService::ListModels(grpc::CallbackServerContext* context,
                                                     const v1::ListModelsRequest*,
                                                     v1::ListModelsResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (Refused(*impl_->access, *context, Scope::kApi, reactor)) return reactor;
   v1::BaseModel* base = response->mutable_base();
   base->set_name(impl_->options.base_name);
   base->set_architecture(impl_->config.architecture_name);
@@ -144,7 +168,6 @@ grpc::ServerUnaryReactor* RouterService::ListModels(grpc::CallbackServerContext*
   base->set_max_context_tokens(static_cast<int32_t>(impl_->config.max_position_embeddings));
   for (const RegisteredAdapter& a : impl_->registry->List())
     *response->add_adapters() = ToInfo(a, impl_->pool);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }
@@ -153,6 +176,7 @@ grpc::ServerUnaryReactor* RouterService::RegisterAdapter(grpc::CallbackServerCon
                                                          const v1::RegisterAdapterRequest* request,
                                                          v1::RegisterAdapterResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (Refused(*impl_->access, *context, Scope::kAdmin, reactor)) return reactor;
   impl_->Spawn([this, reactor, request, response] {  // reads the adapter from disk
     absl::StatusOr<RegisteredAdapter> a =
         impl_->registry->Register(request->name(), request->path());
@@ -172,6 +196,7 @@ grpc::ServerUnaryReactor* RouterService::LoadAdapter(grpc::CallbackServerContext
                                                      const v1::LoadAdapterRequest* request,
                                                      v1::LoadAdapterResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (Refused(*impl_->access, *context, Scope::kAdmin, reactor)) return reactor;
   impl_->Spawn([this, reactor, request, response] {
     absl::StatusOr<RegisteredAdapter> a = impl_->registry->Get(request->name());
     absl::Status s = a.status();
@@ -189,6 +214,7 @@ grpc::ServerUnaryReactor* RouterService::UnloadAdapter(grpc::CallbackServerConte
                                                        const v1::UnloadAdapterRequest* request,
                                                        v1::UnloadAdapterResponse*) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (Refused(*impl_->access, *context, Scope::kAdmin, reactor)) return reactor;
   impl_->Spawn([this, reactor, request] {
     absl::Status s = impl_->registry->Get(request->name()).status();
     if (s.ok()) {
@@ -209,6 +235,7 @@ grpc::ServerUnaryReactor* RouterService::ListAdapters(grpc::CallbackServerContex
                                                       const v1::ListAdaptersRequest* request,
                                                       v1::ListAdaptersResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (Refused(*impl_->access, *context, Scope::kApi, reactor)) return reactor;
   if (!request->name().empty()) {
     absl::StatusOr<RegisteredAdapter> a = impl_->registry->Get(request->name());
     if (a.ok()) *response->add_adapters() = ToInfo(*a, impl_->pool);
@@ -293,7 +320,10 @@ class UpdateReactor final : public grpc::ServerReadReactor<v1::UpdateAdapterRequ
 }  // namespace
 
 grpc::ServerReadReactor<v1::UpdateAdapterRequest>* RouterService::UpdateAdapter(
-    grpc::CallbackServerContext*, v1::UpdateAdapterResponse* response) {
+    grpc::CallbackServerContext* context, v1::UpdateAdapterResponse* response) {
+  if (absl::Status s = impl_->access->Authorize(*context, Scope::kAdmin); !s.ok()) {
+    return new RefusedUpdate(s);
+  }
   return new UpdateReactor(impl_.get(), response);
 }
 

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "prometheus/registry.h"
+#include "services/router/access.h"
 #include "absl/time/time.h"
 #include "common/model/config.h"
 #include "common/model/tokenizer.h"
@@ -29,6 +30,8 @@ struct RouterOptions {
   absl::Duration admission_timeout = absl::Seconds(30);
   absl::Duration lease = absl::Seconds(30);  // reservation lease asked of decode workers
   int max_prefill_attempts = 3;              // prefill workers tried per request
+  AccessOptions access;                      // tokens and the per-client stream cap
+  int64_t max_prompt_tokens = 0;             // longer prompts are refused; 0: the model's context
   // Where the router's metrics (router_metrics.h) go; a private registry if null. Must outlive
   // the service.
   prometheus::Registry* metrics = nullptr;

@@ -49,10 +49,12 @@ absl::StatusOr<std::vector<std::string>> ResolveSpec(const std::string& spec) {
 
 namespace {
 
-std::shared_ptr<grpc::Channel> DefaultChannel(const std::string& address) {
+std::shared_ptr<grpc::Channel> DefaultChannel(
+    const std::string& address, const std::shared_ptr<grpc::ChannelCredentials>& credentials) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(16 << 20);
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  return grpc::CreateCustomChannel(
+      address, credentials != nullptr ? credentials : grpc::InsecureChannelCredentials(), args);
 }
 
 // Resolves every spec; a spec that fails to resolve keeps its previous addresses.
@@ -105,7 +107,7 @@ void WorkerPool::MarkUnhealthy(PrefillWorker& w) {
 
 void WorkerPool::Refresh() {
   auto channel = [&](const std::string& a) {
-    return options_.make_channel ? options_.make_channel(a) : DefaultChannel(a);
+    return options_.make_channel ? options_.make_channel(a) : DefaultChannel(a, options_.credentials);
   };
   std::vector<std::string> old_decode, old_prefill;
   std::map<std::string, std::shared_ptr<DecodeWorker>> decode_by;

@@ -27,6 +27,8 @@ struct WorkerPoolOptions {
   std::vector<std::string> prefill;  // "host:port" or "dns:NAME:PORT"
   std::vector<std::string> decode;
   absl::Duration poll_interval = absl::Milliseconds(100);
+  // How workers are dialled (TLS, mutual TLS); null: plaintext. Unused with make_channel.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
   absl::Duration poll_timeout = absl::Milliseconds(1000);
   absl::Duration dns_refresh = absl::Seconds(5);
   // Makes the channel to a worker address (tests and `preft serve` may pass their own).

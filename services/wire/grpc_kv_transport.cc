@@ -51,7 +51,9 @@ absl::StatusOr<transport::PeerId> GrpcKvTransport::Connect(const std::string& pe
   grpc::ChannelArguments args;
   args.SetMaxSendMessageSize(64 << 20);
   peer->stub = worker::v1::DecodeWorker::NewStub(
-      grpc::CreateCustomChannel(parts[1], grpc::InsecureChannelCredentials(), args));
+      grpc::CreateCustomChannel(
+          parts[1], credentials_ != nullptr ? credentials_ : grpc::InsecureChannelCredentials(),
+          args));
   absl::MutexLock lock(&mu_);
   peers_.push_back(std::move(peer));
   return static_cast<transport::PeerId>(peers_.size() - 1);
@@ -157,8 +159,8 @@ transport::TransportStats GrpcKvTransport::stats() const {
 }
 
 absl::StatusOr<std::unique_ptr<transport::KvTransport>> MakeWorkerTransport(
-    const serving::TransportFlags& flags) {
-  if (flags.kind == "grpc") return std::make_unique<GrpcKvTransport>();
+    const serving::TransportFlags& flags, std::shared_ptr<grpc::ChannelCredentials> credentials) {
+  if (flags.kind == "grpc") return std::make_unique<GrpcKvTransport>(std::move(credentials));
   return serving::MakeTransport(flags);
 }
 

@@ -26,7 +26,9 @@ namespace preft::wire {
 
 class GrpcKvTransport final : public transport::KvTransport {
  public:
-  GrpcKvTransport() = default;
+  // Dials decode workers with `credentials` (null: plaintext).
+  explicit GrpcKvTransport(std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr)
+      : credentials_(std::move(credentials)) {}
   ~GrpcKvTransport() override;
 
   absl::Status Start(kv::KvCache* cache, const transport::KvLayout& layout,
@@ -53,6 +55,7 @@ class GrpcKvTransport final : public transport::KvTransport {
 
   absl::Status Send(const Peer& peer, const transport::BlockTransfer& transfer, int64_t* bytes);
 
+  const std::shared_ptr<grpc::ChannelCredentials> credentials_;
   kv::KvCache* cache_ = nullptr;
   transport::KvLayout layout_;
   DoneNotice on_done_;
@@ -63,9 +66,10 @@ class GrpcKvTransport final : public transport::KvTransport {
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// The transport a worker's flags ask for: "grpc" here, "ucx" and "inproc" via
-// serving::MakeTransport.
+// The transport a worker's flags ask for: "grpc" here (dialling with `credentials`), "ucx" and
+// "inproc" via serving::MakeTransport.
 absl::StatusOr<std::unique_ptr<transport::KvTransport>> MakeWorkerTransport(
-    const serving::TransportFlags& flags);
+    const serving::TransportFlags& flags,
+    std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);
 
 }  // namespace preft::wire

@@ -11,6 +11,7 @@
 #include "absl/strings/str_split.h"
 #include "nlohmann/json.hpp"
 #include "common/rpc/status.h"
+#include "common/rpc/tls.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
 #include "proto/preft/v1/preft.grpc.pb.h"
 #include "tools/preft/commands.h"
@@ -22,6 +23,8 @@ namespace {
 struct ClientFlags {
   std::string server = "127.0.0.1:50051";
   double timeout_s = 120;
+  rpc::TlsFiles tls;
+  std::string token, token_file;  // sent as `authorization: Bearer <token>`
   // generate
   std::string model, prompt, prompt_ids, positions, request_id;
   int max_tokens = 16;
@@ -37,13 +40,29 @@ struct ClientFlags {
   std::string service;
 };
 
-std::unique_ptr<v1::Preft::Stub> Connect(const ClientFlags& f) {
-  return v1::Preft::NewStub(grpc::CreateChannel(f.server, grpc::InsecureChannelCredentials()));
+std::shared_ptr<grpc::Channel> Channel(const ClientFlags& f) {
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> c = rpc::MakeChannelCredentials(f.tls);
+  if (!c.ok()) {  // the calls fail with this message
+    std::fprintf(stderr, "preft client: %s\n", c.status().ToString().c_str());
+    return grpc::CreateChannel(f.server, grpc::InsecureChannelCredentials());
+  }
+  return grpc::CreateChannel(f.server, *c);
 }
 
-void SetDeadline(const ClientFlags& f, grpc::ClientContext* ctx) {
+std::unique_ptr<v1::Preft::Stub> Connect(const ClientFlags& f) {
+  return v1::Preft::NewStub(Channel(f));
+}
+
+// The call's deadline and bearer token.
+void Prepare(const ClientFlags& f, grpc::ClientContext* ctx) {
   ctx->set_deadline(std::chrono::system_clock::now() +
                     std::chrono::milliseconds(static_cast<int64_t>(f.timeout_s * 1000)));
+  std::string token = f.token;
+  if (token.empty() && !f.token_file.empty()) {
+    std::ifstream in(f.token_file);
+    std::getline(in, token);
+  }
+  if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
 }
 
 int Fail(const grpc::Status& s) {
@@ -94,7 +113,7 @@ int RunGenerate(const ClientFlags& f) {
   s->set_ignore_eos(f.ignore_eos);
 
   grpc::ClientContext ctx;
-  SetDeadline(f, &ctx);
+  Prepare(f, &ctx);
   auto stub = Connect(f);
   auto reader = stub->Generate(&ctx, req);
   v1::GenerateResponse msg;
@@ -158,7 +177,7 @@ nlohmann::json AdapterJson(const v1::AdapterInfo& a) {
 
 int RunModels(const ClientFlags& f) {
   grpc::ClientContext ctx;
-  SetDeadline(f, &ctx);
+  Prepare(f, &ctx);
   v1::ListModelsResponse r;
   const grpc::Status s = Connect(f)->ListModels(&ctx, v1::ListModelsRequest(), &r);
   if (!s.ok()) return Fail(s);
@@ -176,7 +195,7 @@ int RunModels(const ClientFlags& f) {
 
 int RunRegister(const ClientFlags& f) {
   grpc::ClientContext ctx;
-  SetDeadline(f, &ctx);
+  Prepare(f, &ctx);
   v1::RegisterAdapterRequest req;
   req.set_name(f.name);
   req.set_path(f.path);
@@ -190,7 +209,7 @@ int RunRegister(const ClientFlags& f) {
 
 int RunUnload(const ClientFlags& f) {
   grpc::ClientContext ctx;
-  SetDeadline(f, &ctx);
+  Prepare(f, &ctx);
   v1::UnloadAdapterRequest req;
   req.set_name(f.name);
   req.set_unregister(f.unregister);
@@ -201,7 +220,7 @@ int RunUnload(const ClientFlags& f) {
 
 int RunUpdate(const ClientFlags& f) {
   grpc::ClientContext ctx;
-  SetDeadline(f, &ctx);
+  Prepare(f, &ctx);
   v1::UpdateAdapterResponse r;
   auto writer = Connect(f)->UpdateAdapter(&ctx, &r);
   v1::UpdateAdapterRequest header;
@@ -236,12 +255,11 @@ int RunUpdate(const ClientFlags& f) {
 // any preft binary (router, prefill, decode), not only the public API.
 int RunHealth(const ClientFlags& f) {
   grpc::ClientContext ctx;
-  SetDeadline(f, &ctx);
+  Prepare(f, &ctx);
   grpc::health::v1::HealthCheckRequest req;
   req.set_service(f.service);
   grpc::health::v1::HealthCheckResponse r;
-  auto stub = grpc::health::v1::Health::NewStub(
-      grpc::CreateChannel(f.server, grpc::InsecureChannelCredentials()));
+  auto stub = grpc::health::v1::Health::NewStub(Channel(f));
   const grpc::Status s = stub->Check(&ctx, req, &r);
   if (!s.ok()) return Fail(s);
   std::printf("%s\n", grpc::health::v1::HealthCheckResponse::ServingStatus_Name(r.status()).c_str());
@@ -256,6 +274,10 @@ void RegisterClientCommand(CLI::App& app, int* exit_code) {
   client->require_subcommand(1);
   client->add_option("--server", f->server, "router address")->capture_default_str();
   client->add_option("--timeout-s", f->timeout_s, "deadline of the call");
+  rpc::AddTlsFlags(*client, &f->tls);
+  client->add_option("--token", f->token, "bearer token (authorization metadata)");
+  client->add_option("--token-file", f->token_file, "file holding the bearer token")
+      ->check(CLI::ExistingFile);
 
   CLI::App* gen = client->add_subcommand("generate", "stream one generation");
   gen->add_option("--model", f->model, "adapter name (empty: the base model)");

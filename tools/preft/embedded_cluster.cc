@@ -102,6 +102,7 @@ absl::StatusOr<std::unique_ptr<EmbeddedCluster>> EmbeddedCluster::Start(
   rpc::ServerOptions so;
   so.address = o.listen;
   so.services = {c->router_.get()};
+  so.max_receive_message_bytes = o.max_request_bytes;
   PREFT_ASSIGN_OR_RETURN(c->router_server_, rpc::Server::Start(so));
   return c;
 }

@@ -39,6 +39,7 @@ struct EmbeddedClusterOptions {
   decode::DecodeServiceOptions decode;
   prefill::PrefillServiceOptions prefill;  // adapter_root is filled from above
   router::RouterOptions router;
+  int max_request_bytes = 16 << 20;  // the router's; larger messages are RESOURCE_EXHAUSTED
 };
 
 class EmbeddedCluster {

@@ -29,12 +29,15 @@ inline std::unique_ptr<v1::Preft::Stub> PreftStub(const std::string& address) {
       grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
 }
 
-// `on_message` (optional) sees each message as it arrives and may cancel `ctx`.
+// `on_message` (optional) sees each message as it arrives and may cancel `ctx`; `bearer`
+// (optional) is sent as the authorization token.
 inline GenerateOutcome Generate(v1::Preft::Stub* stub, const v1::GenerateRequest& request,
                                 double timeout_s = 120,
                                 std::function<void(const v1::GenerateResponse&,
-                                                   grpc::ClientContext*)> on_message = nullptr) {
+                                                   grpc::ClientContext*)> on_message = nullptr,
+                                const std::string& bearer = "") {
   grpc::ClientContext ctx;
+  if (!bearer.empty()) ctx.AddMetadata("authorization", "Bearer " + bearer);
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
   auto reader = stub->Generate(&ctx, request);

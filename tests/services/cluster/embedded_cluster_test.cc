@@ -59,6 +59,9 @@ class EmbeddedClusterTest : public ::testing::Test {
     stub_ = testing::PreftStub(cluster_->address());
     for (const char* a : {"lora", "lora_rs", "direft"}) {
       grpc::ClientContext ctx;
+      if (!o.router.access.admin_token.empty()) {
+        ctx.AddMetadata("authorization", "Bearer " + o.router.access.admin_token);
+      }
       v1::RegisterAdapterRequest req;
       req.set_name(a);
       req.set_path(a);
@@ -68,6 +71,33 @@ class EmbeddedClusterTest : public ::testing::Test {
   }
 
   virtual void Configure(EmbeddedClusterOptions*) {}
+
+  // Reserves `tokens` of KV on every decode worker, as another router would.
+  void HoldDecodeKv(int tokens) {
+    for (const auto& w : cluster_->pool().decode()) {
+      grpc::ClientContext ctx;
+      worker::v1::ReserveRequest req;
+      req.set_request_id("hog");
+      req.set_num_tokens(tokens - 8);
+      req.set_max_new_tokens(8);
+      req.set_lease_ms(30000);
+      worker::v1::ReserveResponse r;
+      ASSERT_TRUE(w->stub->Reserve(&ctx, req, &r).ok());
+      held_.emplace_back(w.get(), r);
+    }
+    cluster_->pool().PollNow();
+  }
+  void ReleaseHeldKv() {
+    for (auto& [w, res] : held_) {
+      grpc::ClientContext ctx;
+      worker::v1::ReleaseRequest req;
+      req.set_reservation_id(res.reservation_id());
+      req.set_generation(res.generation());
+      worker::v1::ReleaseResponse r;
+      EXPECT_TRUE(w->stub->Release(&ctx, req, &r).ok());
+    }
+    held_.clear();
+  }
 
   // Every block on every worker is back where it started.
   void ExpectNoLeaks() {
@@ -153,6 +183,7 @@ class EmbeddedClusterTest : public ::testing::Test {
 
   static fs::path* root_;
   std::unique_ptr<EmbeddedCluster> cluster_;
+  std::vector<std::pair<router::DecodeWorker*, worker::v1::ReserveResponse>> held_;  // HoldDecodeKv
   std::unique_ptr<v1::Preft::Stub> stub_;
 };
 fs::path* EmbeddedClusterTest::root_ = nullptr;
@@ -246,20 +277,7 @@ TEST_F(EmbeddedClusterTest, BadRequestsGetPreciseCodes) {
 }
 
 TEST_F(EmbeddedClusterTest, NoCapacityWithinTheDeadlineIsResourceExhausted) {
-  // Another router's reservations hold most of both decode workers' KV.
-  std::vector<std::pair<router::DecodeWorker*, uint64_t>> held;
-  for (const auto& w : cluster_->pool().decode()) {
-    grpc::ClientContext ctx;
-    worker::v1::ReserveRequest req;
-    req.set_request_id("hog");
-    req.set_num_tokens(1500);
-    req.set_max_new_tokens(100);
-    req.set_lease_ms(30000);
-    worker::v1::ReserveResponse r;
-    ASSERT_TRUE(w->stub->Reserve(&ctx, req, &r).ok());
-    held.emplace_back(w.get(), r.reservation_id());
-  }
-  cluster_->pool().PollNow();
+  HoldDecodeKv(1600);  // most of both decode workers' KV
   auto r = Request({1, 2, 3}, 1000);
   auto s = Generate(stub_.get(), r, 60).status;  // admission timeout (2 s) < deadline
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
@@ -269,14 +287,7 @@ TEST_F(EmbeddedClusterTest, NoCapacityWithinTheDeadlineIsResourceExhausted) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
   // Small requests still fit beside the reservations.
   EXPECT_TRUE(Generate(stub_.get(), Request({1, 2, 3}, 8), 60).status.ok());
-  for (auto& [w, id] : held) {
-    grpc::ClientContext ctx;
-    worker::v1::ReleaseRequest req;
-    req.set_reservation_id(id);
-    req.set_generation(1);
-    worker::v1::ReleaseResponse resp;
-    EXPECT_TRUE(w->stub->Release(&ctx, req, &resp).ok());
-  }
+  ReleaseHeldKv();
   ExpectNoLeaks();
 }
 
@@ -523,6 +534,130 @@ TEST_F(EmbeddedClusterTest, HostileUpdateStreamsAreRefused) {
   v1::ListAdaptersResponse resp;
   ASSERT_TRUE(stub_->ListAdapters(&ctx, req, &resp).ok());
   EXPECT_EQ(resp.adapters(0).version(), 1);
+}
+
+}  // namespace
+}  // namespace preft::tools
+
+namespace preft::tools {
+namespace {
+
+// Bearer tokens and limits at the router (issue 5's security points).
+class AccessClusterTest : public EmbeddedClusterTest {
+ protected:
+  static constexpr char kApi[] = "api-secret-1";
+  static constexpr char kAdmin[] = "admin-secret-2";
+  void Configure(EmbeddedClusterOptions* o) override {
+    o->router.access.api_token = kApi;
+    o->router.access.admin_token = kAdmin;
+    o->router.access.max_streams_per_client = 2;
+    o->router.max_prompt_tokens = 8;
+    o->router.admission_timeout = absl::Seconds(20);
+    o->max_request_bytes = 4096;
+  }
+
+  grpc::Status Register(const std::string& bearer, const std::string& name) {
+    grpc::ClientContext ctx;
+    if (!bearer.empty()) ctx.AddMetadata("authorization", bearer);
+    v1::RegisterAdapterRequest req;
+    req.set_name(name);
+    req.set_path("lora");
+    v1::RegisterAdapterResponse r;
+    return stub_->RegisterAdapter(&ctx, req, &r);
+  }
+};
+
+TEST_F(AccessClusterTest, TokensGuardGenerationAndAdmin) {
+  const auto r = Request({1, 2, 3}, 4);
+  auto code = [&](const std::string& token) {
+    return Generate(stub_.get(), r, 60, nullptr, token).status.error_code();
+  };
+  EXPECT_EQ(code(""), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(code("wrong"), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(code(std::string(kApi) + "x"), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(code(kApi), grpc::StatusCode::OK);
+  EXPECT_EQ(code(kAdmin), grpc::StatusCode::OK);
+  auto missing = Generate(stub_.get(), r, 60);
+  EXPECT_NE(missing.status.error_message().find("authorization: Bearer"), std::string::npos)
+      << missing.status.error_message();
+  {
+    grpc::ClientContext ctx;
+    v1::ListModelsResponse m;
+    EXPECT_EQ(stub_->ListModels(&ctx, v1::ListModelsRequest(), &m).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", std::string("bearer ") + kApi);  // any case
+    v1::ListModelsResponse m;
+    EXPECT_TRUE(stub_->ListModels(&ctx, v1::ListModelsRequest(), &m).ok());
+  }
+  // Admin: the API token is not enough.
+  EXPECT_EQ(Register("", "x1").error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(Register(std::string("Bearer ") + kApi, "x1").error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(Register("Basic dXNlcjpwYXNz", "x1").error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(Register(std::string("Bearer ") + kAdmin, "x1").ok());
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", std::string("Bearer ") + kApi);
+    v1::UpdateAdapterResponse r;
+    auto writer = stub_->UpdateAdapter(&ctx, &r);
+    v1::UpdateAdapterRequest header;
+    header.mutable_header()->set_name("x1");
+    writer->Write(header);
+    writer->WritesDone();
+    EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::UnloadAdapterRequest req;
+    req.set_name("x1");
+    v1::UnloadAdapterResponse r;
+    EXPECT_EQ(stub_->UnloadAdapter(&ctx, req, &r).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  ExpectNoLeaks();
+}
+
+TEST_F(AccessClusterTest, PromptAndRequestSizeLimits) {
+  auto at_limit = Generate(stub_.get(), Request({1, 2, 3, 4, 5, 6, 7, 8}, 2), 60, nullptr, kApi);
+  EXPECT_TRUE(at_limit.status.ok()) << at_limit.status.error_message();
+  auto over = Generate(stub_.get(), Request({1, 2, 3, 4, 5, 6, 7, 8, 9}, 2), 60, nullptr, kApi);
+  EXPECT_EQ(over.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(over.status.error_message().find("at most 8 (--max-prompt-tokens)"), std::string::npos)
+      << over.status.error_message();
+  v1::GenerateRequest big = Request({1}, 2);
+  big.set_text(std::string(5000, 'a'));  // over the 4096-byte message limit
+  auto huge = Generate(stub_.get(), big, 60, nullptr, kApi);
+  EXPECT_EQ(huge.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << huge.status.error_message();
+  ExpectNoLeaks();
+}
+
+TEST_F(AccessClusterTest, ConcurrentStreamsPerClientAreCapped) {
+  HoldDecodeKv(2040);  // every decode block: the client's streams wait for room, open
+  std::vector<testing::GenerateOutcome> waiting(2);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 2; ++i) {
+    threads.emplace_back(
+        [&, i] { waiting[i] = Generate(stub_.get(), Request({1, 2, 3}, 40), 60, nullptr, kApi); });
+  }
+  // Both streams are in (waiting for KV) before the third is tried.
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (cluster_->router().active_requests() < 2 && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_EQ(cluster_->router().active_requests(), 2);
+  auto third = Generate(stub_.get(), Request({1, 2, 3}, 4), 60, nullptr, kApi);
+  EXPECT_EQ(third.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(third.status.error_message().find("already has 2 streams open"), std::string::npos)
+      << third.status.error_message();
+  ReleaseHeldKv();
+  for (auto& t : threads) t.join();
+  for (const auto& w : waiting) EXPECT_TRUE(w.status.ok()) << w.status.error_message();
+  // The slots were given back: the client may open streams again.
+  EXPECT_TRUE(Generate(stub_.get(), Request({1, 2, 3}, 4), 60, nullptr, kApi).status.ok());
+  ExpectNoLeaks();
 }
 
 }  // namespace

@@ -373,6 +373,9 @@ TEST_F(DecodeServiceTest, ReleaseQuarantinesThenFreesAndLeaseExpiryFrees) {
   const int32_t n = res.block_ids_size();
   EXPECT_EQ(n, 4);
   EXPECT_EQ(service_->block_counts().reserved, n);
+  // Generation 0 is proto3's "not set": refused, not taken for a stale Release.
+  EXPECT_EQ(Release(res.reservation_id(), 0).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(service_->block_counts().reserved, res.block_ids_size());
   ASSERT_TRUE(Release(res.reservation_id(), res.generation()).ok());
   EXPECT_GE(TimeUntilAllFree(), kQuarantine - absl::Milliseconds(50));
   EXPECT_TRUE(Release(res.reservation_id(), res.generation()).ok());  // idempotent
