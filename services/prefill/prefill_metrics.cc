@@ -49,6 +49,10 @@ PrefillMetrics::PrefillMetrics(prometheus::Registry& r, std::function<State()> r
       adapter_wait_(metrics::Histogram(
           r, "preft:adapter_wait_seconds",
           "Time a prompt waited for its adapter (about 0 when resident).", metrics::FastBuckets())),
+      adapter_load_(metrics::Histogram(r, "preft:adapter_load_seconds",
+                                       "Waits for adapters that were not resident: a load "
+                                       "from host memory or disk (or joining one).",
+                                       metrics::FastBuckets())),
       transfer_bytes_(metrics::Counter(r, "preft:kv_transfer_bytes_total",
                                        "KV bytes pushed to decode workers.")),
       transfer_seconds_(metrics::Histogram(r, "preft:kv_transfer_seconds",
@@ -88,8 +92,9 @@ void PrefillMetrics::OnTransfer(const absl::Status& status, int64_t bytes, absl:
   transfer_seconds_.Observe(absl::ToDoubleSeconds(took));
 }
 
-void PrefillMetrics::OnAdapterWait(absl::Duration waited) {
+void PrefillMetrics::OnAdapterWait(absl::Duration waited, bool loaded) {
   adapter_wait_.Observe(absl::ToDoubleSeconds(waited));
+  if (loaded) adapter_load_.Observe(absl::ToDoubleSeconds(waited));
 }
 
 void PrefillMetrics::Refresh() { Set(read_()); }

@@ -49,7 +49,8 @@ class PrefillMetrics {
 
   // Events, from any thread.
   void OnTransfer(const absl::Status& status, int64_t bytes, absl::Duration took);
-  void OnAdapterWait(absl::Duration waited);
+  // `loaded`: the adapter was not resident (a loader thread answered, after a load or a join).
+  void OnAdapterWait(absl::Duration waited, bool loaded);
 
   // Reads the state now (tests; the thread does it every period).
   void Refresh();
@@ -67,6 +68,7 @@ class PrefillMetrics {
   prometheus::Family<prometheus::Counter>& acquires_;
   prometheus::Family<prometheus::Counter>& evictions_;
   prometheus::Histogram& adapter_wait_;
+  prometheus::Histogram& adapter_load_;
   prometheus::Counter& transfer_bytes_;
   prometheus::Histogram& transfer_seconds_;
   prometheus::Family<prometheus::Counter>& transfer_failures_;

@@ -10,6 +10,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -132,6 +133,7 @@ class PrefillService::Impl::Call : public std::enable_shared_from_this<Call> {
   const absl::Time arrival_;
   transport::PeerId peer_ = -1;  // set by Start before the call is shared
   absl::Time acquire_started_;   // set by Start before the call is shared
+  std::thread::id acquire_thread_;  // a lease answered on it was resident (no load)
 
   absl::Mutex mu_;
   bool in_engine_ ABSL_GUARDED_BY(mu_) = false;  // Add posted, not prefilled yet
@@ -220,6 +222,7 @@ void PrefillService::Impl::Call::Start() {
   impl_->LoadStarted(adapters::VersionKey(request_.adapter(), request_.adapter_version()));
   impl_->awaiting_adapter.fetch_add(1);
   acquire_started_ = absl::Now();
+  acquire_thread_ = std::this_thread::get_id();
   // The callback comes at once (compute hit, bad path) or on a loader thread.
   impl_->versioned->Acquire(
       request_.adapter(), request_.adapter_version(), request_.adapter_path(),
@@ -232,7 +235,10 @@ void PrefillService::Impl::Call::OnLease(absl::StatusOr<adapters::AdapterLease> 
   const std::string key = adapters::VersionKey(request_.adapter(), request_.adapter_version());
   impl_->LoadEnded(key, lease.ok() ? static_cast<int64_t>(lease->weights->bytes()) : -1);
   impl_->awaiting_adapter.fetch_sub(1);
-  if (impl_->metrics != nullptr) impl_->metrics->OnAdapterWait(absl::Now() - acquire_started_);
+  if (impl_->metrics != nullptr) {
+    impl_->metrics->OnAdapterWait(absl::Now() - acquire_started_,
+                                  /*loaded=*/std::this_thread::get_id() != acquire_thread_);
+  }
   if (!lease.ok()) {
     const absl::Status& s = lease.status();
     // Cancelled: the store is shutting down, not the client.

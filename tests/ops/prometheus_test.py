@@ -232,6 +232,10 @@ def main():
 
         acquires = scalar('sum(preft:adapter_acquires_total{job="prefill"})')
         checks.expect(acquires == 24, f"prefill adapter acquisitions: {acquires} (24 asked)")
+        loads = scalar('sum(preft:adapter_load_seconds_count{job="prefill"})')
+        misses = scalar('sum(preft:adapter_acquires_total{job="prefill",result!="compute_hit"})')
+        checks.expect(loads is not None and loads >= 1 and loads == misses,
+                      f"adapter load times: {loads}, one per miss ({misses})")
         info = query('preft:lora_requests_info{job="prefill"}')
         checks.expect(len(info) == 2, f"one lora_requests_info series per prefill worker: {info}")
         transfers = scalar('sum(preft:kv_transfer_seconds_count{job="prefill"})')
