@@ -65,6 +65,16 @@ std::string Access::ClientOf(const grpc::ServerContextBase& context) {
   if (!token.empty()) return absl::StrCat("token:", absl::Hex(base::Fnv1a64(token)));
   // "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000": the address without the port.
   const std::string peer = context.peer();
+  // The OpenAI HTTP front end calls in-process and names its own client; only in-process
+  // callers are believed.
+  const bool network = absl::StartsWith(peer, "ipv4:") || absl::StartsWith(peer, "ipv6:") ||
+                       absl::StartsWith(peer, "unix:");
+  if (!network) {
+    const auto& md = context.client_metadata();
+    if (auto it = md.find("x-preft-http-client"); it != md.end()) {
+      return absl::StrCat("http:", absl::string_view(it->second.data(), it->second.size()));
+    }
+  }
   const size_t colon = peer.rfind(':');
   return colon == std::string::npos ? peer : peer.substr(0, colon);
 }

@@ -10,7 +10,8 @@
 // PERMISSION_DENIED. Comparisons take the same time whatever the token's first wrong byte.
 //
 // A client, for the stream cap, is its TLS identity (the client certificate's subject, under
-// mutual TLS), else its bearer token, else its IP address.
+// mutual TLS), else its bearer token, else its IP address (for calls from the in-process
+// OpenAI front end, the HTTP client's).
 
 #include <cstdint>
 #include <map>

@@ -13,6 +13,7 @@
 #include "common/model/tokenizer.h"
 #include "common/rpc/server.h"
 #include "common/serving/worker_setup.h"
+#include "services/router/openai_server.h"
 #include "services/router/router_service.h"
 
 namespace {
@@ -29,7 +30,8 @@ std::vector<std::string> SplitList(const std::vector<std::string>& flags) {
 int main(int argc, char** argv) {
   using namespace preft;
   CLI::App app{"preft-router: public gRPC API, placement and adapter admin for a preft cluster"};
-  std::string model_dir, listen = "127.0.0.1:0", metrics_listen, adapter_root, base_name;
+  std::string model_dir, listen = "127.0.0.1:0", metrics_listen, http_listen, adapter_root,
+      base_name;
   std::vector<std::string> prefill, decode;
   int64_t lease_ms = 30000, poll_ms = 100, max_rank = 128, max_prompt_tokens = 0;
   int max_streams_per_client = 0, max_request_bytes = 16 << 20;
@@ -39,6 +41,7 @@ int main(int argc, char** argv) {
   double admission_timeout_s = 30, drain_timeout_s = 30;
   app.add_option("--model", model_dir, "base model folder (config.json, tokenizer.json)")->required();
   app.add_option("--listen", listen, "host:port to serve on (port 0 picks one)");
+  app.add_option("--http-listen", http_listen, "OpenAI-compatible HTTP on host:port (/v1/completions, /v1/chat/completions, /v1/models, /health)");
   app.add_option("--metrics-listen", metrics_listen, "serve Prometheus metrics on host:port (GET /metrics); none if unset");
   app.add_option("--prefill", prefill, "prefill workers: host:port or dns:NAME:PORT (repeatable, comma-separated)")->required();
   app.add_option("--decode", decode, "decode workers: host:port or dns:NAME:PORT (repeatable, comma-separated)")->required();
@@ -144,10 +147,25 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "preft-router: %s\n", server.status().ToString().c_str());
     return 1;
   }
+  std::unique_ptr<router::OpenAiServer> http;
+  if (!http_listen.empty()) {
+    router::OpenAiServerOptions h;
+    h.address = http_listen;
+    h.router = (*server)->grpc_server()->InProcessChannel(grpc::ChannelArguments());
+    h.tokenizer = tokenizer.get();
+    auto started = router::OpenAiServer::Start(std::move(h));
+    if (!started.ok()) {
+      std::fprintf(stderr, "preft-router: --http-listen: %s\n", started.status().ToString().c_str());
+      return 1;
+    }
+    http = *std::move(started);
+    std::printf("preft-router OpenAI HTTP on http://%s/v1\n", http->address().c_str());
+  }
   std::printf("preft-router listening on %s\n", (*server)->address().c_str());
   std::fflush(stdout);
 
   serving::WaitForTerminationSignal();
+  http.reset();  // no new HTTP requests; its streams are router calls, drained below
   service.StartDrain();
   (*server)->SetServing("", false);
   const absl::Time until = absl::Now() + absl::Seconds(drain_timeout_s);

@@ -92,4 +92,17 @@ worker::v1::TransportEndpoint MakeEndpoint(const transport::KvTransport& transpo
   return e;
 }
 
+const char* FinishReasonName(v1::FinishReason r) {
+  switch (r) {
+    case v1::FINISH_REASON_LENGTH:
+      return "length";
+    case v1::FINISH_REASON_STOP:
+      return "stop";
+    case v1::FINISH_REASON_ABORT:
+      return "abort";
+    default:
+      return "";
+  }
+}
+
 }  // namespace preft::wire

@@ -30,6 +30,8 @@ v1::AdapterPositions ToProto(std::optional<model::AdapterPositions> p);
 
 // kNone and kError have no proto value (an error is the call's status): UNSPECIFIED.
 v1::FinishReason ToProto(engine::FinishReason r);
+// "length", "stop", "abort"; "" for unspecified.
+const char* FinishReasonName(v1::FinishReason r);
 
 // The endpoint a worker advertises for its transport and cache layout.
 worker::v1::TransportEndpoint MakeEndpoint(const transport::KvTransport& transport,

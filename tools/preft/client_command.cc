@@ -14,6 +14,7 @@
 #include "common/rpc/tls.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
 #include "proto/preft/v1/preft.grpc.pb.h"
+#include "services/wire/convert.h"
 #include "tools/preft/commands.h"
 
 namespace preft::tools {
@@ -70,18 +71,6 @@ int Fail(const grpc::Status& s) {
   return 1;
 }
 
-const char* FinishName(v1::FinishReason r) {
-  switch (r) {
-    case v1::FINISH_REASON_LENGTH:
-      return "length";
-    case v1::FINISH_REASON_STOP:
-      return "stop";
-    case v1::FINISH_REASON_ABORT:
-      return "abort";
-    default:
-      return "none";
-  }
-}
 
 int RunGenerate(const ClientFlags& f) {
   v1::GenerateRequest req;
@@ -136,7 +125,8 @@ int RunGenerate(const ClientFlags& f) {
     }
     if (msg.has_finish()) {
       const v1::Finish& fin = msg.finish();
-      out["finish_reason"] = FinishName(fin.reason());
+      const char* finish = wire::FinishReasonName(fin.reason());
+      out["finish_reason"] = *finish != '\0' ? finish : "none";
       out["usage"] = {{"prompt_tokens", fin.usage().prompt_tokens()},
                       {"completion_tokens", fin.usage().completion_tokens()}};
       if (!fin.adapter().empty()) {

@@ -104,6 +104,13 @@ absl::StatusOr<std::unique_ptr<EmbeddedCluster>> EmbeddedCluster::Start(
   so.services = {c->router_.get()};
   so.max_receive_message_bytes = o.max_request_bytes;
   PREFT_ASSIGN_OR_RETURN(c->router_server_, rpc::Server::Start(so));
+  if (!o.http_listen.empty()) {
+    router::OpenAiServerOptions h;
+    h.address = o.http_listen;
+    h.router = c->router_server_->grpc_server()->InProcessChannel(grpc::ChannelArguments());
+    h.tokenizer = c->tokenizer_.get();
+    PREFT_ASSIGN_OR_RETURN(c->http_, router::OpenAiServer::Start(std::move(h)));
+  }
   return c;
 }
 
@@ -111,6 +118,7 @@ const std::string& EmbeddedCluster::address() const { return router_server_->add
 
 void EmbeddedCluster::Drain(absl::Duration timeout) {
   const absl::Time until = absl::Now() + timeout;
+  http_.reset();
   router_->StartDrain();
   router_server_->SetServing("", false);
   while (router_->active_requests() > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
@@ -121,6 +129,7 @@ void EmbeddedCluster::Drain(absl::Duration timeout) {
 }
 
 EmbeddedCluster::~EmbeddedCluster() {
+  http_.reset();  // its streams are router calls
   if (router_server_) router_server_->Shutdown(absl::ZeroDuration());
   router_.reset();  // waits for its call threads
   pool_.reset();

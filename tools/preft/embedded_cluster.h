@@ -15,6 +15,7 @@
 #include "common/serving/worker_setup.h"
 #include "services/decode/decode_service.h"
 #include "services/prefill/prefill_service.h"
+#include "services/router/openai_server.h"
 #include "services/router/router_service.h"
 
 namespace preft::tools {
@@ -40,6 +41,7 @@ struct EmbeddedClusterOptions {
   prefill::PrefillServiceOptions prefill;  // adapter_root is filled from above
   router::RouterOptions router;
   int max_request_bytes = 16 << 20;  // the router's; larger messages are RESOURCE_EXHAUSTED
+  std::string http_listen;           // the OpenAI-compatible HTTP API; "" for none
 };
 
 class EmbeddedCluster {
@@ -50,6 +52,8 @@ class EmbeddedCluster {
 
   // The router's address (what clients dial).
   const std::string& address() const;
+  // The OpenAI-compatible HTTP API's host:port ("" without options.http_listen).
+  std::string http_address() const { return http_ ? http_->address() : ""; }
   decode::DecodeService& decode(int i) { return *decode_[i]; }
   prefill::PrefillService& prefill(int i) { return *prefill_[i]; }
   router::RouterService& router() { return *router_; }
@@ -72,6 +76,7 @@ class EmbeddedCluster {
   std::unique_ptr<router::AdapterRegistry> registry_;
   std::unique_ptr<router::RouterService> router_;
   std::unique_ptr<rpc::Server> router_server_;
+  std::unique_ptr<router::OpenAiServer> http_;  // calls router_server_ in process
 };
 
 }  // namespace preft::tools

@@ -15,6 +15,7 @@ struct ServeFlags {
   std::string model = "models/demo-tiny";
   std::string preset;  // make the model first when the folder has none
   std::string listen = "127.0.0.1:50051";
+  std::string http_listen;
   std::string adapter_root;
   int prefill_workers = 1;
   int decode_workers = 1;
@@ -48,6 +49,7 @@ int RunServe(const ServeFlags& f) {
   EmbeddedClusterOptions o;
   o.model_dir = f.model;
   o.listen = f.listen;
+  o.http_listen = f.http_listen;
   o.adapter_root = f.adapter_root;
   o.num_prefill = f.prefill_workers;
   o.num_decode = f.decode_workers;
@@ -63,6 +65,10 @@ int RunServe(const ServeFlags& f) {
   }
   std::printf("preft serve listening on %s (prefill workers %d, decode workers %d)\n",
               (*cluster)->address().c_str(), f.prefill_workers, f.decode_workers);
+  if (!f.http_listen.empty()) {
+    std::printf("preft serve: OpenAI-compatible HTTP on http://%s/v1\n",
+                (*cluster)->http_address().c_str());
+  }
   std::fflush(stdout);
   serving::WaitForTerminationSignal();
   std::printf("preft serve: draining\n");
@@ -80,6 +86,8 @@ void RegisterServeCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--model", flags->model, "base model folder");
   cmd->add_option("--preset", flags->preset, "make a random model of this preset if --model has none");
   cmd->add_option("--listen", flags->listen, "public gRPC address (port 0 picks one)");
+  cmd->add_option("--http-listen", flags->http_listen,
+                  "OpenAI-compatible HTTP (/v1/completions, /v1/chat/completions, /v1/models)");
   cmd->add_option("--adapter-root", flags->adapter_root, "adapters may be registered from under this folder");
   cmd->add_option("--prefill-workers", flags->prefill_workers)->check(CLI::Range(1, 64));
   cmd->add_option("--decode-workers", flags->decode_workers)->check(CLI::Range(1, 64));
