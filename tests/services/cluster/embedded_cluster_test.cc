@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <httplib.h>
+
 #include <filesystem>
 #include <thread>
 
@@ -658,6 +660,161 @@ TEST_F(AccessClusterTest, ConcurrentStreamsPerClientAreCapped) {
   // The slots were given back: the client may open streams again.
   EXPECT_TRUE(Generate(stub_.get(), Request({1, 2, 3}, 4), 60, nullptr, kApi).status.ok());
   ExpectNoLeaks();
+}
+
+}  // namespace
+}  // namespace preft::tools
+
+namespace preft::tools {
+namespace {
+
+// The OpenAI-compatible HTTP front end on the embedded cluster, with tokens.
+class HttpClusterTest : public EmbeddedClusterTest {
+ protected:
+  static constexpr char kApi[] = "http-api-token";
+  static constexpr char kAdmin[] = "http-admin-token";
+  void Configure(EmbeddedClusterOptions* o) override {
+    o->http_listen = "127.0.0.1:0";
+    o->router.metrics = &registry_;
+    o->router.access.api_token = kApi;
+    o->router.access.admin_token = kAdmin;
+  }
+
+  // The router's counter `name`, summed over its series.
+  double Counter(const std::string& name) {
+    double sum = 0;
+    for (const auto& family : registry_.Collect()) {
+      if (family.name != name) continue;
+      for (const auto& m : family.metric) sum += m.counter.value;
+    }
+    return sum;
+  }
+
+  struct Reply {
+    int status = 0;
+    std::string body;
+  };
+  prometheus::Registry registry_;
+  // POSTs `body`; `on_data` (optional) sees the body as it streams and may stop it (false).
+  Reply Post(const std::string& path, const nlohmann::json& body, const std::string& token,
+             std::function<bool(const std::string&)> on_data = nullptr) {
+    const std::string address = cluster_->http_address();
+    const size_t colon = address.rfind(':');
+    httplib::Client client(address.substr(0, colon), std::stoi(address.substr(colon + 1)));
+    client.set_read_timeout(60);
+    httplib::Request req;
+    req.method = "POST";
+    req.path = path;
+    req.body = body.dump();
+    req.set_header("Content-Type", "application/json");
+    if (!token.empty()) req.set_header("Authorization", std::string("Bearer ") + token);
+    Reply reply;
+    if (on_data) {
+      req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+        reply.body.append(data, n);
+        return on_data(reply.body);
+      };
+    }
+    httplib::Response res;
+    httplib::Error error = httplib::Error::Success;
+    if (client.send(req, res, error)) {
+      reply.status = res.status;
+      if (!on_data) reply.body = res.body;
+    }
+    return reply;
+  }
+};
+
+TEST_F(HttpClusterTest, CompletionsReproduceTheFixtureAndTokensApply) {
+  auto text = base::ReadFileToString(testing::TinyLlamaFixture() + "/reference.json");
+  ASSERT_TRUE(text.ok());
+  const nlohmann::json ref = nlohmann::json::parse(*text);
+  int checked = 0;
+  for (const auto& c : ref["cases"]) {
+    const bool prompt_only = !c["adapter"].is_null() && c["adapter_positions"] == "prompt";
+    if (!c["adapter"].is_null() && !prompt_only) continue;  // all-position: gRPC tests cover it
+    nlohmann::json body = {{"model", c["adapter"].is_null() ? "tiny-llama" : c["adapter"]},
+                           {"prompt", c["prompt_ids"]},
+                           {"max_tokens", c["token_ids"].size()},
+                           {"temperature", 0},
+                           {"ignore_eos", true}};
+    if (prompt_only) body["adapter_positions"] = "prompt";
+    const Reply r = Post("/v1/completions", body, kApi);
+    ASSERT_EQ(r.status, 200) << r.body;
+    const nlohmann::json out = nlohmann::json::parse(r.body);
+    auto want = cluster_->tokenizer()->Decode(c["token_ids"].get<std::vector<int32_t>>(), true);
+    ASSERT_TRUE(want.ok());
+    EXPECT_EQ(out["choices"][0]["text"], *want) << body.dump();
+    EXPECT_EQ(out["usage"]["completion_tokens"], c["token_ids"].size());
+    ++checked;
+  }
+  EXPECT_GE(checked, 3);
+  const nlohmann::json body = {{"model", "tiny-llama"}, {"prompt", "hi"}, {"max_tokens", 2}};
+  const Reply anonymous = Post("/v1/completions", body, "");
+  EXPECT_EQ(anonymous.status, 401);
+  EXPECT_EQ(nlohmann::json::parse(anonymous.body)["error"]["type"], "authentication_error");
+  EXPECT_EQ(Post("/v1/completions", body, "wrong").status, 401);
+  // Adapter admin needs the admin token.
+  const nlohmann::json load = {{"lora_name", "again"}, {"lora_path", "lora"}};
+  EXPECT_EQ(Post("/v1/load_lora_adapter", load, kApi).status, 403);
+  EXPECT_EQ(Post("/v1/load_lora_adapter", load, kAdmin).status, 200);
+  EXPECT_EQ(Post("/v1/load_lora_adapter", load, kAdmin).status, 409);  // already registered
+  EXPECT_EQ(Post("/v1/unload_lora_adapter", {{"lora_name", "again"}}, kAdmin).status, 200);
+  EXPECT_EQ(Post("/v1/unload_lora_adapter", {{"lora_name", "again"}}, kAdmin).status, 404);
+  EXPECT_EQ(Post("/v1/completions", nlohmann::json::array(), kApi).status, 400);
+  ExpectNoLeaks();
+}
+
+TEST_F(HttpClusterTest, StreamsCarryEveryChoiceThenDone) {
+  const nlohmann::json body = {{"model", "tiny-llama"}, {"prompt", "stream me"},
+                               {"max_tokens", 6},        {"n", 2},
+                               {"seed", 4},              {"ignore_eos", true},
+                               {"stream", true},         {"stream_options", {{"include_usage", true}}}};
+  std::string all;
+  const Reply r = Post("/v1/completions", body, kApi, [&](const std::string& s) {
+    all = s;
+    return true;
+  });
+  ASSERT_EQ(r.status, 200);
+  std::vector<int> finished(2, 0);
+  int usage = 0;
+  size_t pos = 0;
+  std::string last;
+  while ((pos = all.find("data: ", pos)) != std::string::npos) {
+    const size_t end = all.find("\n\n", pos);
+    ASSERT_NE(end, std::string::npos);
+    last = all.substr(pos + 6, end - pos - 6);
+    pos = end;
+    if (last == "[DONE]") break;
+    const nlohmann::json chunk = nlohmann::json::parse(last);
+    if (chunk.contains("usage")) {
+      ++usage;
+      EXPECT_EQ(chunk["usage"]["completion_tokens"], 12);
+      continue;
+    }
+    const auto& c = chunk["choices"][0];
+    if (!c["finish_reason"].is_null()) ++finished[c["index"].get<int>()];
+  }
+  EXPECT_EQ(last, "[DONE]");
+  EXPECT_EQ(finished, std::vector<int>({1, 1}));
+  EXPECT_EQ(usage, 1);
+  ExpectNoLeaks();
+}
+
+TEST_F(HttpClusterTest, AClientLeavingMidStreamStopsItsGeneration) {
+  const nlohmann::json body = {{"model", "tiny-llama"}, {"prompt", "a long one"},
+                               {"max_tokens", 1500},     {"ignore_eos", true},
+                               {"stream", true}};
+  Post("/v1/completions", body, kApi,
+       [](const std::string& s) { return s.find("data: ") == std::string::npos; });
+  ExpectNoLeaks();  // both tiers freed
+  // ... because the generation was cancelled, not run to its end.
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (Counter("preft:router_requests_total") < 1 && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(Counter("preft:router_requests_total"), 1);
+  EXPECT_LT(Counter("preft:router_generation_tokens_total"), 1500);
 }
 
 }  // namespace
