@@ -538,11 +538,6 @@ TEST_F(EmbeddedClusterTest, HostileUpdateStreamsAreRefused) {
   EXPECT_EQ(resp.adapters(0).version(), 1);
 }
 
-}  // namespace
-}  // namespace preft::tools
-
-namespace preft::tools {
-namespace {
 
 // Bearer tokens and limits at the router (issue 5's security points).
 class AccessClusterTest : public EmbeddedClusterTest {
@@ -662,11 +657,6 @@ TEST_F(AccessClusterTest, ConcurrentStreamsPerClientAreCapped) {
   ExpectNoLeaks();
 }
 
-}  // namespace
-}  // namespace preft::tools
-
-namespace preft::tools {
-namespace {
 
 // The OpenAI-compatible HTTP front end on the embedded cluster, with tokens.
 class HttpClusterTest : public EmbeddedClusterTest {
