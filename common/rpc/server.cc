@@ -1,5 +1,6 @@
 #include "common/rpc/server.h"
 
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
@@ -35,8 +36,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
                      ", max_send_message_bytes = ", options.max_send_message_bytes, ")"));
   }
 
-  // Process-wide, read when a builder is made: must precede the builder.
+  // Process-wide, read when a builder is made: must precede the builder. Reflection lets
+  // generic tools (grpcurl, Postman, grpc_cli) discover every service without the .proto files.
   grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(

@@ -1,8 +1,8 @@
 #pragma once
 
 // Starting and stopping a gRPC server the same way in every preft service: plaintext or TLS
-// (tls.h), one port, no port sharing, message size limits, and the built-in grpc.health.v1
-// service.
+// (tls.h), one port, no port sharing, message size limits, the built-in grpc.health.v1
+// service and server reflection (grpc.reflection.v1alpha).
 //
 // Health: the overall status ("") is SERVING once started. Services register their own names
 // with SetServing(name, ...) (unknown names answer NOT_FOUND); a service that is not ready
