@@ -15,6 +15,7 @@
 #include "common/base/fnv.h"
 #include "common/base/mapped_file.h"
 #include "common/base/status_macros.h"
+#include "common/model/chat_template.h"
 #include "common/model/checkpoint.h"
 #include "common/model/safetensors.h"
 #include "common/model/tokenizer.h"
@@ -309,6 +310,8 @@ absl::Status MakeModel(const MakeModelOptions& options) {
   SyntheticTokenizerOptions tok;
   tok.vocab_size = static_cast<int32_t>(config.vocab_size);
   tok.style = config.architecture == Architecture::kQwen2 ? "qwen2" : "llama3";
+  tok.chat_template = BuiltinChatTemplate(
+      config.architecture == Architecture::kMistral ? "mistral" : tok.style);
   int32_t bos = -1, eos = -1;
   PREFT_RETURN_IF_ERROR(WriteSyntheticTokenizer(options.out_dir, tok, &bos, &eos));
   config.bos_token_id = bos;

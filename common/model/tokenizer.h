@@ -70,6 +70,7 @@ struct SyntheticTokenizerOptions {
   // "llama3" (Llama 3 split regex, <|begin_of_text|>/<|end_of_text|>...) or
   // "qwen2" (Qwen2 split regex, <|endoftext|>, <|im_start|>, <|im_end|>).
   std::string style = "llama3";
+  std::string chat_template;  // written as tokenizer_config.json's chat_template unless empty
 };
 
 // Writes tokenizer.json and tokenizer_config.json into `dir`. Returns the ids of BOS (or -1)

@@ -341,6 +341,7 @@ absl::Status WriteSyntheticTokenizer(const std::string& dir, const SyntheticToke
   config["clean_up_tokenization_spaces"] = false;
   config["model_max_length"] = llama3 ? 131072 : 32768;
   config["tokenizer_class"] = llama3 ? "PreTrainedTokenizerFast" : "Qwen2Tokenizer";
+  if (!o.chat_template.empty()) config["chat_template"] = o.chat_template;
 
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);

@@ -153,6 +153,12 @@ int main(int argc, char** argv) {
     h.address = http_listen;
     h.router = (*server)->grpc_server()->InProcessChannel(grpc::ChannelArguments());
     h.tokenizer = tokenizer.get();
+    auto chat = router::ChatRendererFor(model_dir);
+    if (!chat.ok()) {
+      std::fprintf(stderr, "preft-router: %s\n", chat.status().ToString().c_str());
+      return 1;
+    }
+    h.render_chat = *std::move(chat);
     auto started = router::OpenAiServer::Start(std::move(h));
     if (!started.ok()) {
       std::fprintf(stderr, "preft-router: --http-listen: %s\n", started.status().ToString().c_str());

@@ -308,7 +308,7 @@ absl::StatusOr<json> ChatMessages(const json& body) {
   return out;
 }
 
-absl::StatusOr<Plan> ParseChat(const json& body, const std::string& prompt) {
+absl::StatusOr<Plan> ParseChat(const json& body, const std::vector<int32_t>& prompt_ids) {
   Plan plan;
   v1::GenerateRequest base;
   absl::StatusOr<int> n = ParseCommon(body, &plan, &base);
@@ -322,7 +322,7 @@ absl::StatusOr<Plan> ParseChat(const json& body, const std::string& prompt) {
     plan.logprobs = static_cast<int>(top->value_or(0));
     base.mutable_sampling()->set_logprobs(plan.logprobs.value());
   }
-  base.set_text(prompt);
+  for (int32_t id : prompt_ids) base.mutable_token_ids()->add_ids(id);
   AddChoices(base, *n, &plan);
   return plan;
 }

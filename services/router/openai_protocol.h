@@ -35,8 +35,9 @@ struct Plan {
 // Prompts are text or token ids; `adapter_positions` ("prompt" or "all") is the extension that
 // picks PreFT or all-position application of the adapter `model` names.
 absl::StatusOr<Plan> ParseCompletion(const nlohmann::json& body);
-// `prompt` is the chat template's rendering of `messages` (the caller renders it).
-absl::StatusOr<Plan> ParseChat(const nlohmann::json& body, const std::string& prompt);
+// `prompt_ids`: the chat template's rendering of `messages`, tokenized without adding special
+// tokens (the template writes them). The caller renders and tokenizes.
+absl::StatusOr<Plan> ParseChat(const nlohmann::json& body, const std::vector<int32_t>& prompt_ids);
 // The chat messages, checked: [{role, content}] with string content (or text parts).
 absl::StatusOr<nlohmann::json> ChatMessages(const nlohmann::json& body);
 

@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "common/http/bind.h"
+#include "common/model/chat_template.h"
 #include "common/rpc/status.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
 #include "proto/preft/v1/preft.grpc.pb.h"
@@ -210,6 +211,16 @@ void Serve(v1::Preft::Stub* stub, const OpenAiServerOptions& options, const open
 
 }  // namespace
 
+absl::StatusOr<ChatRenderer> ChatRendererFor(const std::string& model_dir) {
+  absl::StatusOr<model::ChatTemplate> t = model::ChatTemplate::FromModelDir(model_dir);
+  if (absl::IsNotFound(t.status())) return ChatRenderer();
+  if (!t.ok()) return t.status();
+  auto shared = std::make_shared<model::ChatTemplate>(*std::move(t));
+  return ChatRenderer([shared](const json& messages) {
+    return shared->Render(jinja::Value::parse(messages.dump()), /*add_generation_prompt=*/true);
+  });
+}
+
 OpenAiServer::OpenAiServer(OpenAiServerOptions options)
     : options_(std::move(options)), server_(std::make_unique<httplib::Server>()) {}
 
@@ -250,7 +261,7 @@ void OpenAiServer::Routes() {
                   if (!body.ok()) return SendError(res, body.status());
                   absl::StatusOr<json> messages = openai::ChatMessages(*body);
                   if (!messages.ok()) return SendError(res, messages.status());
-                  if (!o->render_chat) {
+                  if (!o->render_chat || o->tokenizer == nullptr) {
                     return SendError(res, absl::InvalidArgumentError(
                                               "the base model has no chat template "
                                               "(tokenizer_config.json chat_template): use "
@@ -258,7 +269,11 @@ void OpenAiServer::Routes() {
                   }
                   absl::StatusOr<std::string> prompt = o->render_chat(*messages);
                   if (!prompt.ok()) return SendError(res, prompt.status());
-                  absl::StatusOr<openai::Plan> plan = openai::ParseChat(*body, *prompt);
+                  // The template wrote the special tokens (BOS included): add none.
+                  absl::StatusOr<std::vector<int32_t>> ids =
+                      o->tokenizer->Encode(*prompt, /*add_special_tokens=*/false);
+                  if (!ids.ok()) return SendError(res, ids.status());
+                  absl::StatusOr<openai::Plan> plan = openai::ParseChat(*body, *ids);
                   if (!plan.ok()) return SendError(res, plan.status());
                   Serve(stub.get(), *o, *plan, /*chat=*/true, req, res);
                 });

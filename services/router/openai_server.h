@@ -27,12 +27,19 @@ class Server;
 
 namespace preft::router {
 
+using ChatRenderer = std::function<absl::StatusOr<std::string>(const nlohmann::json& messages)>;
+
+// The model folder's chat template (tokenizer_config.json) as a renderer; a null renderer when
+// the model has none (chat is then refused); InvalidArgument when it does not parse.
+absl::StatusOr<ChatRenderer> ChatRendererFor(const std::string& model_dir);
+
 struct OpenAiServerOptions {
   std::string address = "127.0.0.1:0";  // host:port; port 0 picks one
   std::shared_ptr<grpc::Channel> router;
   const model::Tokenizer* tokenizer = nullptr;  // names tokens in logprobs; may be null
-  // Renders chat messages ([{role, content}]) to the prompt; null: chat is refused (400).
-  std::function<absl::StatusOr<std::string>(const nlohmann::json& messages)> render_chat;
+  // Renders chat messages ([{role, content}]) to the prompt text (model::ChatTemplate); null, or
+  // no tokenizer: chat is refused (400).
+  ChatRenderer render_chat;
   int threads = 64;  // concurrent HTTP requests (a stream holds one)
   absl::Duration timeout = absl::Minutes(10);  // per request
 };

@@ -4,7 +4,10 @@ configures it (trim_blocks, lstrip_blocks, loopcontrols, its tojson, raise_excep
 chat templates (Llama 3.1, Qwen2.5, Mistral) and a template that uses every supported construct,
 over many conversations, must render byte for byte the same; raise_exception must fail both.
 
-Usage: oracle_test.py JINJA_RENDER TEMPLATES_DIR WORK_DIR
+The real templates are the ones `preft make-model` writes for its Llama, Qwen2 and Mistral
+presets (common/model/chat_template_builtin.cc).
+
+Usage: oracle_test.py JINJA_RENDER PREFT TEMPLATES_DIR WORK_DIR
 """
 import json
 import os
@@ -59,12 +62,25 @@ EXTRAS = [{"add_generation_prompt": True}, {"add_generation_prompt": False},
 
 
 def main():
-    render, templates, work = sys.argv[1:4]
+    render, preft, templates, work = sys.argv[1:5]
     os.makedirs(work, exist_ok=True)
+    paths = [os.path.join(templates, n) for n in sorted(os.listdir(templates))]
+    for preset in ("tiny", "tiny-qwen2", "tiny-mistral"):
+        model = os.path.join(work, preset)
+        subprocess.run([preft, "make-model", "--preset", preset, "--seed", "1", "--out", model],
+                       check=True, capture_output=True)
+        with open(os.path.join(model, "tokenizer_config.json")) as f:
+            chat_template = json.load(f).get("chat_template")
+        if not chat_template:
+            print(f"FAIL: make-model --preset {preset} wrote no chat_template")
+            return 1
+        paths.append(os.path.join(work, f"{preset}.jinja"))
+        with open(paths[-1], "w") as f:
+            f.write(chat_template)
     env = hf_environment()
     failures = cases = 0
-    for name in sorted(os.listdir(templates)):
-        path = os.path.join(templates, name)
+    for path in paths:
+        name = os.path.basename(path)
         with open(path) as f:
             source = f.read()
         template = env.from_string(source)

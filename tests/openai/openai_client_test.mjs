@@ -1,6 +1,7 @@
 // The official `openai` npm client (not ours) against `preft serve --http-listen`: models, a
-// streamed and a plain completion with an adapter picked by `model` (PreFT positions), equal
-// token for token to `preft generate`, and errors as the SDK's typed exceptions.
+// streamed and a plain completion and a streamed chat completion with an adapter picked by
+// `model` (PreFT positions), equal token for token to `preft generate` (--chat), chat logprobs,
+// and errors as the SDK's typed exceptions.
 // Usage: node openai_client_test.mjs BUILD_DIR WORK_DIR
 import { spawn, execFileSync } from 'node:child_process';
 import { mkdirSync, rmSync } from 'node:fs';
@@ -71,6 +72,31 @@ try {
   const plain = await client.completions.create(params);
   expect(plain.choices[0].text === reference.text && plain.object === 'text_completion',
          'non-streamed text equals preft generate');
+
+  // Chat: the model's chat template (written by make-model) builds the prompt.
+  const chatReference = JSON.parse(run('generate', '--model', `${work}/model`, '--adapter',
+    `${work}/adapters/u1`, '--adapter-positions', 'prompt', '--chat', '--prompt', 'hello chat',
+    '--max-tokens', '10', '--ignore-eos', '--json'));
+  const chatStream = await client.chat.completions.create({
+    model: 'u1', messages: [{ role: 'user', content: 'hello chat' }], max_tokens: 10,
+    temperature: 0, ignore_eos: true, adapter_positions: 'prompt', stream: true });
+  let chatText = '', role = null, chatFinish = null;
+  for await (const chunk of chatStream) {
+    for (const c of chunk.choices) {
+      if (c.delta.role) role = c.delta.role;
+      chatText += c.delta.content ?? '';
+      if (c.finish_reason) chatFinish = c.finish_reason;
+    }
+  }
+  expect(chatText === chatReference.text && role === 'assistant' && chatFinish === 'length',
+         `streamed chat equals preft generate --chat (${JSON.stringify(chatText)})`);
+  const chat = await client.chat.completions.create({
+    model: 'u1', messages: [{ role: 'system', content: 'be brief' }, { role: 'user', content: 'hi' }],
+    max_tokens: 5, temperature: 0, adapter_positions: 'prompt', logprobs: true, top_logprobs: 2 });
+  const lp = chat.choices[0].logprobs?.content ?? [];
+  expect(chat.object === 'chat.completion' && chat.choices[0].message.role === 'assistant' &&
+         lp.length === chat.usage.completion_tokens && lp.every((t) => t.top_logprobs.length === 2),
+         `chat completion with logprobs (${lp.length} tokens)`);
 
   const base = await client.completions.create({ ...params, model: 'model' });
   expect(base.choices[0].text !== reference.text, 'the base model answers differently');

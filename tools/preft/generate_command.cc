@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "common/model/chat_template.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "common/adapters/adapter_loader.h"
@@ -37,6 +38,7 @@ struct GenerateFlags {
   std::vector<std::string> adapters;  // folders; "none" = base model
   std::string adapter_positions;      // "", "prompt" or "all"
   int concurrency = 1;
+  bool chat = false;  // --prompt is a user message, rendered by the model's chat template
 };
 
 int Fail(const std::string& message) {
@@ -95,6 +97,15 @@ int RunGenerate(const GenerateFlags& f) {
   req.id = "cli-0";
   if (!f.prompt_ids.empty()) {
     auto ids = ParseIds(f.prompt_ids);
+    if (!ids.ok()) return Fail(std::string(ids.status().message()));
+    req.prompt_ids = *ids;
+  } else if (f.chat) {
+    // As /v1/chat/completions builds it: the template writes the special tokens.
+    auto chat = model::ChatTemplate::FromModelDir(f.model);
+    if (!chat.ok()) return Fail(std::string(chat.status().message()));
+    auto text = chat->Render(jinja::Value::array({{{"role", "user"}, {"content", f.prompt}}}));
+    if (!text.ok()) return Fail(std::string(text.status().message()));
+    auto ids = tokenizer->Encode(*text, /*add_special_tokens=*/false);
     if (!ids.ok()) return Fail(std::string(ids.status().message()));
     req.prompt_ids = *ids;
   } else {
@@ -200,6 +211,8 @@ void RegisterGenerateCommand(CLI::App& app, int* exit_code) {
                                  "Prompt text (tokenized with the model's tokenizer.json)");
   auto* ids = cmd->add_option("--prompt-ids", f->prompt_ids, "Prompt as comma-separated token ids");
   prompt->excludes(ids);
+  cmd->add_flag("--chat", f->chat,
+                "Treat --prompt as a user message and apply the model's chat template");
   cmd->add_option("--max-tokens", f->max_tokens, "Most tokens to generate")->capture_default_str();
   cmd->add_option("--temperature", f->temperature, "Sampling temperature; 0 is greedy")
       ->capture_default_str();

@@ -752,6 +752,12 @@ TEST_F(HttpClusterTest, CompletionsReproduceTheFixtureAndTokensApply) {
   EXPECT_EQ(Post("/v1/unload_lora_adapter", {{"lora_name", "again"}}, kAdmin).status, 200);
   EXPECT_EQ(Post("/v1/unload_lora_adapter", {{"lora_name", "again"}}, kAdmin).status, 404);
   EXPECT_EQ(Post("/v1/completions", nlohmann::json::array(), kApi).status, 400);
+  // The fixture's tokenizer_config.json has no chat template: chat is refused, saying so.
+  const Reply chat = Post("/v1/chat/completions",
+                          {{"model", "tiny-llama"}, {"messages", {{{"role", "user"}, {"content", "hi"}}}}},
+                          kApi);
+  EXPECT_EQ(chat.status, 400);
+  EXPECT_NE(chat.body.find("no chat template"), std::string::npos) << chat.body;
   ExpectNoLeaks();
 }
 

@@ -122,12 +122,12 @@ TEST(OpenAiProtocolTest, ChatMessagesAndChatLogprobs) {
   }
   auto plan = ParseChat(json::parse(R"({"model": "m", "messages": [], "logprobs": true,
                                         "top_logprobs": 2, "max_completion_tokens": 9})"),
-                        "<prompt>");
+                        {7, 8, 9});
   ASSERT_TRUE(plan.ok()) << plan.status();
-  EXPECT_EQ(plan->choices[0].text(), "<prompt>");
+  EXPECT_EQ(plan->choices[0].token_ids().ids(2), 9);
   EXPECT_EQ(plan->choices[0].sampling().logprobs(), 2);
   EXPECT_EQ(plan->choices[0].sampling().max_tokens(), 9);
-  EXPECT_EQ(ParseChat(json::parse(R"({"model": "m", "top_logprobs": 2})"), "p").status().code(),
+  EXPECT_EQ(ParseChat(json::parse(R"({"model": "m", "top_logprobs": 2})"), {1}).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
 
