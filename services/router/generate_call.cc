@@ -65,6 +65,11 @@ void GenerateCall::Track(grpc::ClientContext* ctx) {
   if (cancelled_ || aborted_) ctx->TryCancel();
 }
 
+void GenerateCall::ReserveDeadline(grpc::ClientContext* ctx) const {
+  const auto bound = std::chrono::system_clock::now() + std::chrono::seconds(10);
+  ctx->set_deadline(has_deadline_ ? std::min(client_deadline_, bound) : bound);
+}
+
 void GenerateCall::Untrack() {
   std::lock_guard<std::mutex> lock(mu_);
   current_ = nullptr;
@@ -228,16 +233,21 @@ absl::StatusOr<GenerateCall::Reservation> GenerateCall::Reserve(int64_t prompt_t
     }
     for (size_t i : RankDecode(views, need)) {
       grpc::ClientContext ctx;
-      Track(&ctx);
+      ReserveDeadline(&ctx);
       const worker::v1::ReserveRequest req = ReserveRequestFor(prompt_tokens, max_new, 0);
       Reservation res;
       const absl::Status s = rpc::FromGrpcStatus(workers[i]->stub->Reserve(&ctx, req, &res.r));
-      Untrack();
       if (s.ok()) {
         router_->metrics->Routed("decode", "most_free");
         res.worker = workers[i];
-        absl::MutexLock lock(&workers[i]->mu);  // until the next poll says otherwise
-        workers[i]->view.free_blocks -= res.r.block_ids_size();
+        {
+          absl::MutexLock lock(&workers[i]->mu);  // until the next poll says otherwise
+          workers[i]->view.free_blocks -= res.r.block_ids_size();
+        }
+        if (stopped()) {  // cancelled or aborted while reserving
+          Release(res, "cancelled");
+          return absl::CancelledError("cancelled");
+        }
         return res;
       }
       if (stopped()) return absl::CancelledError("cancelled");
@@ -337,12 +347,11 @@ absl::StatusOr<worker::v1::PrefillResponse> GenerateCall::Prefill(
     tried.push_back(w->address);
     // Same reservation, next generation: late writes of the failed attempt cannot land in it.
     grpc::ClientContext rctx;
-    Track(&rctx);
+    ReserveDeadline(&rctx);
     const worker::v1::ReserveRequest rr = ReserveRequestFor(
         static_cast<int64_t>(prompt.size()), sampling.max_tokens, res->r.reservation_id());
     worker::v1::ReserveResponse next;
     const absl::Status rs = rpc::FromGrpcStatus(res->worker->stub->Reserve(&rctx, rr, &next));
-    Untrack();
     if (rs.ok()) {
       res->r = std::move(next);
       continue;
@@ -427,12 +436,15 @@ absl::Status GenerateCall::Decode(const Reservation& res, const std::vector<int3
   }
   const absl::Status s = rpc::FromGrpcStatus(reader->Finish());
   Untrack();
+  // A Start that ended before it took the reservation (refused, or cancelled before the decode
+  // worker saw it) leaves it held: give it back now rather than at lease expiry. A no-op for a
+  // reservation the stream had started.
+  if (completion_tokens_ == 0 && (client_gone || stopped() || !s.ok())) {
+    Release(res, s.ok() || client_gone || stopped() ? "cancelled" : "start failed");
+  }
   if (client_gone) return absl::CancelledError("the client went away");
   if (stopped()) return AbortedResult();
   if (!s.ok()) {
-    // A Start refused before it took the reservation leaves it held: give it back now rather
-    // than at lease expiry (a no-op for a reservation the stream had started).
-    if (completion_tokens_ == 0) Release(res, "start failed");
     if (s.code() == absl::StatusCode::kUnavailable) {
       WorkerPool::MarkUnhealthy(*res.worker);
       return absl::UnavailableError(

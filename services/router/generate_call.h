@@ -57,6 +57,9 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
 
   // Client context for a worker call: the client's deadline, registered for cancellation.
   void Track(grpc::ClientContext* ctx);
+  // Reserve calls are not cancelled midway (a reservation the worker made must be known here
+  // to be released): they get a short deadline instead, and the caller checks stopped() after.
+  void ReserveDeadline(grpc::ClientContext* ctx) const;
   void Untrack();
   bool stopped();  // cancelled or aborted
   // Waits up to 20 ms for a cancel or an abort, counted as waiting for capacity.

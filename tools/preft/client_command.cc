@@ -1,19 +1,16 @@
-// `preft client`: a small gRPC client of the public API (preft.v1.Preft), for scripts, the
-// demo and people poking at a cluster. Output mirrors `preft generate` (text, or --json).
-
-#include <grpcpp/grpcpp.h>
+// `preft client`: the public API (preft.v1.Preft) from the command line, for scripts, the demo
+// and people poking at a cluster, built on the C++ SDK (clients/cpp). Output mirrors
+// `preft generate` (text, or --json).
 
 #include <cstdio>
 #include <fstream>
-#include <iostream>
+#include <functional>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
-#include "nlohmann/json.hpp"
-#include "common/rpc/status.h"
+#include "clients/cpp/preft_client.h"
 #include "common/rpc/tls.h"
-#include "proto/grpc/health/v1/health.grpc.pb.h"
-#include "proto/preft/v1/preft.grpc.pb.h"
+#include "nlohmann/json.hpp"
 #include "services/wire/convert.h"
 #include "tools/preft/commands.h"
 
@@ -41,42 +38,27 @@ struct ClientFlags {
   std::string service;
 };
 
-std::shared_ptr<grpc::Channel> Channel(const ClientFlags& f) {
-  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> c = rpc::MakeChannelCredentials(f.tls);
-  if (!c.ok()) {  // the calls fail with this message
-    std::fprintf(stderr, "preft client: %s\n", c.status().ToString().c_str());
-    return grpc::CreateChannel(f.server, grpc::InsecureChannelCredentials());
-  }
-  return grpc::CreateChannel(f.server, *c);
-}
-
-std::unique_ptr<v1::Preft::Stub> Connect(const ClientFlags& f) {
-  return v1::Preft::NewStub(Channel(f));
-}
-
-// The call's deadline and bearer token.
-void Prepare(const ClientFlags& f, grpc::ClientContext* ctx) {
-  ctx->set_deadline(std::chrono::system_clock::now() +
-                    std::chrono::milliseconds(static_cast<int64_t>(f.timeout_s * 1000)));
-  std::string token = f.token;
-  if (token.empty() && !f.token_file.empty()) {
+// The SDK client the flags describe; exits through `Fail` on unreadable TLS or token files.
+absl::StatusOr<std::unique_ptr<client::Client>> Connect(const ClientFlags& f) {
+  client::ClientOptions o;
+  o.address = f.server;
+  o.tls = f.tls;
+  o.timeout = absl::Seconds(f.timeout_s);
+  o.token = f.token;
+  if (o.token.empty() && !f.token_file.empty()) {
     std::ifstream in(f.token_file);
-    std::getline(in, token);
+    std::getline(in, o.token);
   }
-  if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
+  return client::Client::Connect(std::move(o));
 }
 
-int Fail(const grpc::Status& s) {
-  std::fprintf(stderr, "preft client: %s\n", rpc::FromGrpcStatus(s).ToString().c_str());
+int Fail(const absl::Status& s) {
+  std::fprintf(stderr, "preft client: %s\n", s.ToString().c_str());
   return 1;
 }
 
-
 int RunGenerate(const ClientFlags& f) {
-  v1::GenerateRequest req;
-  req.set_request_id(f.request_id);
-  req.set_model(f.model);
-  req.set_stream(true);
+  client::Prompt prompt = client::Prompt::Text(f.prompt);
   if (!f.prompt_ids.empty()) {
     for (absl::string_view s : absl::StrSplit(f.prompt_ids, ',', absl::SkipEmpty())) {
       int32_t id = 0;
@@ -85,66 +67,58 @@ int RunGenerate(const ClientFlags& f) {
                      std::string(s).c_str());
         return 2;
       }
-      req.mutable_token_ids()->add_ids(id);
+      prompt.token_ids.push_back(id);
     }
-  } else {
-    req.set_text(f.prompt);
   }
-  if (f.positions == "prompt") req.set_adapter_positions(v1::ADAPTER_POSITIONS_PROMPT);
-  if (f.positions == "all") req.set_adapter_positions(v1::ADAPTER_POSITIONS_ALL);
-  v1::SamplingParams* s = req.mutable_sampling();
-  s->set_max_tokens(f.max_tokens);
-  s->set_temperature(f.temperature);
-  s->set_top_p(f.top_p);
-  if (f.seed >= 0) s->set_seed(static_cast<uint64_t>(f.seed));
-  if (f.logprobs >= 0) s->set_logprobs(f.logprobs);
-  for (const auto& stop : f.stop) s->add_stop(stop);
-  s->set_ignore_eos(f.ignore_eos);
+  client::GenerateParams p;
+  p.request_id = f.request_id;
+  p.model = f.model;
+  if (f.positions == "prompt") p.positions = v1::ADAPTER_POSITIONS_PROMPT;
+  if (f.positions == "all") p.positions = v1::ADAPTER_POSITIONS_ALL;
+  p.max_tokens = f.max_tokens;
+  p.temperature = f.temperature;
+  p.top_p = f.top_p;
+  if (f.seed >= 0) p.seed = static_cast<uint64_t>(f.seed);
+  if (f.logprobs >= 0) p.logprobs = f.logprobs;
+  p.stop = f.stop;
+  p.ignore_eos = f.ignore_eos;
 
-  grpc::ClientContext ctx;
-  Prepare(f, &ctx);
-  auto stub = Connect(f);
-  auto reader = stub->Generate(&ctx, req);
-  v1::GenerateResponse msg;
-  nlohmann::json out;
-  out["token_ids"] = nlohmann::json::array();
-  std::string text;
-  nlohmann::json logprobs = nlohmann::json::array();
-  while (reader->Read(&msg)) {
-    out["request_id"] = msg.request_id();
-    for (int32_t t : msg.token_ids()) out["token_ids"].push_back(t);
-    text += msg.text();
-    for (const auto& lp : msg.logprobs()) {
+  auto c = Connect(f);
+  if (!c.ok()) return Fail(c.status());
+  auto out = (*c)->Generate(prompt, p, [&f](const v1::GenerateResponse& d) {
+    if (!f.json) {
+      std::fwrite(d.text().data(), 1, d.text().size(), stdout);
+      std::fflush(stdout);
+    }
+    return true;
+  });
+  if (!f.json) std::printf("\n");
+  if (!out.ok()) return Fail(out.status());
+  if (!f.json) return 0;
+  nlohmann::json j;
+  j["request_id"] = out->request_id;
+  j["token_ids"] = out->token_ids;
+  j["text"] = out->text;
+  const char* finish = wire::FinishReasonName(out->finish.reason());
+  j["finish_reason"] = *finish != '\0' ? finish : "none";
+  j["usage"] = {{"prompt_tokens", out->finish.usage().prompt_tokens()},
+                {"completion_tokens", out->finish.usage().completion_tokens()}};
+  if (!out->finish.adapter().empty()) {
+    j["adapter"] = out->finish.adapter();
+    j["adapter_version"] = out->finish.adapter_version();
+    j["adapter_positions"] =
+        out->finish.adapter_positions() == v1::ADAPTER_POSITIONS_PROMPT ? "prompt" : "all";
+  }
+  if (f.logprobs >= 0) {
+    nlohmann::json logprobs = nlohmann::json::array();
+    for (const auto& lp : out->logprobs) {
       nlohmann::json top = nlohmann::json::array();
       for (const auto& t : lp.top()) top.push_back({t.token_id(), t.logprob()});
       logprobs.push_back({{"token_id", lp.token_id()}, {"logprob", lp.logprob()}, {"top", top}});
     }
-    if (!f.json) {
-      std::fwrite(msg.text().data(), 1, msg.text().size(), stdout);
-      std::fflush(stdout);
-    }
-    if (msg.has_finish()) {
-      const v1::Finish& fin = msg.finish();
-      const char* finish = wire::FinishReasonName(fin.reason());
-      out["finish_reason"] = *finish != '\0' ? finish : "none";
-      out["usage"] = {{"prompt_tokens", fin.usage().prompt_tokens()},
-                      {"completion_tokens", fin.usage().completion_tokens()}};
-      if (!fin.adapter().empty()) {
-        out["adapter"] = fin.adapter();
-        out["adapter_version"] = fin.adapter_version();
-        out["adapter_positions"] =
-            fin.adapter_positions() == v1::ADAPTER_POSITIONS_PROMPT ? "prompt" : "all";
-      }
-    }
+    j["logprobs"] = logprobs;
   }
-  const grpc::Status status = reader->Finish();
-  if (!f.json && !text.empty()) std::printf("\n");
-  if (!status.ok()) return Fail(status);
-  if (f.json) {
-    out["text"] = text;
-    if (f.logprobs >= 0) out["logprobs"] = logprobs;
-    std::printf("%s\n", out.dump().c_str());
-  }
+  std::printf("%s\n", j.dump().c_str());
   return 0;
 }
 
@@ -165,95 +139,66 @@ nlohmann::json AdapterJson(const v1::AdapterInfo& a) {
           {"workers", workers}};
 }
 
-int RunModels(const ClientFlags& f) {
-  grpc::ClientContext ctx;
-  Prepare(f, &ctx);
-  v1::ListModelsResponse r;
-  const grpc::Status s = Connect(f)->ListModels(&ctx, v1::ListModelsRequest(), &r);
-  if (!s.ok()) return Fail(s);
-  nlohmann::json out;
-  out["base"] = {{"name", r.base().name()},
-                 {"architecture", r.base().architecture()},
-                 {"dtype", r.base().dtype()},
-                 {"vocab_size", r.base().vocab_size()},
-                 {"max_context_tokens", r.base().max_context_tokens()}};
-  out["adapters"] = nlohmann::json::array();
-  for (const auto& a : r.adapters()) out["adapters"].push_back(AdapterJson(a));
-  std::printf("%s\n", out.dump().c_str());
-  return 0;
-}
-
-int RunRegister(const ClientFlags& f) {
-  grpc::ClientContext ctx;
-  Prepare(f, &ctx);
-  v1::RegisterAdapterRequest req;
-  req.set_name(f.name);
-  req.set_path(f.path);
-  req.set_load(f.load);
-  v1::RegisterAdapterResponse r;
-  const grpc::Status s = Connect(f)->RegisterAdapter(&ctx, req, &r);
-  if (!s.ok()) return Fail(s);
-  std::printf("%s\n", AdapterJson(r.adapter()).dump().c_str());
-  return 0;
-}
-
-int RunUnload(const ClientFlags& f) {
-  grpc::ClientContext ctx;
-  Prepare(f, &ctx);
-  v1::UnloadAdapterRequest req;
-  req.set_name(f.name);
-  req.set_unregister(f.unregister);
-  v1::UnloadAdapterResponse r;
-  const grpc::Status s = Connect(f)->UnloadAdapter(&ctx, req, &r);
+// Runs `call` on a connected client: 0, or 1 with the error on stderr.
+int WithClient(const ClientFlags& f, const std::function<absl::Status(client::Client&)>& call) {
+  auto c = Connect(f);
+  if (!c.ok()) return Fail(c.status());
+  const absl::Status s = call(**c);
   return s.ok() ? 0 : Fail(s);
 }
 
+int RunModels(const ClientFlags& f) {
+  return WithClient(f, [](client::Client& c) {
+    auto r = c.ListModels();
+    if (!r.ok()) return r.status();
+    nlohmann::json out;
+    out["base"] = {{"name", r->base().name()},
+                   {"architecture", r->base().architecture()},
+                   {"dtype", r->base().dtype()},
+                   {"vocab_size", r->base().vocab_size()},
+                   {"max_context_tokens", r->base().max_context_tokens()}};
+    out["adapters"] = nlohmann::json::array();
+    for (const auto& a : r->adapters()) out["adapters"].push_back(AdapterJson(a));
+    std::printf("%s\n", out.dump().c_str());
+    return absl::OkStatus();
+  });
+}
+
+int RunRegister(const ClientFlags& f) {
+  return WithClient(f, [&f](client::Client& c) {
+    auto a = c.RegisterAdapter(f.name, f.path, f.load);
+    if (!a.ok()) return a.status();
+    std::printf("%s\n", AdapterJson(*a).dump().c_str());
+    return absl::OkStatus();
+  });
+}
+
+int RunUnload(const ClientFlags& f) {
+  return WithClient(f, [&f](client::Client& c) { return c.UnloadAdapter(f.name, f.unregister); });
+}
+
 int RunUpdate(const ClientFlags& f) {
-  grpc::ClientContext ctx;
-  Prepare(f, &ctx);
-  v1::UpdateAdapterResponse r;
-  auto writer = Connect(f)->UpdateAdapter(&ctx, &r);
-  v1::UpdateAdapterRequest header;
-  header.mutable_header()->set_name(f.name);
-  writer->Write(header);
-  for (const char* file : {"adapter_config.json", "adapter_model.safetensors"}) {
-    std::ifstream in(f.path + "/" + file, std::ios::binary);
-    if (!in) {
-      std::fprintf(stderr, "preft client: cannot read %s/%s\n", f.path.c_str(), file);
-      return 1;
-    }
-    std::string chunk(1 << 20, '\0');
-    while (in.read(chunk.data(), static_cast<std::streamsize>(chunk.size())) || in.gcount() > 0) {
-      v1::UpdateAdapterRequest msg;
-      msg.mutable_chunk()->set_file_name(file);
-      msg.mutable_chunk()->set_data(chunk.data(), static_cast<size_t>(in.gcount()));
-      if (!writer->Write(msg)) break;
-    }
-  }
-  writer->WritesDone();
-  const grpc::Status s = writer->Finish();
-  if (!s.ok()) return Fail(s);
-  std::printf("%s\n", nlohmann::json({{"name", r.name()},
-                                      {"version", r.version()},
-                                      {"bytes_received", r.bytes_received()}})
-                          .dump()
-                          .c_str());
-  return 0;
+  return WithClient(f, [&f](client::Client& c) {
+    auto r = c.UpdateAdapter(f.name, f.path);
+    if (!r.ok()) return r.status();
+    std::printf("%s\n", nlohmann::json({{"name", r->name()},
+                                        {"version", r->version()},
+                                        {"bytes_received", r->bytes_received()}})
+                            .dump()
+                            .c_str());
+    return absl::OkStatus();
+  });
 }
 
 // What a Kubernetes grpc probe does: Check(service), healthy only on SERVING. Works against
 // any preft binary (router, prefill, decode), not only the public API.
 int RunHealth(const ClientFlags& f) {
-  grpc::ClientContext ctx;
-  Prepare(f, &ctx);
-  grpc::health::v1::HealthCheckRequest req;
-  req.set_service(f.service);
-  grpc::health::v1::HealthCheckResponse r;
-  auto stub = grpc::health::v1::Health::NewStub(Channel(f));
-  const grpc::Status s = stub->Check(&ctx, req, &r);
-  if (!s.ok()) return Fail(s);
-  std::printf("%s\n", grpc::health::v1::HealthCheckResponse::ServingStatus_Name(r.status()).c_str());
-  return r.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
+  auto c = Connect(f);
+  if (!c.ok()) return Fail(c.status());
+  auto serving = (*c)->Healthy(f.service);
+  if (!serving.ok()) return Fail(serving.status());
+  std::printf("%s\n", *serving ? "SERVING" : "NOT_SERVING");
+  return *serving ? 0 : 1;
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <thread>
 
+#include "clients/cpp/preft_client.h"
 #include "common/adapters/adapter_loader.h"
 #include "common/base/mapped_file.h"
 #include "absl/strings/numbers.h"
@@ -811,6 +812,82 @@ TEST_F(HttpClusterTest, AClientLeavingMidStreamStopsItsGeneration) {
   }
   EXPECT_EQ(Counter("preft:router_requests_total"), 1);
   EXPECT_LT(Counter("preft:router_generation_tokens_total"), 1500);
+}
+
+// The C++ SDK (clients/cpp) against the cluster.
+class ClientSdkTest : public EmbeddedClusterTest {};
+
+TEST_F(ClientSdkTest, GeneratesStreamsCancelsAndAdministers) {
+  client::ClientOptions o;
+  o.address = cluster_->address();
+  auto sdk = client::Client::Connect(o);
+  ASSERT_TRUE(sdk.ok()) << sdk.status();
+  client::Client& c = **sdk;
+  // Every fixture case the SDK can ask for, equal to transformers + PEFT + pyreft.
+  auto text = base::ReadFileToString(testing::TinyLlamaFixture() + "/reference.json");
+  ASSERT_TRUE(text.ok());
+  for (const auto& ref : nlohmann::json::parse(*text)["cases"]) {
+    client::GenerateParams p;
+    if (!ref["adapter"].is_null()) {
+      p.model = ref["adapter"];
+      p.positions = ref["adapter_positions"] == "prompt" ? v1::ADAPTER_POSITIONS_PROMPT
+                                                         : v1::ADAPTER_POSITIONS_ALL;
+    }
+    p.max_tokens = static_cast<int32_t>(ref["token_ids"].size());
+    p.ignore_eos = true;
+    int deltas = 0;
+    auto out = c.Generate(client::Prompt::Ids(ref["prompt_ids"].get<std::vector<int32_t>>()), p,
+                          [&](const v1::GenerateResponse&) { return ++deltas > 0; });
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_EQ(out->token_ids, ref["token_ids"].get<std::vector<int32_t>>()) << ref["adapter"];
+    EXPECT_GE(deltas, 1);
+    EXPECT_EQ(out->finish.reason(), v1::FINISH_REASON_LENGTH);
+  }
+  // A callback that says stop cancels the generation; both tiers let go.
+  client::GenerateParams long_run;
+  long_run.max_tokens = 1500;
+  long_run.ignore_eos = true;
+  auto stopped = c.Generate(client::Prompt::Text("stop me"), long_run,
+                            [](const v1::GenerateResponse&) { return false; });
+  EXPECT_EQ(stopped.status().code(), absl::StatusCode::kCancelled);
+  // Abort from another thread ends the stream with reason ABORT.
+  long_run.request_id = "sdk-abort";
+  std::thread aborter([&] {
+    // NotFound until the router has taken the request.
+    const absl::Time until = absl::Now() + absl::Seconds(10);
+    absl::Status s = c.Abort("sdk-abort");
+    while (absl::IsNotFound(s) && absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(1));
+      s = c.Abort("sdk-abort");
+    }
+    EXPECT_TRUE(s.ok()) << s;
+  });
+  auto aborted = c.Generate(client::Prompt::Text("abort me"), long_run);
+  aborter.join();
+  ASSERT_TRUE(aborted.ok()) << aborted.status();
+  EXPECT_EQ(aborted->finish.reason(), v1::FINISH_REASON_ABORT);
+  EXPECT_EQ(c.Abort("no-such-request").code(), absl::StatusCode::kNotFound);
+  // Adapter admin and errors as absl statuses.
+  auto models = c.ListModels();
+  ASSERT_TRUE(models.ok());
+  EXPECT_EQ(models->adapters_size(), 3);
+  auto info = c.RegisterAdapter("sdk", "lora");
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->version(), 1);
+  auto updated = c.UpdateAdapter("sdk", testing::TinyLlamaFixture() + "/lora");
+  ASSERT_TRUE(updated.ok()) << updated.status();
+  EXPECT_EQ(updated->version(), 2);
+  EXPECT_EQ(c.UpdateAdapter("sdk", "/no/such/dir").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(c.UnloadAdapter("sdk", /*unregister=*/true).ok());
+  EXPECT_EQ(c.UnloadAdapter("sdk").code(), absl::StatusCode::kNotFound);
+  client::GenerateParams unknown;
+  unknown.model = "nobody";
+  EXPECT_EQ(c.Generate(client::Prompt::Text("x"), unknown).status().code(),
+            absl::StatusCode::kNotFound);
+  auto healthy = c.Healthy();
+  ASSERT_TRUE(healthy.ok());
+  EXPECT_TRUE(*healthy);
+  ExpectNoLeaks();
 }
 
 }  // namespace
