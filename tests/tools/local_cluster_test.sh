@@ -22,6 +22,8 @@ echo "router at $addr"
 client=("$preft" client --server "$addr" --timeout-s 60)
 
 "${client[@]}" register --name u1 --path u1 > "$work/reg" || fail "register: $(cat "$work/reg")"
+listed=$("$preft" adapters --server "$addr" list) || fail "adapters list failed"
+grep -q '"name": "u1"' <<< "$listed" || fail "adapters list: $listed"
 for spec in "none prompt" "u1 prompt" "u1 all"; do
   read -r adapter positions <<< "$spec"
   if [[ $adapter == none ]]; then

@@ -203,16 +203,67 @@ int RunHealth(const ClientFlags& f) {
 
 }  // namespace
 
+namespace {
+
+// The flags every command that talks to a router takes.
+void AddConnectionFlags(CLI::App* cmd, ClientFlags* f) {
+  cmd->add_option("--server", f->server, "router address")->capture_default_str();
+  cmd->add_option("--timeout-s", f->timeout_s, "deadline of the call");
+  rpc::AddTlsFlags(*cmd, &f->tls);
+  cmd->add_option("--token", f->token, "bearer token (authorization metadata)");
+  cmd->add_option("--token-file", f->token_file, "file holding the bearer token")
+      ->check(CLI::ExistingFile);
+}
+
+// register / unload / update under `parent` (`preft client` and `preft adapters`).
+void AddAdapterAdmin(CLI::App* parent, const std::shared_ptr<ClientFlags>& f, int* exit_code) {
+  CLI::App* reg = parent->add_subcommand("register", "register an adapter folder (JSON out)");
+  reg->add_option("--name", f->name)->required();
+  reg->add_option("--path", f->path, "folder under the server's adapter root")->required();
+  reg->add_flag("--load", f->load, "load it onto prefill workers now");
+  reg->callback([f, exit_code] { *exit_code = RunRegister(*f); });
+
+  CLI::App* unload = parent->add_subcommand("unload", "drop an adapter from the workers");
+  unload->add_option("--name", f->name)->required();
+  unload->add_flag("--unregister", f->unregister, "and forget it");
+  unload->callback([f, exit_code] { *exit_code = RunUnload(*f); });
+
+  CLI::App* update = parent->add_subcommand(
+      "update", "stream new weights for an adapter (its next version; JSON out)");
+  update->add_option("--name", f->name)->required();
+  update->add_option("--path", f->path, "local folder with the new files")->required();
+  update->callback([f, exit_code] { *exit_code = RunUpdate(*f); });
+}
+
+int RunAdaptersList(const ClientFlags& f) {
+  return WithClient(f, [](client::Client& c) {
+    auto r = c.ListModels();
+    if (!r.ok()) return r.status();
+    nlohmann::json out = nlohmann::json::array();
+    for (const auto& a : r->adapters()) out.push_back(AdapterJson(a));
+    std::printf("%s\n", out.dump(2).c_str());
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace
+
+void RegisterAdaptersCommand(CLI::App& app, int* exit_code) {
+  auto f = std::make_shared<ClientFlags>();
+  CLI::App* adapters = app.add_subcommand(
+      "adapters", "list, register, update and unload a router's adapters (preft.v1 admin)");
+  adapters->require_subcommand(1);
+  AddConnectionFlags(adapters, f.get());
+  adapters->add_subcommand("list", "the registered adapters, with their residency (JSON)")
+      ->callback([f, exit_code] { *exit_code = RunAdaptersList(*f); });
+  AddAdapterAdmin(adapters, f, exit_code);
+}
+
 void RegisterClientCommand(CLI::App& app, int* exit_code) {
   auto f = std::make_shared<ClientFlags>();
   CLI::App* client = app.add_subcommand("client", "talk to a running cluster (preft.v1 gRPC)");
   client->require_subcommand(1);
-  client->add_option("--server", f->server, "router address")->capture_default_str();
-  client->add_option("--timeout-s", f->timeout_s, "deadline of the call");
-  rpc::AddTlsFlags(*client, &f->tls);
-  client->add_option("--token", f->token, "bearer token (authorization metadata)");
-  client->add_option("--token-file", f->token_file, "file holding the bearer token")
-      ->check(CLI::ExistingFile);
+  AddConnectionFlags(client, f.get());
 
   CLI::App* gen = client->add_subcommand("generate", "stream one generation");
   gen->add_option("--model", f->model, "adapter name (empty: the base model)");
@@ -242,21 +293,7 @@ void RegisterClientCommand(CLI::App& app, int* exit_code) {
   client->add_subcommand("models", "the base model and registered adapters (JSON)")
       ->callback([f, exit_code] { *exit_code = RunModels(*f); });
 
-  CLI::App* reg = client->add_subcommand("register", "register an adapter folder");
-  reg->add_option("--name", f->name)->required();
-  reg->add_option("--path", f->path, "folder under the server's adapter root")->required();
-  reg->add_flag("--load", f->load, "load it onto prefill workers now");
-  reg->callback([f, exit_code] { *exit_code = RunRegister(*f); });
-
-  CLI::App* unload = client->add_subcommand("unload", "drop an adapter from the workers");
-  unload->add_option("--name", f->name)->required();
-  unload->add_flag("--unregister", f->unregister, "and forget it");
-  unload->callback([f, exit_code] { *exit_code = RunUnload(*f); });
-
-  CLI::App* update = client->add_subcommand("update", "stream new weights for an adapter");
-  update->add_option("--name", f->name)->required();
-  update->add_option("--path", f->path, "local folder with the new files")->required();
-  update->callback([f, exit_code] { *exit_code = RunUpdate(*f); });
+  AddAdapterAdmin(client, f, exit_code);
 
   CLI::App* health = client->add_subcommand(
       "health", "grpc.health.v1 Check of any preft server; exits 0 only when SERVING");

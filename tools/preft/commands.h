@@ -11,5 +11,6 @@ void RegisterMakeModelCommand(CLI::App& app, int* exit_code);
 void RegisterMakeAdapterCommand(CLI::App& app, int* exit_code);
 void RegisterServeCommand(CLI::App& app, int* exit_code);
 void RegisterClientCommand(CLI::App& app, int* exit_code);
+void RegisterAdaptersCommand(CLI::App& app, int* exit_code);
 
 }  // namespace preft::tools
