@@ -12,5 +12,6 @@ void RegisterMakeAdapterCommand(CLI::App& app, int* exit_code);
 void RegisterServeCommand(CLI::App& app, int* exit_code);
 void RegisterClientCommand(CLI::App& app, int* exit_code);
 void RegisterAdaptersCommand(CLI::App& app, int* exit_code);
+void RegisterBenchCommand(CLI::App& app, int* exit_code);
 
 }  // namespace preft::tools

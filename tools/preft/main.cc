@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   preft::tools::RegisterServeCommand(app, &exit_code);
   preft::tools::RegisterClientCommand(app, &exit_code);
   preft::tools::RegisterAdaptersCommand(app, &exit_code);
+  preft::tools::RegisterBenchCommand(app, &exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# `preft bench` against `preft serve`: its accounting (every request served, every token counted)
+# and its failure path (one clear line, exit 1). Timings are printed, not asserted.
+# Usage: bench_cli_test.sh PREFT WORK_DIR
+set -u
+preft=$1
+work=$2
+rm -rf "$work" && mkdir -p "$work"
+"$preft" make-model --preset tiny --seed 4 --out "$work/model" > /dev/null || exit 1
+"$preft" serve --model "$work/model" --listen 127.0.0.1:0 --threads 1 > "$work/serve.log" 2>&1 &
+pid=$!
+trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null' EXIT
+for _ in $(seq 1 300); do grep -q "listening on" "$work/serve.log" && break; sleep 0.1; done
+addr=$(sed -n 's/.*listening on \([^ ]*\).*/\1/p' "$work/serve.log" | head -1)
+failures=0
+out=$("$preft" bench --server "$addr" --requests 12 --concurrency 3 --prompt-tokens 20 \
+      --max-tokens 7 --json) || { echo "FAIL: bench exited $?"; failures=$((failures + 1)); }
+/usr/bin/python3 - "$out" <<'PY' || failures=$((failures + 1))
+import json, sys
+r = json.loads(sys.argv[1])
+ok = r["requests"] == 12 and r["failed"] == 0 and r["generated_tokens"] == 12 * 7 and \
+     r["ttft_ms"]["p50"] > 0 and r["output_tokens_per_s"] > 0
+print(("ok: " if ok else "FAIL: ") + json.dumps(r))
+sys.exit(0 if ok else 1)
+PY
+if "$preft" bench --server "$addr" --requests 2 --adapters nobody > /dev/null 2> "$work/err"; then
+  echo "FAIL: bench with an unknown adapter succeeded"; failures=$((failures + 1))
+elif ! grep -q "NOT_FOUND: adapter 'nobody'" "$work/err"; then
+  echo "FAIL: $(cat "$work/err")"; failures=$((failures + 1))
+else
+  echo "ok: $(cat "$work/err")"
+fi
+echo "bench cli: $failures failures"
+[[ $failures == 0 ]]

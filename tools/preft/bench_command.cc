@@ -1,0 +1,162 @@
+// `preft bench`: load against a running router, through the C++ SDK: N requests at a given
+// concurrency, prompts of an exact length, round-robin over adapters (PreFT or all-position).
+// Prints throughput and latency percentiles (client-side: TTFT, inter-token latency, end to
+// end), as text or --json. Progress goes to stderr.
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <mutex>
+#include <thread>
+
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "clients/cpp/preft_client.h"
+#include "nlohmann/json.hpp"
+#include "tools/preft/commands.h"
+
+namespace preft::tools {
+
+namespace {
+
+struct BenchFlags {
+  client::ClientOptions connection;
+  double timeout_s = 300;
+  int requests = 64;
+  int concurrency = 8;
+  int prompt_tokens = 128;
+  int max_tokens = 64;
+  std::string adapters = "none";  // comma-separated; "none" is the base model
+  std::string positions = "prompt";
+  bool json = false;
+};
+
+double Percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())))];
+}
+
+int RunBench(BenchFlags f) {
+  f.connection.timeout = absl::Seconds(f.timeout_s);
+  auto c = client::Client::Connect(f.connection);
+  if (!c.ok()) return std::fprintf(stderr, "preft bench: %s\n", c.status().ToString().c_str()), 1;
+  auto models = (*c)->ListModels();
+  if (!models.ok()) {
+    std::fprintf(stderr, "preft bench: %s\n", models.status().ToString().c_str());
+    return 1;
+  }
+  const int32_t vocab = models->base().vocab_size();
+  std::vector<std::string> adapters = absl::StrSplit(f.adapters, ',', absl::SkipEmpty());
+  if (adapters.empty()) adapters.push_back("none");
+
+  std::mutex mu;
+  std::vector<double> ttft, itl, e2e;
+  int64_t tokens = 0, failed = 0;
+  std::string first_error;
+  std::atomic<int> next{0}, done{0};
+  const bool progress = isatty(STDERR_FILENO);
+  const absl::Time start = absl::Now();
+  auto worker = [&] {
+    for (int i = next++; i < f.requests; i = next++) {
+      std::vector<int32_t> prompt;
+      for (int k = 0; k < f.prompt_tokens; ++k) prompt.push_back((k * 131 + i * 17) % (vocab - 1));
+      client::GenerateParams p;
+      const std::string& a = adapters[i % adapters.size()];
+      if (a != "none") p.model = a;
+      p.positions = f.positions == "all" ? v1::ADAPTER_POSITIONS_ALL : v1::ADAPTER_POSITIONS_PROMPT;
+      p.max_tokens = f.max_tokens;
+      p.ignore_eos = true;
+      const absl::Time sent = absl::Now();
+      absl::Time last = sent;
+      std::vector<double> gaps;
+      double first = -1;
+      auto out = (*c)->Generate(client::Prompt::Ids(prompt), p, [&](const v1::GenerateResponse& d) {
+        if (d.token_ids_size() == 0) return true;
+        const absl::Time now = absl::Now();
+        if (first < 0) {
+          first = absl::ToDoubleMilliseconds(now - sent);
+        } else {
+          for (int k = 0; k < d.token_ids_size(); ++k) {
+            gaps.push_back(absl::ToDoubleMilliseconds(now - last) / d.token_ids_size());
+          }
+        }
+        last = now;
+        return true;
+      });
+      std::lock_guard<std::mutex> lock(mu);
+      if (out.ok()) {
+        ttft.push_back(first);
+        itl.insert(itl.end(), gaps.begin(), gaps.end());
+        e2e.push_back(absl::ToDoubleMilliseconds(absl::Now() - sent));
+        tokens += static_cast<int64_t>(out->token_ids.size());
+      } else {
+        ++failed;
+        if (first_error.empty()) first_error = out.status().ToString();
+      }
+      const int n = ++done;
+      if (progress) std::fprintf(stderr, "\rpreft bench: %d/%d requests", n, f.requests);
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int t = 0; t < f.concurrency; ++t) threads.emplace_back(worker);
+  for (std::thread& t : threads) t.join();
+  if (progress) std::fprintf(stderr, "\n");
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  const nlohmann::json r = {
+      {"requests", f.requests},
+      {"failed", failed},
+      {"concurrency", f.concurrency},
+      {"prompt_tokens", f.prompt_tokens},
+      {"generated_tokens", tokens},
+      {"seconds", seconds},
+      {"output_tokens_per_s", tokens / seconds},
+      {"requests_per_s", (f.requests - failed) / seconds},
+      {"ttft_ms", {{"p50", Percentile(ttft, 0.5)}, {"p90", Percentile(ttft, 0.9)}, {"p99", Percentile(ttft, 0.99)}}},
+      {"itl_ms", {{"p50", Percentile(itl, 0.5)}, {"p99", Percentile(itl, 0.99)}}},
+      {"e2e_ms", {{"p50", Percentile(e2e, 0.5)}, {"p99", Percentile(e2e, 0.99)}}}};
+  if (f.json) {
+    std::printf("%s\n", r.dump().c_str());
+  } else {
+    std::printf("%d requests (%lld failed), %lld tokens in %.2f s: %.1f tok/s, %.2f req/s\n"
+                "TTFT ms p50 %.1f p90 %.1f p99 %.1f | ITL ms p50 %.2f p99 %.2f | e2e ms p50 %.0f\n",
+                f.requests, static_cast<long long>(failed), static_cast<long long>(tokens), seconds,
+                tokens / seconds, (f.requests - failed) / seconds, Percentile(ttft, 0.5),
+                Percentile(ttft, 0.9), Percentile(ttft, 0.99), Percentile(itl, 0.5),
+                Percentile(itl, 0.99), Percentile(e2e, 0.5));
+  }
+  if (failed > 0) {
+    std::fprintf(stderr, "preft bench: %lld requests failed; first: %s\n",
+                 static_cast<long long>(failed), first_error.c_str());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+void RegisterBenchCommand(CLI::App& app, int* exit_code) {
+  auto f = std::make_shared<BenchFlags>();
+  CLI::App* cmd = app.add_subcommand(
+      "bench", "load a running router: throughput and client-side TTFT / ITL percentiles");
+  cmd->add_option("--server", f->connection.address, "router address")->capture_default_str();
+  rpc::AddTlsFlags(*cmd, &f->connection.tls);
+  cmd->add_option("--token", f->connection.token, "bearer token");
+  cmd->add_option("--timeout-s", f->timeout_s, "deadline of each request")->capture_default_str();
+  cmd->add_option("--requests", f->requests)->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--concurrency", f->concurrency)->check(CLI::Range(1, 4096))->capture_default_str();
+  cmd->add_option("--prompt-tokens", f->prompt_tokens)->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--max-tokens", f->max_tokens)->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--adapters", f->adapters,
+                  "comma-separated adapter names, round-robin; 'none' is the base model")
+      ->capture_default_str();
+  cmd->add_option("--adapter-positions", f->positions, "prompt (PreFT) or all")
+      ->check(CLI::IsMember({"prompt", "all"}))
+      ->capture_default_str();
+  cmd->add_flag("--json", f->json, "one JSON object instead of text");
+  cmd->callback([f, exit_code] { *exit_code = RunBench(*f); });
+}
+
+}  // namespace preft::tools
