@@ -238,7 +238,8 @@ void FillOnes(DType dtype, int64_t n, void* out) {
 }
 
 absl::Status WriteShard(const std::string& path, const std::vector<const ExpectedTensor*>& tensors,
-                        DType dtype, uint64_t seed, std::vector<uint8_t>* buffer) {
+                        DType dtype, uint64_t seed, std::vector<uint8_t>* buffer,
+                        const std::function<void(int64_t)>& wrote) {
   std::vector<TensorSpec> specs;
   std::map<std::string_view, const ExpectedTensor*> by_name;
   for (const ExpectedTensor* t : tensors) {
@@ -257,6 +258,7 @@ absl::Status WriteShard(const std::string& path, const std::vector<const Expecte
       FillUniform(SplitMix64(seed ^ HashName(t->name)), InitStd(*t), dtype, n, buffer->data());
     }
     PREFT_RETURN_IF_ERROR(writer->Append(buffer->data(), static_cast<size_t>(s->num_bytes())));
+    wrote(s->num_bytes());
   }
   return writer->Close();
 }
@@ -353,16 +355,21 @@ absl::Status MakeModel(const MakeModelOptions& options) {
   for (const auto& p : stale) std::filesystem::remove(p, ec);
 
   std::vector<uint8_t> buffer;
+  int64_t written = 0;
+  auto wrote = [&](int64_t bytes) {
+    written += bytes;
+    if (options.progress) options.progress(written, total_bytes);
+  };
   if (shards.size() == 1) {
     return WriteShard((dir / "model.safetensors").string(), shards[0], options.dtype, options.seed,
-                      &buffer);
+                      &buffer, wrote);
   }
   nlohmann::json weight_map = nlohmann::json::object();
   for (size_t i = 0; i < shards.size(); ++i) {
     const std::string file =
         absl::StrFormat("model-%05d-of-%05d.safetensors", i + 1, shards.size());
     PREFT_RETURN_IF_ERROR(
-        WriteShard((dir / file).string(), shards[i], options.dtype, options.seed, &buffer));
+        WriteShard((dir / file).string(), shards[i], options.dtype, options.seed, &buffer, wrote));
     for (const ExpectedTensor* t : shards[i]) weight_map[t->name] = file;
   }
   nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};

@@ -4,6 +4,7 @@
 // exact shapes of a preset, so tests, demos and benchmarks need no downloads.
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,9 @@ struct MakeModelOptions {
   std::string out_dir;
   // Shard size: weights over this are split into model-0000k-of-0000n.safetensors + index.
   int64_t max_shard_bytes = int64_t{5} << 30;
+  // Called after each tensor is written with the weight bytes written so far and in all
+  // (the CLI's progress line); may be empty.
+  std::function<void(int64_t done, int64_t total)> progress;
 };
 
 // The standard deviation make-model draws a (non-norm) tensor with: fan-in scaled

@@ -278,3 +278,29 @@ TEST(MakeModelTest, DISABLED_Qwen05bBf16) {
 
 }  // namespace
 }  // namespace preft::model
+
+namespace preft::model {
+namespace {
+
+TEST(MakeModelProgressTest, ReportsEveryWeightByteOnceAndEndsAtTheTotal) {
+  MakeModelOptions o;
+  o.preset = "tiny";
+  o.out_dir = TempDir("progress");
+  o.max_shard_bytes = 200000;  // several shards: the count runs across them
+  std::vector<std::pair<int64_t, int64_t>> calls;
+  o.progress = [&](int64_t done, int64_t total) { calls.emplace_back(done, total); };
+  ASSERT_TRUE(MakeModel(o).ok());
+  ASSERT_GT(calls.size(), 2u);
+  for (size_t i = 1; i < calls.size(); ++i) {
+    EXPECT_GT(calls[i].first, calls[i - 1].first);
+    EXPECT_EQ(calls[i].second, calls[0].second);
+  }
+  EXPECT_EQ(calls.back().first, calls.back().second);
+  int64_t files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(o.out_dir))
+    if (e.path().extension() == ".safetensors") files += std::filesystem::file_size(e.path()) > 0;
+  EXPECT_GT(files, 1);
+}
+
+}  // namespace
+}  // namespace preft::model

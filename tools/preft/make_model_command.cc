@@ -1,3 +1,5 @@
+#include <unistd.h>
+
 #include <cstdio>
 #include <string>
 
@@ -31,6 +33,16 @@ void RegisterMakeModelCommand(CLI::App& app, int* exit_code) {
     o.dtype = flags->dtype == "bf16" ? kernels::DType::kBF16 : kernels::DType::kF32;
     o.seed = flags->seed;
     o.out_dir = flags->out;
+    // Large presets take minutes: a progress line on a terminal (whole percents only).
+    if (isatty(STDERR_FILENO)) {
+      o.progress = [last = -1](int64_t done, int64_t total) mutable {
+        const int pct = total > 0 ? static_cast<int>(100 * done / total) : 100;
+        if (pct == last) return;
+        last = pct;
+        std::fprintf(stderr, "\rpreft make-model: writing weights %3d%%", pct);
+        if (done == total) std::fprintf(stderr, "\n");
+      };
+    }
     absl::Status s = model::MakeModel(o);
     if (!s.ok()) {
       std::fprintf(stderr, "preft make-model: %s\n", std::string(s.message()).c_str());
