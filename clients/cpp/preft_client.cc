@@ -119,8 +119,9 @@ absl::Status Client::UnloadAdapter(const std::string& name, bool unregister) {
   return rpc::FromGrpcStatus(stub_->UnloadAdapter(&ctx, req, &out));
 }
 
-absl::StatusOr<v1::UpdateAdapterResponse> Client::UpdateAdapter(const std::string& name,
-                                                                const std::string& dir) {
+absl::StatusOr<v1::UpdateAdapterResponse> Client::UpdateAdapter(
+    const std::string& name, const std::string& dir,
+    const std::function<void(int64_t, int64_t)>& progress) {
   // Read first: a missing file is the caller's error, not a half-sent update.
   std::vector<std::pair<std::string, std::string>> files;
   for (const char* file : {"adapter_config.json", "adapter_model.safetensors"}) {
@@ -136,12 +137,16 @@ absl::StatusOr<v1::UpdateAdapterResponse> Client::UpdateAdapter(const std::strin
   header.mutable_header()->set_name(name);
   bool open = writer->Write(header);
   constexpr size_t kChunk = 1 << 20;  // well under the server's message limit
+  int64_t total = 0, sent = 0;
+  for (const auto& [file, data] : files) total += static_cast<int64_t>(data.size());
   for (const auto& [file, data] : files) {
     for (size_t at = 0; open && at < data.size(); at += kChunk) {
       v1::UpdateAdapterRequest msg;
       msg.mutable_chunk()->set_file_name(file);
       msg.mutable_chunk()->set_data(data.substr(at, kChunk));
       open = writer->Write(msg);
+      sent += static_cast<int64_t>(msg.chunk().data().size());
+      if (progress) progress(sent, total);
     }
   }
   writer->WritesDone();

@@ -82,9 +82,11 @@ class Client {
                                                   bool load = false);
   absl::Status UnloadAdapter(const std::string& name, bool unregister = false);
   // Streams adapter_config.json and adapter_model.safetensors from `dir` as the adapter's next
-  // version (RL weight sync). NotFound naming a file it cannot read.
-  absl::StatusOr<v1::UpdateAdapterResponse> UpdateAdapter(const std::string& name,
-                                                          const std::string& dir);
+  // version (RL weight sync). NotFound naming a file it cannot read. `progress` (optional)
+  // hears the bytes sent so far and in all after each chunk.
+  absl::StatusOr<v1::UpdateAdapterResponse> UpdateAdapter(
+      const std::string& name, const std::string& dir,
+      const std::function<void(int64_t sent, int64_t total)>& progress = nullptr);
   // grpc.health.v1 Check of `service` ("" = the server): true only when SERVING.
   absl::StatusOr<bool> Healthy(const std::string& service = "");
 

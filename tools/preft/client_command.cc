@@ -2,6 +2,8 @@
 // and people poking at a cluster, built on the C++ SDK (clients/cpp). Output mirrors
 // `preft generate` (text, or --json).
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -179,7 +181,15 @@ int RunUnload(const ClientFlags& f) {
 
 int RunUpdate(const ClientFlags& f) {
   return WithClient(f, [&f](client::Client& c) {
-    auto r = c.UpdateAdapter(f.name, f.path);
+    std::function<void(int64_t, int64_t)> progress;
+    if (isatty(STDERR_FILENO)) {  // large adapters take a while to stream
+      progress = [](int64_t sent, int64_t total) {
+        std::fprintf(stderr, "\rpreft: sent %lld / %lld bytes", static_cast<long long>(sent),
+                     static_cast<long long>(total));
+        if (sent == total) std::fprintf(stderr, "\n");
+      };
+    }
+    auto r = c.UpdateAdapter(f.name, f.path, progress);
     if (!r.ok()) return r.status();
     std::printf("%s\n", nlohmann::json({{"name", r->name()},
                                         {"version", r->version()},

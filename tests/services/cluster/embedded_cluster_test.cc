@@ -874,9 +874,17 @@ TEST_F(ClientSdkTest, GeneratesStreamsCancelsAndAdministers) {
   auto info = c.RegisterAdapter("sdk", "lora");
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->version(), 1);
-  auto updated = c.UpdateAdapter("sdk", testing::TinyLlamaFixture() + "/lora");
+  int64_t last_sent = 0, last_total = -1;
+  auto updated = c.UpdateAdapter("sdk", testing::TinyLlamaFixture() + "/lora",
+                                 [&](int64_t sent, int64_t total) {
+                                   EXPECT_GT(sent, last_sent);
+                                   last_sent = sent;
+                                   last_total = total;
+                                 });
   ASSERT_TRUE(updated.ok()) << updated.status();
   EXPECT_EQ(updated->version(), 2);
+  EXPECT_EQ(last_sent, last_total);
+  EXPECT_EQ(updated->bytes_received(), last_total);
   EXPECT_EQ(c.UpdateAdapter("sdk", "/no/such/dir").status().code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(c.UnloadAdapter("sdk", /*unregister=*/true).ok());
   EXPECT_EQ(c.UnloadAdapter("sdk").code(), absl::StatusCode::kNotFound);
