@@ -328,6 +328,14 @@ class PeerProcess {
     const std::string data = line + "\n";
     return ::write(stdin_, data.data(), data.size()) == static_cast<ssize_t>(data.size());
   }
+  // Stops the child and returns once the kernel reports it stopped: kill() only queues the
+  // signal, and a child still running could finish a transfer the test means to catch in flight.
+  bool Stop() {
+    if (pid_ <= 0 || ::kill(pid_, SIGSTOP) != 0) return false;
+    siginfo_t info{};
+    return ::waitid(P_PID, static_cast<id_t>(pid_), &info, WSTOPPED | WNOWAIT) == 0 &&
+           info.si_code == CLD_STOPPED;
+  }
   void Signal(int sig) {
     if (pid_ > 0) ::kill(pid_, sig);
   }
@@ -415,7 +423,7 @@ TEST_P(UcxTransportTest, KilledPeerEndsTheWriteWithAnErrorInBoundedTime) {
 
   // Frozen, the child can neither take the data nor acknowledge: the write is in flight when
   // the child dies.
-  child->Signal(SIGSTOP);
+  ASSERT_TRUE(child->Stop());
   BlockTransfer t;
   t.reservation_id = 1;
   for (int32_t b = 0; b < 256; ++b) {
