@@ -23,6 +23,24 @@ ok = r["requests"] == 12 and r["failed"] == 0 and r["generated_tokens"] == 12 * 
 print(("ok: " if ok else "FAIL: ") + json.dumps(r))
 sys.exit(0 if ok else 1)
 PY
+# Poisson arrivals and uniform lengths: still every requested token generated.
+out=$("$preft" bench --server "$addr" --requests 20 --concurrency 4 --prompt-tokens 10:30 \
+      --max-tokens 3:9 --rate 200 --seed 5 --json) || { echo "FAIL: poisson bench"; failures=$((failures + 1)); }
+/usr/bin/python3 - "$out" <<'PY' || failures=$((failures + 1))
+import json, sys
+r = json.loads(sys.argv[1])
+ok = r["failed"] == 0 and 20 * 3 <= r["requested_tokens"] <= 20 * 9 and \
+     r["generated_tokens"] == r["requested_tokens"] and r["rate"] == 200
+print(("ok: " if ok else "FAIL: ") + json.dumps(r))
+sys.exit(0 if ok else 1)
+PY
+if "$preft" bench --server "$addr" --max-tokens 9:3 > /dev/null 2> "$work/err"; then
+  echo "FAIL: a reversed range was accepted"; failures=$((failures + 1))
+elif ! grep -q "max-tokens '9:3' is not N or LO:HI" "$work/err"; then
+  echo "FAIL: $(cat "$work/err")"; failures=$((failures + 1))
+else
+  echo "ok: $(cat "$work/err")"
+fi
 if "$preft" bench --server "$addr" --requests 2 --adapters nobody > /dev/null 2> "$work/err"; then
   echo "FAIL: bench with an unknown adapter succeeded"; failures=$((failures + 1))
 elif ! grep -q "NOT_FOUND: adapter 'nobody'" "$work/err"; then

@@ -1,7 +1,8 @@
-// `preft bench`: load against a running router, through the C++ SDK: N requests at a given
-// concurrency, prompts of an exact length, round-robin over adapters (PreFT or all-position).
-// Prints throughput and latency percentiles (client-side: TTFT, inter-token latency, end to
-// end), as text or --json. Progress goes to stderr.
+// `preft bench`: load against a running router, through the C++ SDK: N requests, closed loop at
+// a given concurrency or Poisson arrivals at --rate (concurrency then caps requests in flight),
+// prompt and output lengths fixed or uniform in a range (seeded), round-robin over adapters
+// (PreFT or all-position). Prints throughput and latency percentiles (client-side: TTFT,
+// inter-token latency, end to end), as text or --json. Progress goes to stderr.
 
 #include <unistd.h>
 
@@ -9,8 +10,11 @@
 #include <atomic>
 #include <cstdio>
 #include <mutex>
+#include <random>
 #include <thread>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "clients/cpp/preft_client.h"
@@ -26,12 +30,26 @@ struct BenchFlags {
   double timeout_s = 300;
   int requests = 64;
   int concurrency = 8;
-  int prompt_tokens = 128;
-  int max_tokens = 64;
+  std::string prompt_tokens = "128";  // N, or LO:HI (uniform)
+  std::string max_tokens = "64";
+  double rate = 0;  // requests/s, Poisson; 0: closed loop
+  uint64_t seed = 1;
   std::string adapters = "none";  // comma-separated; "none" is the base model
   std::string positions = "prompt";
   bool json = false;
 };
+
+// "N" or "LO:HI" (inclusive, uniform).
+absl::StatusOr<std::pair<int, int>> ParseRange(const std::string& flag, const std::string& v) {
+  std::vector<std::string> parts = absl::StrSplit(v, ':');
+  int lo = 0, hi = 0;
+  if (parts.size() > 2 || !absl::SimpleAtoi(parts[0], &lo) ||
+      !absl::SimpleAtoi(parts.back(), &hi) || lo < 1 || hi < lo) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, " '", v, "' is not N or LO:HI with 1 <= LO <= HI"));
+  }
+  return std::make_pair(lo, hi);
+}
 
 double Percentile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
@@ -51,6 +69,27 @@ int RunBench(BenchFlags f) {
   const int32_t vocab = models->base().vocab_size();
   std::vector<std::string> adapters = absl::StrSplit(f.adapters, ',', absl::SkipEmpty());
   if (adapters.empty()) adapters.push_back("none");
+  auto prompt_range = ParseRange("--prompt-tokens", f.prompt_tokens);
+  auto output_range = ParseRange("--max-tokens", f.max_tokens);
+  for (const auto* r : {&prompt_range, &output_range}) {
+    if (!r->ok()) {
+      std::fprintf(stderr, "preft bench: %s\n", std::string(r->status().message()).c_str());
+      return 2;
+    }
+  }
+  // Every request's lengths and send time, drawn up front from the seed.
+  std::mt19937_64 rng(f.seed);
+  std::vector<int> prompt_len(f.requests), output_len(f.requests);
+  std::vector<absl::Duration> send_at(f.requests);
+  absl::Duration t;
+  for (int i = 0; i < f.requests; ++i) {
+    prompt_len[i] = std::uniform_int_distribution<int>(prompt_range->first, prompt_range->second)(rng);
+    output_len[i] = std::uniform_int_distribution<int>(output_range->first, output_range->second)(rng);
+    if (f.rate > 0) t += absl::Seconds(std::exponential_distribution<double>(f.rate)(rng));
+    send_at[i] = t;
+  }
+  int64_t requested = 0;
+  for (int n : output_len) requested += n;
 
   std::mutex mu;
   std::vector<double> ttft, itl, e2e;
@@ -61,13 +100,15 @@ int RunBench(BenchFlags f) {
   const absl::Time start = absl::Now();
   auto worker = [&] {
     for (int i = next++; i < f.requests; i = next++) {
+      const absl::Time due = start + send_at[i];
+      if (absl::Now() < due) absl::SleepFor(due - absl::Now());
       std::vector<int32_t> prompt;
-      for (int k = 0; k < f.prompt_tokens; ++k) prompt.push_back((k * 131 + i * 17) % (vocab - 1));
+      for (int k = 0; k < prompt_len[i]; ++k) prompt.push_back((k * 131 + i * 17) % (vocab - 1));
       client::GenerateParams p;
       const std::string& a = adapters[i % adapters.size()];
       if (a != "none") p.model = a;
       p.positions = f.positions == "all" ? v1::ADAPTER_POSITIONS_ALL : v1::ADAPTER_POSITIONS_PROMPT;
-      p.max_tokens = f.max_tokens;
+      p.max_tokens = output_len[i];
       p.ignore_eos = true;
       const absl::Time sent = absl::Now();
       absl::Time last = sent;
@@ -109,7 +150,10 @@ int RunBench(BenchFlags f) {
       {"requests", f.requests},
       {"failed", failed},
       {"concurrency", f.concurrency},
+      {"rate", f.rate},
       {"prompt_tokens", f.prompt_tokens},
+      {"max_tokens", f.max_tokens},
+      {"requested_tokens", requested},
       {"generated_tokens", tokens},
       {"seconds", seconds},
       {"output_tokens_per_s", tokens / seconds},
@@ -147,8 +191,14 @@ void RegisterBenchCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--timeout-s", f->timeout_s, "deadline of each request")->capture_default_str();
   cmd->add_option("--requests", f->requests)->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--concurrency", f->concurrency)->check(CLI::Range(1, 4096))->capture_default_str();
-  cmd->add_option("--prompt-tokens", f->prompt_tokens)->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--max-tokens", f->max_tokens)->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--prompt-tokens", f->prompt_tokens, "prompt length: N, or LO:HI uniform")
+      ->capture_default_str();
+  cmd->add_option("--max-tokens", f->max_tokens, "tokens to generate: N, or LO:HI uniform")
+      ->capture_default_str();
+  cmd->add_option("--rate", f->rate, "Poisson arrivals per second (0: closed loop)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--seed", f->seed, "seed of lengths and arrivals")->capture_default_str();
   cmd->add_option("--adapters", f->adapters,
                   "comma-separated adapter names, round-robin; 'none' is the base model")
       ->capture_default_str();
