@@ -64,11 +64,19 @@ absl::StatusOr<ucp_context_h> CreateUcpContext(const UcxTransportOptions& option
     // sysv.
     settings.emplace_back("MM_ERROR_HANDLING", "y");
   }
-  if (options.keepalive_interval > absl::ZeroDuration() &&
-      std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) {
-    settings.emplace_back(
-        "KEEPALIVE_INTERVAL",
-        absl::StrCat(absl::ToInt64Milliseconds(options.keepalive_interval), "ms"));
+  if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) {
+    if (MayUseSharedMemory(options)) {
+      // UCX 1.13's keepalive dereferences a null endpoint after a shared-memory connect to a
+      // peer that has died (openucx/ucx#8511: "mm ep failed to connect to remote FIFO", then
+      // SIGSEGV in ucp_ep_do_uct_ep_am_keepalive): a decode worker crashed when a prefill
+      // worker was killed. Off for shared memory; dead peers still fail transfers through
+      // MM_ERROR_HANDLING and the transfer timeout.
+      settings.emplace_back("KEEPALIVE_INTERVAL", "inf");
+    } else if (options.keepalive_interval > absl::ZeroDuration()) {
+      settings.emplace_back(
+          "KEEPALIVE_INTERVAL",
+          absl::StrCat(absl::ToInt64Milliseconds(options.keepalive_interval), "ms"));
+    }
   }
   for (const auto& [name, value] : settings) {
     st = ucp_config_modify(config, name, value.c_str());
