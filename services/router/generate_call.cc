@@ -94,6 +94,9 @@ bool GenerateCall::Write(const v1::GenerateResponse& response) {
 void GenerateCall::Drive() {
   router_->metrics->Started();
   absl::Status status = Run();
+  // Before the client hears the end: it may open its next stream at once, while gRPC destroys
+  // this call (and would free the slot) only later.
+  slot_ = Access::Slot();
   router_->metrics->Ended(status, positions_, absl::Now() - arrival_, prompt_tokens_,
                           completion_tokens_);
   {
