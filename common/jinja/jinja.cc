@@ -40,7 +40,6 @@ std::string PyFloat(double d) {
   if (std::isnan(d)) return "nan";
   if (d == std::floor(d) && std::fabs(d) < 1e16) return absl::StrCat(static_cast<int64_t>(d), ".0");
   char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.17g", d);
   // Shortest form that reads back (Python's repr).
   for (int p = 1; p <= 17; ++p) {
     std::snprintf(buf, sizeof(buf), "%.*g", p, d);
@@ -387,7 +386,7 @@ struct Slice : Expr {
     if (!a->is_array() && !a->is_string()) return TypeError("only lists and strings can be sliced");
     const int64_t n = a->is_array() ? static_cast<int64_t>(a->size())
                                     : static_cast<int64_t>(a->get_ref<const std::string&>().size());
-    auto bound = [&](const ExprPtr& e, int64_t dflt) -> absl::StatusOr<std::optional<int64_t>> {
+    auto bound = [&](const ExprPtr& e) -> absl::StatusOr<std::optional<int64_t>> {
       if (e == nullptr) return std::optional<int64_t>();
       absl::StatusOr<Value> v = e->Eval(ctx);
       if (!v.ok()) return v.status();
@@ -395,13 +394,13 @@ struct Slice : Expr {
       if (!v->is_number_integer()) return TypeError("slice bounds must be integers");
       return std::optional<int64_t>(v->get<int64_t>());
     };
-    auto st = bound(step, 1);
+    auto st = bound(step);
     if (!st.ok()) return st.status();
     const int64_t s = st->value_or(1);
     if (s == 0) return TypeError("slice step cannot be zero");
-    auto b = bound(start, 0);
+    auto b = bound(start);
     if (!b.ok()) return b.status();
-    auto e = bound(stop, n);
+    auto e = bound(stop);
     if (!e.ok()) return e.status();
     auto clamp = [&](std::optional<int64_t> x, int64_t dflt) {
       if (!x) return dflt;
@@ -1394,7 +1393,7 @@ class TreeBuilder {
       if (!p.IsName("in")) return p.Error("expected 'in'");
       p.Next();
       // The iterable stops before a trailing `if` (a loop filter), not a conditional expression.
-      absl::StatusOr<ExprPtr> it = IterableExpr(p);
+      absl::StatusOr<ExprPtr> it = p.OrExpression();
       if (!it.ok()) return it.status();
       node->iterable = *std::move(it);
       if (p.IsName("if")) {
@@ -1445,8 +1444,6 @@ class TreeBuilder {
     return absl::InvalidArgumentError(
         absl::StrCat("line ", line, ": {% ", keyword, " %} is not supported"));
   }
-
-  static absl::StatusOr<ExprPtr> IterableExpr(Parser& p) { return p.OrExpression(); }
 
   std::vector<Chunk> chunks_;
   size_t pos_ = 0;

@@ -20,14 +20,14 @@
 #include "clients/cpp/preft_client.h"
 #include "nlohmann/json.hpp"
 #include "tools/preft/commands.h"
+#include "tools/preft/connection_flags.h"
 
 namespace preft::tools {
 
 namespace {
 
-struct BenchFlags {
-  client::ClientOptions connection;
-  double timeout_s = 300;
+struct BenchFlags : ConnectionFlags {
+  BenchFlags() { timeout_s = 300; }  // a request waits behind the whole load
   int requests = 64;
   int concurrency = 8;
   std::string prompt_tokens = "128";  // N, or LO:HI (uniform)
@@ -57,9 +57,8 @@ double Percentile(std::vector<double> v, double q) {
   return v[std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())))];
 }
 
-int RunBench(BenchFlags f) {
-  f.connection.timeout = absl::Seconds(f.timeout_s);
-  auto c = client::Client::Connect(f.connection);
+int RunBench(const BenchFlags& f) {
+  auto c = Connect(f);
   if (!c.ok()) return std::fprintf(stderr, "preft bench: %s\n", c.status().ToString().c_str()), 1;
   auto models = (*c)->ListModels();
   if (!models.ok()) {
@@ -185,10 +184,7 @@ void RegisterBenchCommand(CLI::App& app, int* exit_code) {
   auto f = std::make_shared<BenchFlags>();
   CLI::App* cmd = app.add_subcommand(
       "bench", "load a running router: throughput and client-side TTFT / ITL percentiles");
-  cmd->add_option("--server", f->connection.address, "router address")->capture_default_str();
-  rpc::AddTlsFlags(*cmd, &f->connection.tls);
-  cmd->add_option("--token", f->connection.token, "bearer token");
-  cmd->add_option("--timeout-s", f->timeout_s, "deadline of each request")->capture_default_str();
+  AddConnectionFlags(cmd, f.get());
   cmd->add_option("--requests", f->requests)->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--concurrency", f->concurrency)->check(CLI::Range(1, 4096))->capture_default_str();
   cmd->add_option("--prompt-tokens", f->prompt_tokens, "prompt length: N, or LO:HI uniform")

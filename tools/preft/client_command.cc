@@ -15,16 +15,13 @@
 #include "nlohmann/json.hpp"
 #include "services/wire/convert.h"
 #include "tools/preft/commands.h"
+#include "tools/preft/connection_flags.h"
 
 namespace preft::tools {
 
 namespace {
 
-struct ClientFlags {
-  std::string server = "127.0.0.1:50051";
-  double timeout_s = 120;
-  rpc::TlsFiles tls;
-  std::string token, token_file;  // sent as `authorization: Bearer <token>`
+struct ClientFlags : ConnectionFlags {
   // generate
   std::string model, prompt, prompt_ids, positions, request_id;
   int max_tokens = 16;
@@ -39,20 +36,6 @@ struct ClientFlags {
   // health
   std::string service;
 };
-
-// The SDK client the flags describe; exits through `Fail` on unreadable TLS or token files.
-absl::StatusOr<std::unique_ptr<client::Client>> Connect(const ClientFlags& f) {
-  client::ClientOptions o;
-  o.address = f.server;
-  o.tls = f.tls;
-  o.timeout = absl::Seconds(f.timeout_s);
-  o.token = f.token;
-  if (o.token.empty() && !f.token_file.empty()) {
-    std::ifstream in(f.token_file);
-    std::getline(in, o.token);
-  }
-  return client::Client::Connect(std::move(o));
-}
 
 int Fail(const absl::Status& s) {
   std::fprintf(stderr, "preft client: %s\n", s.ToString().c_str());
@@ -213,17 +196,29 @@ int RunHealth(const ClientFlags& f) {
 
 }  // namespace
 
-namespace {
-
-// The flags every command that talks to a router takes.
-void AddConnectionFlags(CLI::App* cmd, ClientFlags* f) {
+void AddConnectionFlags(CLI::App* cmd, ConnectionFlags* f) {
   cmd->add_option("--server", f->server, "router address")->capture_default_str();
-  cmd->add_option("--timeout-s", f->timeout_s, "deadline of the call");
+  cmd->add_option("--timeout-s", f->timeout_s, "deadline of each call")->capture_default_str();
   rpc::AddTlsFlags(*cmd, &f->tls);
   cmd->add_option("--token", f->token, "bearer token (authorization metadata)");
   cmd->add_option("--token-file", f->token_file, "file holding the bearer token")
       ->check(CLI::ExistingFile);
 }
+
+absl::StatusOr<std::unique_ptr<client::Client>> Connect(const ConnectionFlags& f) {
+  client::ClientOptions o;
+  o.address = f.server;
+  o.tls = f.tls;
+  o.timeout = absl::Seconds(f.timeout_s);
+  o.token = f.token;
+  if (o.token.empty() && !f.token_file.empty()) {
+    std::ifstream in(f.token_file);
+    std::getline(in, o.token);
+  }
+  return client::Client::Connect(std::move(o));
+}
+
+namespace {
 
 // register / unload / update under `parent` (`preft client` and `preft adapters`).
 void AddAdapterAdmin(CLI::App* parent, const std::shared_ptr<ClientFlags>& f, int* exit_code) {
