@@ -22,15 +22,10 @@ DecodeMetrics::DecodeMetrics(prometheus::Registry& registry, const DecodeService
       quarantined_(blocks_.Add({{"state", "quarantined"}})),
       filled_(blocks_.Add({{"state", "filled"}})) {
   Refresh();
-  thread_ = std::thread([this, period] {
-    while (!stop_.WaitForNotificationWithTimeout(period)) Refresh();
-  });
+  refresher_ = std::make_unique<metrics::Periodic>(period, [this] { Refresh(); });
 }
 
-DecodeMetrics::~DecodeMetrics() {
-  stop_.Notify();
-  thread_.join();
-}
+DecodeMetrics::~DecodeMetrics() = default;
 
 void DecodeMetrics::Refresh() {
   const DecodeService::BlockCounts b = service_->block_counts();

@@ -5,10 +5,10 @@
 // (`vllm:num_requests_running` -> `preft:num_requests_running`, `vllm:kv_cache_usage_perc` ->
 // `preft:kv_cache_usage_perc`).
 
-#include <thread>
+#include <memory>
 
-#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "common/metrics/periodic.h"
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
 #include "services/decode/decode_service.h"
@@ -35,8 +35,7 @@ class DecodeMetrics {
   prometheus::Gauge& reserved_;
   prometheus::Gauge& quarantined_;
   prometheus::Gauge& filled_;
-  absl::Notification stop_;
-  std::thread thread_;
+  std::unique_ptr<metrics::Periodic> refresher_;  // last: stopped before the rest goes
 };
 
 }  // namespace preft::decode

@@ -71,15 +71,10 @@ PrefillMetrics::PrefillMetrics(prometheus::Registry& r, std::function<State()> r
       .Set(1);
   transfer_failures_.Add({{"reason", "unavailable"}});  // visible (at 0) from the first scrape
   Refresh();
-  thread_ = std::thread([this, period] {
-    while (!stop_.WaitForNotificationWithTimeout(period)) Refresh();
-  });
+  refresher_ = std::make_unique<metrics::Periodic>(period, [this] { Refresh(); });
 }
 
-PrefillMetrics::~PrefillMetrics() {
-  stop_.Notify();
-  thread_.join();
-}
+PrefillMetrics::~PrefillMetrics() = default;
 
 void PrefillMetrics::OnTransfer(const absl::Status& status, int64_t bytes, absl::Duration took) {
   if (!status.ok()) {

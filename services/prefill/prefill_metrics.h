@@ -8,15 +8,15 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/adapters/adapter_store.h"
+#include "common/metrics/periodic.h"
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
@@ -79,8 +79,7 @@ class PrefillMetrics {
   prometheus::Gauge* lora_series_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::string lora_key_ ABSL_GUARDED_BY(mu_);
 
-  absl::Notification stop_;
-  std::thread thread_;
+  std::unique_ptr<metrics::Periodic> refresher_;  // last: stopped before the rest goes
 };
 
 }  // namespace preft::prefill
