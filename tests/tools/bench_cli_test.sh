@@ -34,6 +34,26 @@ ok = r["failed"] == 0 and 20 * 3 <= r["requested_tokens"] <= 20 * 9 and \
 print(("ok: " if ok else "FAIL: ") + json.dumps(r))
 sys.exit(0 if ok else 1)
 PY
+# Lengths replayed from JSONL, cycled over the requests.
+printf '{"prompt_tokens": 5, "max_tokens": 2}\n\n{"prompt_tokens": 40, "max_tokens": 6}\n' > "$work/lengths.jsonl"
+out=$("$preft" bench --server "$addr" --requests 5 --concurrency 2 --lengths "$work/lengths.jsonl" \
+      --json) || { echo "FAIL: lengths bench"; failures=$((failures + 1)); }
+/usr/bin/python3 - "$out" <<'PY' || failures=$((failures + 1))
+import json, sys
+r = json.loads(sys.argv[1])
+ok = r["failed"] == 0 and r["requested_tokens"] == 3 * 2 + 2 * 6 == r["generated_tokens"] and \
+     r["requested_prompt_tokens"] == 3 * 5 + 2 * 40
+print(("ok: " if ok else "FAIL: ") + json.dumps(r))
+sys.exit(0 if ok else 1)
+PY
+printf '{"prompt_tokens": 5, "max_tokens": 2}\n{"prompt_tokens": 0, "max_tokens": 2}\n' > "$work/bad.jsonl"
+if "$preft" bench --server "$addr" --lengths "$work/bad.jsonl" > /dev/null 2> "$work/err"; then
+  echo "FAIL: a zero prompt length was accepted"; failures=$((failures + 1))
+elif ! grep -q "bad.jsonl:2 is not" "$work/err"; then
+  echo "FAIL: $(cat "$work/err")"; failures=$((failures + 1))
+else
+  echo "ok: $(cat "$work/err")"
+fi
 if "$preft" bench --server "$addr" --max-tokens 9:3 > /dev/null 2> "$work/err"; then
   echo "FAIL: a reversed range was accepted"; failures=$((failures + 1))
 elif ! grep -q "max-tokens '9:3' is not N or LO:HI" "$work/err"; then

@@ -1,7 +1,7 @@
 // `preft bench`: load against a running router, through the C++ SDK: N requests, closed loop at
 // a given concurrency or Poisson arrivals at --rate (concurrency then caps requests in flight),
 // prompt and output lengths fixed or uniform in a range (seeded), round-robin over adapters
-// (PreFT or all-position). Prints throughput and latency percentiles (client-side: TTFT,
+// (PreFT or all-position), or lengths replayed from a JSONL file. Prints throughput and latency percentiles (client-side: TTFT,
 // inter-token latency, end to end), as text or --json. Progress goes to stderr.
 
 #include <unistd.h>
@@ -9,9 +9,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <fstream>
 #include <mutex>
 #include <random>
 #include <thread>
+#include <tuple>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -32,6 +34,7 @@ struct BenchFlags : ConnectionFlags {
   int concurrency = 8;
   std::string prompt_tokens = "128";  // N, or LO:HI (uniform)
   std::string max_tokens = "64";
+  std::string lengths_file;  // JSONL of {"prompt_tokens": N, "max_tokens": M}, replayed in order
   double rate = 0;  // requests/s, Poisson; 0: closed loop
   uint64_t seed = 1;
   std::string adapters = "none";  // comma-separated; "none" is the base model
@@ -49,6 +52,33 @@ absl::StatusOr<std::pair<int, int>> ParseRange(const std::string& flag, const st
         absl::StrCat(flag, " '", v, "' is not N or LO:HI with 1 <= LO <= HI"));
   }
   return std::make_pair(lo, hi);
+}
+
+// One {"prompt_tokens": N, "max_tokens": M} object per line (blank lines skipped), as a dataset's
+// length distribution is usually shipped (e.g. ShareGPT's turns, tokenized). Errors name the line.
+absl::StatusOr<std::vector<std::pair<int, int>>> ReadLengths(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("--lengths: cannot open '", path, "'"));
+  std::vector<std::pair<int, int>> out;
+  std::string line;
+  for (int n = 1; std::getline(in, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    const auto field = [&](const char* key) -> int {
+      if (!j.is_object() || !j.contains(key) || !j[key].is_number_integer()) return 0;
+      const int64_t v = j[key].get<int64_t>();
+      return v >= 1 && v <= (1 << 24) ? static_cast<int>(v) : 0;
+    };
+    const int prompt = field("prompt_tokens"), output = field("max_tokens");
+    if (prompt == 0 || output == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--lengths: ", path, ":", n,
+          " is not {\"prompt_tokens\": N, \"max_tokens\": M} with positive integers"));
+    }
+    out.emplace_back(prompt, output);
+  }
+  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat("--lengths: ", path, " is empty"));
+  return out;
 }
 
 double Percentile(std::vector<double> v, double q) {
@@ -76,6 +106,12 @@ int RunBench(const BenchFlags& f) {
       return 2;
     }
   }
+  std::vector<std::pair<int, int>> replayed;
+  if (!f.lengths_file.empty()) {
+    auto l = ReadLengths(f.lengths_file);
+    if (!l.ok()) return std::fprintf(stderr, "preft bench: %s\n", std::string(l.status().message()).c_str()), 2;
+    replayed = *std::move(l);
+  }
   // Every request's lengths and send time, drawn up front from the seed.
   std::mt19937_64 rng(f.seed);
   std::vector<int> prompt_len(f.requests), output_len(f.requests);
@@ -84,11 +120,13 @@ int RunBench(const BenchFlags& f) {
   for (int i = 0; i < f.requests; ++i) {
     prompt_len[i] = std::uniform_int_distribution<int>(prompt_range->first, prompt_range->second)(rng);
     output_len[i] = std::uniform_int_distribution<int>(output_range->first, output_range->second)(rng);
+    if (!replayed.empty()) std::tie(prompt_len[i], output_len[i]) = replayed[i % replayed.size()];
     if (f.rate > 0) t += absl::Seconds(std::exponential_distribution<double>(f.rate)(rng));
     send_at[i] = t;
   }
-  int64_t requested = 0;
+  int64_t requested = 0, requested_prompt = 0;
   for (int n : output_len) requested += n;
+  for (int n : prompt_len) requested_prompt += n;
 
   std::mutex mu;
   std::vector<double> ttft, itl, e2e;
@@ -152,14 +190,17 @@ int RunBench(const BenchFlags& f) {
       {"rate", f.rate},
       {"prompt_tokens", f.prompt_tokens},
       {"max_tokens", f.max_tokens},
+      {"lengths_file", f.lengths_file},
+      {"adapters", adapters.size()},
+      {"requested_prompt_tokens", requested_prompt},
       {"requested_tokens", requested},
       {"generated_tokens", tokens},
       {"seconds", seconds},
       {"output_tokens_per_s", tokens / seconds},
       {"requests_per_s", (f.requests - failed) / seconds},
       {"ttft_ms", {{"p50", Percentile(ttft, 0.5)}, {"p90", Percentile(ttft, 0.9)}, {"p99", Percentile(ttft, 0.99)}}},
-      {"itl_ms", {{"p50", Percentile(itl, 0.5)}, {"p99", Percentile(itl, 0.99)}}},
-      {"e2e_ms", {{"p50", Percentile(e2e, 0.5)}, {"p99", Percentile(e2e, 0.99)}}}};
+      {"itl_ms", {{"p50", Percentile(itl, 0.5)}, {"p90", Percentile(itl, 0.9)}, {"p99", Percentile(itl, 0.99)}}},
+      {"e2e_ms", {{"p50", Percentile(e2e, 0.5)}, {"p90", Percentile(e2e, 0.9)}, {"p99", Percentile(e2e, 0.99)}}}};
   if (f.json) {
     std::printf("%s\n", r.dump().c_str());
   } else {
@@ -191,6 +232,9 @@ void RegisterBenchCommand(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   cmd->add_option("--max-tokens", f->max_tokens, "tokens to generate: N, or LO:HI uniform")
       ->capture_default_str();
+  cmd->add_option("--lengths", f->lengths_file,
+                  "JSONL of {\"prompt_tokens\": N, \"max_tokens\": M}, replayed in order "
+                  "(cycled); overrides --prompt-tokens/--max-tokens");
   cmd->add_option("--rate", f->rate, "Poisson arrivals per second (0: closed loop)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
