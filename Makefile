@@ -8,7 +8,7 @@ FUZZ_SECONDS ?= 20
 export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := 1
 
-.PHONY: all deps configure build test demo fuzz bench clean
+.PHONY: all deps configure build test demo fuzz bench bench-serve clean
 
 all: build
 
@@ -33,6 +33,13 @@ fuzz: deps
 
 bench: build
 	bash scripts/bench.sh $(BUILD_DIR)
+
+# The headline table (docs/RESULTS.md): PreFT vs multi-LoRA vs base, disaggregated and
+# colocated, on the qwen2.5-0.5b preset; BENCH_SERVE_FLAGS overrides the workload.
+BENCH_SERVE_OUT ?= bench/results/qwen2.5-0.5b
+bench-serve: build
+	/usr/bin/python3 bench/serve/matrix.py --build $(BUILD_DIR) --model models/qwen2.5-0.5b-bf16 \
+	  --preset qwen2.5-0.5b --out $(BENCH_SERVE_OUT) $(BENCH_SERVE_FLAGS)
 
 clean:
 	rm -rf $(BUILD_DIR) $(FUZZ_BUILD_DIR)

@@ -36,7 +36,7 @@ DEV_PACKAGES=(
   libopenblas-dev nlohmann-json3-dev libpcre2-dev libcpp-httplib-dev libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev
-  python3 python3-numpy python3-grpcio python3-grpc-tools python3-jinja2
+  python3 python3-numpy python3-grpcio python3-grpc-tools python3-jinja2 gnuplot-nox
 )
 # The Python oracle (torch) is large; PREFT_SKIP_TORCH=1 leaves it out (its tests then skip).
 if [[ "${PREFT_SKIP_TORCH:-0}" != "1" ]]; then

@@ -113,6 +113,30 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f) {
       ->check(CLI::NonNegativeNumber);
 }
 
+void AddAdapterStoreFlags(CLI::App& app, AdapterStoreFlags* f) {
+  app.add_option("--adapter-root", f->root,
+                 "adapter folders must lie under this folder (none accepted if unset)");
+  app.add_option("--adapter-host-bytes", f->host_bytes,
+                 "parsed adapters kept in host memory, in bytes")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--adapter-compute-bytes", f->compute_bytes, "adapter compute slots, in bytes")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--max-rank", f->max_rank, "adapters of a higher rank are refused")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+}
+
+adapters::AdapterStoreOptions StoreOptions(const AdapterStoreFlags& f, kernels::DType compute_dtype) {
+  adapters::AdapterStoreOptions o;
+  o.host_bytes = f.host_bytes;
+  o.compute_bytes = f.compute_bytes;
+  o.load.max_rank = f.max_rank;
+  o.load.dtype = compute_dtype;
+  return o;
+}
+
 absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& f) {
   WorkerEngine w;
   if (!f.metrics_listen.empty()) {

@@ -9,6 +9,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/status/statusor.h"
+#include "common/adapters/adapter_store.h"
 #include "common/engine/engine.h"
 #include "common/metrics/engine_metrics.h"
 #include "common/metrics/metrics_server.h"
@@ -59,6 +60,20 @@ struct WorkerFlags {
   rpc::TlsFiles tls;  // the worker's gRPC server, and the channels it dials
 };
 void AddWorkerFlags(CLI::App& app, WorkerFlags* flags);
+
+// The adapter store's flags: prefill workers, and decode workers that run adapters (the
+// all-position baseline). Budgets must fit the adapters of one batch: a decode step of the
+// baseline pins every running request's adapter in compute memory.
+struct AdapterStoreFlags {
+  std::string root;  // adapter folders must lie under it; "" accepts none
+  int64_t host_bytes = int64_t{4} << 30;
+  int64_t compute_bytes = int64_t{1} << 30;
+  int64_t max_rank = 128;
+};
+void AddAdapterStoreFlags(CLI::App& app, AdapterStoreFlags* flags);
+// The store's options, computing in `compute_dtype` (the model's weight dtype).
+adapters::AdapterStoreOptions StoreOptions(const AdapterStoreFlags& flags,
+                                           kernels::DType compute_dtype);
 
 // The worker's model, tokenizer and engine, sized by the flags, and with --metrics-listen its
 // metrics endpoint (serving before the weights load) with the engine's metrics attached.

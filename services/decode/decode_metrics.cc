@@ -21,6 +21,7 @@ DecodeMetrics::DecodeMetrics(prometheus::Registry& registry, const DecodeService
       reserved_(blocks_.Add({{"state", "reserved"}})),
       quarantined_(blocks_.Add({{"state", "quarantined"}})),
       filled_(blocks_.Add({{"state", "filled"}})) {
+  if (service->adapter_store() != nullptr) store_.emplace(registry);
   Refresh();
   refresher_ = std::make_unique<metrics::Periodic>(period, [this] { Refresh(); });
 }
@@ -36,6 +37,10 @@ void DecodeMetrics::Refresh() {
   reserved_.Set(b.reserved);
   quarantined_.Set(b.quarantined);
   filled_.Set(b.filled);
+  if (store_) {
+    store_->Set(metrics::AdapterStoreMetrics::Read(*service_->adapter_store(),
+                                                   service_->options().store));
+  }
 }
 
 }  // namespace preft::decode

@@ -238,6 +238,10 @@ absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(
 
 DecodeService::DecodeService(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
+const adapters::AdapterStore* DecodeService::adapter_store() const { return impl_->store.get(); }
+
+const DecodeServiceOptions& DecodeService::options() const { return impl_->options; }
+
 DecodeService::~DecodeService() = default;
 
 void DecodeService::StartDrain() {

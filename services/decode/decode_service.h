@@ -75,6 +75,11 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
   // bound: call this before the worker reports ready. No effect on other transports.
   void SetAdvertisedAddress(const std::string& address);
 
+  // The adapter store (workers serving adapters; null otherwise) and the options it was built
+  // with, for metrics.
+  const adapters::AdapterStore* adapter_store() const;
+  const DecodeServiceOptions& options() const;
+
   // Block accounting, for tests and metrics.
   struct BlockCounts {
     int32_t total = 0;

@@ -25,7 +25,7 @@ struct Flags : preft::serving::WorkerFlags {
   int64_t lease_ms = 10000;
   int64_t quarantine_ms = 2000;
   bool all_position_adapters = false;
-  std::string adapter_root;
+  preft::serving::AdapterStoreFlags adapters;
 };
 
 int Fail(const std::string& message) {
@@ -51,8 +51,8 @@ int Run(const Flags& f) {
   so.max_lease = std::max(so.max_lease, so.default_lease);
   so.quarantine = absl::Milliseconds(f.quarantine_ms);
   so.all_position_adapters = f.all_position_adapters;
-  so.adapter_root = f.adapter_root;
-  so.store.load.dtype = loaded.model->weight_dtype();  // adapters compute in the model's dtype
+  so.adapter_root = f.adapters.root;
+  so.store = preft::serving::StoreOptions(f.adapters, loaded.model->weight_dtype());
   auto service =
       preft::decode::DecodeService::Create(std::move(engine), std::move(*transport), layout, so);
   if (!service.ok()) return Fail(std::string(service.status().message()));
@@ -129,8 +129,7 @@ int main(int argc, char** argv) {
                  "baseline: each request's adapter also runs on generated tokens)")
       ->capture_default_str()
       ->check(CLI::IsMember({"none", "all-positions"}));
-  app.add_option("--adapter-root", f.adapter_root,
-                 "folder adapter paths must lie under (with --adapters all-positions)");
+  preft::serving::AddAdapterStoreFlags(app, &f.adapters);  // with --adapters all-positions
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -138,7 +137,7 @@ int main(int argc, char** argv) {
     return app.exit(e) == 0 ? 0 : 2;
   }
   f.all_position_adapters = adapters == "all-positions";
-  if (f.all_position_adapters && f.adapter_root.empty()) {
+  if (f.all_position_adapters && f.adapters.root.empty()) {
     std::fprintf(stderr, "preft-decode: --adapters all-positions needs --adapter-root\n");
     return 2;
   }

@@ -23,10 +23,7 @@
 namespace {
 
 struct Flags : preft::serving::WorkerFlags {
-  std::string adapter_root;
-  int64_t adapter_host_bytes = int64_t{4} << 30;
-  int64_t adapter_compute_bytes = int64_t{1} << 30;
-  int64_t max_rank = 128;
+  preft::serving::AdapterStoreFlags adapters;
 };
 
 int Fail(const std::string& what, const absl::Status& status) {
@@ -51,10 +48,8 @@ int Run(const Flags& f) {
   const transport::KvLayout layout = serving::LayoutFor(*engine, worker->model.fingerprint);
 
   prefill::PrefillServiceOptions options;
-  options.adapter_root = f.adapter_root;
-  options.store.host_bytes = f.adapter_host_bytes;
-  options.store.compute_bytes = f.adapter_compute_bytes;
-  options.store.load.max_rank = f.max_rank;
+  options.adapter_root = f.adapters.root;
+  options.store = serving::StoreOptions(f.adapters, worker->model.model->weight_dtype());
   if (worker->metrics != nullptr) options.metrics = &worker->metrics->registry();
   absl::StatusOr<std::unique_ptr<prefill::PrefillService>> service =
       prefill::PrefillService::Create(std::move(engine), std::move(transport).value(),
@@ -113,19 +108,7 @@ int main(int argc, char** argv) {
       "to decode workers)"};
   Flags f;
   preft::serving::AddWorkerFlags(app, &f);
-  app.add_option("--adapter-root", f.adapter_root,
-                 "Adapter folders must lie under this folder (none accepted if unset)");
-  app.add_option("--adapter-host-bytes", f.adapter_host_bytes,
-                 "Parsed adapters kept in host memory, in bytes")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_option("--adapter-compute-bytes", f.adapter_compute_bytes,
-                 "Adapter compute slots, in bytes")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_option("--max-rank", f.max_rank, "Adapters of a higher rank are refused")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
+  preft::serving::AddAdapterStoreFlags(app, &f.adapters);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

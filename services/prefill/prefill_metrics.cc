@@ -11,15 +11,6 @@
 
 namespace preft::prefill {
 
-namespace {
-
-// Counters that mirror a cumulative figure taken from elsewhere.
-void Advance(prometheus::Counter& c, int64_t now, int64_t before) {
-  if (now > before) c.Increment(static_cast<double>(now - before));
-}
-
-}  // namespace
-
 PrefillMetrics::PrefillMetrics(prometheus::Registry& r, std::function<State()> read,
                                const std::string& transport, absl::Duration period)
     : read_(std::move(read)),
@@ -30,22 +21,7 @@ PrefillMetrics::PrefillMetrics(prometheus::Registry& r, std::function<State()> r
                               "Prompts computing or pushing their KV to a decode worker.")),
       usage_(metrics::Gauge(r, "preft:kv_cache_usage_perc",
                             "Fraction of KV blocks not free (1 = full).")),
-      adapters_(metrics::GaugeFamily(
-          r, "preft:adapters",
-          "Adapter versions by state: compute (in a compute slot), host (parsed "
-          "in host memory), pinned (leased by requests).")),
-      adapter_bytes_(metrics::GaugeFamily(r, "preft:adapter_bytes",
-                                          "Adapter bytes held, by tier (compute, host).")),
-      adapter_capacity_(metrics::GaugeFamily(r, "preft:adapter_capacity_bytes",
-                                             "Adapter budget, by tier (compute, host).")),
-      acquires_(metrics::CounterFamily(
-          r, "preft:adapter_acquires_total",
-          "Adapter acquisitions by result: compute_hit (resident), joined (a load "
-          "already under way), host_hit, disk_load, load_failure. Misses are all "
-          "but compute_hit.")),
-      evictions_(
-          metrics::CounterFamily(r, "preft:adapter_evictions_total",
-                                 "Adapter copies dropped to make room, by tier (compute, host).")),
+      store_(r),
       adapter_wait_(metrics::Histogram(
           r, "preft:adapter_wait_seconds",
           "Time a prompt waited for its adapter (about 0 when resident).", metrics::FastBuckets())),
@@ -99,34 +75,18 @@ void PrefillMetrics::Set(const State& s) {
   running_.Set(static_cast<double>(s.running));
   usage_.Set(s.kv_total_blocks > 0 ? 1.0 - static_cast<double>(s.kv_free_blocks) / s.kv_total_blocks
                                    : 0.0);
-  adapters_.Add({{"state", "compute"}}).Set(static_cast<double>(s.adapters_in_compute));
-  adapters_.Add({{"state", "host"}}).Set(static_cast<double>(s.adapters_in_host));
-  adapters_.Add({{"state", "pinned"}}).Set(static_cast<double>(s.store.pinned));
-  adapter_bytes_.Add({{"tier", "compute"}}).Set(static_cast<double>(s.store.compute_bytes_used));
-  adapter_bytes_.Add({{"tier", "host"}}).Set(static_cast<double>(s.store.host_bytes_used));
-  adapter_capacity_.Add({{"tier", "compute"}}).Set(static_cast<double>(s.compute_capacity_bytes));
-  adapter_capacity_.Add({{"tier", "host"}}).Set(static_cast<double>(s.host_capacity_bytes));
+  store_.Set(s.store);
 
   // max_lora: the store budgets bytes, not slots; this is how many adapters of the resident
   // ones' mean size fit (0 before any is resident).
   int64_t max_lora = 0;
-  if (s.adapters_in_compute > 0 && s.store.compute_bytes_used > 0) {
-    max_lora = s.compute_capacity_bytes * s.adapters_in_compute / s.store.compute_bytes_used;
+  if (s.store.in_compute > 0 && s.store.stats.compute_bytes_used > 0) {
+    max_lora = s.store.compute_capacity_bytes * s.store.in_compute / s.store.stats.compute_bytes_used;
   }
   const std::string running = absl::StrJoin(s.running_adapters, ",");
   const std::string waiting = absl::StrJoin(s.waiting_adapters, ",");
 
   absl::MutexLock lock(&mu_);
-  const adapters::AdapterStoreStats& b = last_;
-  Advance(acquires_.Add({{"result", "compute_hit"}}), s.store.compute_hits, b.compute_hits);
-  Advance(acquires_.Add({{"result", "joined"}}), s.store.joined, b.joined);
-  Advance(acquires_.Add({{"result", "host_hit"}}), s.store.host_hits, b.host_hits);
-  Advance(acquires_.Add({{"result", "disk_load"}}), s.store.disk_loads, b.disk_loads);
-  Advance(acquires_.Add({{"result", "load_failure"}}), s.store.load_failures, b.load_failures);
-  Advance(evictions_.Add({{"tier", "compute"}}), s.store.compute_evictions, b.compute_evictions);
-  Advance(evictions_.Add({{"tier", "host"}}), s.store.host_evictions, b.host_evictions);
-  last_ = s.store;
-
   // One series at a time: the previous label set is removed when it changes.
   const std::string key = absl::StrCat(max_lora, "|", running, "|", waiting);
   if (lora_series_ == nullptr || key != lora_key_) {

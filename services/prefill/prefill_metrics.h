@@ -15,7 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "common/adapters/adapter_store.h"
+#include "common/metrics/adapter_store_metrics.h"
 #include "common/metrics/periodic.h"
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
@@ -32,11 +32,7 @@ class PrefillMetrics {
     int64_t running = 0;   // computing, or pushing their KV
     int64_t kv_total_blocks = 0;
     int64_t kv_free_blocks = 0;
-    adapters::AdapterStoreStats store;
-    int64_t compute_capacity_bytes = 0;
-    int64_t host_capacity_bytes = 0;
-    int64_t adapters_in_compute = 0;
-    int64_t adapters_in_host = 0;
+    metrics::AdapterStoreMetrics::State store;
     std::vector<std::string> running_adapters;  // names with requests in the engine, sorted
     std::vector<std::string> waiting_adapters;  // names whose requests wait for a load, sorted
   };
@@ -62,11 +58,7 @@ class PrefillMetrics {
   prometheus::Gauge& waiting_;
   prometheus::Gauge& running_;
   prometheus::Gauge& usage_;
-  prometheus::Family<prometheus::Gauge>& adapters_;
-  prometheus::Family<prometheus::Gauge>& adapter_bytes_;
-  prometheus::Family<prometheus::Gauge>& adapter_capacity_;
-  prometheus::Family<prometheus::Counter>& acquires_;
-  prometheus::Family<prometheus::Counter>& evictions_;
+  metrics::AdapterStoreMetrics store_;
   prometheus::Histogram& adapter_wait_;
   prometheus::Histogram& adapter_load_;
   prometheus::Counter& transfer_bytes_;
@@ -75,7 +67,6 @@ class PrefillMetrics {
   prometheus::Family<prometheus::Gauge>& lora_info_;
 
   absl::Mutex mu_;  // Refresh from the thread and from tests
-  adapters::AdapterStoreStats last_ ABSL_GUARDED_BY(mu_);
   prometheus::Gauge* lora_series_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::string lora_key_ ABSL_GUARDED_BY(mu_);
 

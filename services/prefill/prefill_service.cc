@@ -524,13 +524,9 @@ PrefillMetrics::State PrefillService::Impl::ReadMetricsState() {
   read.get_future().wait();
   s.waiting += awaiting_adapter.load();
   s.running += transfers.load();
-  s.store = store->stats();
-  s.compute_capacity_bytes = options.store.compute_bytes;
-  s.host_capacity_bytes = options.store.host_bytes;
+  s.store = metrics::AdapterStoreMetrics::Read(*store, options.store);
   auto name_of = [](const std::string& key) { return key.substr(0, key.rfind("@v")); };
   for (const adapters::AdapterInfo& a : store->List()) {
-    s.adapters_in_compute += a.in_compute;
-    s.adapters_in_host += a.in_host;
     if (a.leases > 0) s.running_adapters.push_back(name_of(a.name));
   }
   {

@@ -218,6 +218,21 @@ class DecodeServiceTest : public ::testing::Test {
     return s;
   }
 
+  // The all-position baseline's path for `r` (its adapter is the fixture's "lora"): reserve,
+  // prefill, push the KV, then the Start that names the adapter for decode to run too.
+  StartRequest BaselineStart(const engine::Request& r, ReserveResponse* res) {
+    EXPECT_TRUE(Reserve(static_cast<int32_t>(r.prompt_ids.size()), r.sampling.max_tokens, res).ok());
+    const engine::PrefilledPrompt p = Prefill(r);
+    EXPECT_TRUE(Transfer(p, res->reservation_id(), 1, res->block_ids()).ok());
+    EXPECT_TRUE(prefill_->ReleasePrefilled(p.request_id).ok());
+    StartRequest start = MakeStart(r, p, *res);
+    start.set_adapter("lora");
+    start.set_adapter_version(1);
+    start.set_adapter_path("lora");
+    start.set_adapter_positions(v1::ADAPTER_POSITIONS_ALL);
+    return start;
+  }
+
   StreamResult RunStart(const StartRequest& req) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
@@ -607,15 +622,7 @@ TEST_F(DecodeServiceTest, AllPositionBaselineRunsTheAdapterOnGeneratedTokens) {
       << "the fixture cannot tell them apart";
 
   ReserveResponse res;
-  ASSERT_TRUE(Reserve(30, 10, &res).ok());
-  const engine::PrefilledPrompt p = Prefill(r);
-  ASSERT_TRUE(Transfer(p, res.reservation_id(), 1, res.block_ids()).ok());
-  ASSERT_TRUE(prefill_->ReleasePrefilled(p.request_id).ok());
-  StartRequest start = MakeStart(r, p, res);
-  start.set_adapter("lora");
-  start.set_adapter_version(1);
-  start.set_adapter_path("lora");
-  start.set_adapter_positions(v1::ADAPTER_POSITIONS_ALL);
+  StartRequest start = BaselineStart(r, &res);
   const StreamResult got = RunStart(start);
   ExpectSameAsReference(got, ref);
   ASSERT_FALSE(got.messages.empty());
@@ -652,17 +659,20 @@ double Sample(const std::string& exposition, const std::string& series) {
   return -1;
 }
 
+// Refreshes `m` and returns the exposition served at `address`.
+std::string Scrape(DecodeMetrics& m, const std::string& address) {
+  m.Refresh();
+  auto body = testing::HttpGet(address, "/metrics");
+  EXPECT_TRUE(body.ok()) << body.status();
+  return body.ok() ? *body : std::string();
+}
+
 // GET /metrics shows the KV block states and usage the service reports.
 TEST_F(DecodeServiceTest, MetricsEndpointShowsKvBlockStates) {
   auto server = metrics::MetricsServer::Start("127.0.0.1:0");
   ASSERT_TRUE(server.ok()) << server.status();
   DecodeMetrics m((*server)->registry(), service_.get(), absl::Hours(1));
-  auto scrape = [&] {
-    m.Refresh();
-    auto body = testing::HttpGet((*server)->address(), "/metrics");
-    EXPECT_TRUE(body.ok()) << body.status();
-    return body.ok() ? *body : std::string();
-  };
+  auto scrape = [&] { return Scrape(m, (*server)->address()); };
   std::string text = scrape();
   EXPECT_EQ(Sample(text, "preft:kv_blocks{state=\"free\"}"), kDecodeBlocks) << text;
   EXPECT_EQ(Sample(text, "preft:kv_cache_usage_perc"), 0);
@@ -680,6 +690,38 @@ TEST_F(DecodeServiceTest, MetricsEndpointShowsKvBlockStates) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(metrics::MetricsServer::Start("256.0.0.1:0").status().code(),
             absl::StatusCode::kUnavailable);  // not an address of this host
+}
+
+// A worker serving adapters (the all-position baseline) also exports its adapter store: the
+// first request's adapter is a disk load, the second a compute hit.
+TEST_F(DecodeServiceTest, MetricsShowTheAdapterStoreOfABaselineWorker) {
+  DecodeServiceOptions o;
+  o.all_position_adapters = true;
+  o.adapter_root = testing::TinyLlamaFixture();
+  o.store.compute_bytes = int64_t{3} << 20;
+  StartService(o);
+  auto server = metrics::MetricsServer::Start("127.0.0.1:0");
+  ASSERT_TRUE(server.ok()) << server.status();
+  DecodeMetrics m((*server)->registry(), service_.get(), absl::Hours(1));
+  auto scrape = [&] { return Scrape(m, (*server)->address()); };
+  std::string text = scrape();
+  EXPECT_EQ(Sample(text, "preft:adapter_capacity_bytes{tier=\"compute\"}"), 3 << 20) << text;
+  EXPECT_EQ(Sample(text, "preft:adapter_acquires_total{result=\"disk_load\"}"), 0) << text;
+  auto w = adapters::LoadAdapter(testing::TinyLlamaFixture() + "/lora", loaded_->model->config());
+  ASSERT_TRUE(w.ok()) << w.status();
+  const std::shared_ptr<const model::AdapterWeights> weights = std::move(w).value();
+  for (int i = 0; i < 2; ++i) {
+    engine::Request r = MakeRequest(absl::StrCat("lora-all-", i), 20, 4, 0.f, 3);
+    r.adapter = engine::RequestAdapter{weights, "lora", 1, model::AdapterPositions::kAll};
+    ReserveResponse res;
+    ASSERT_TRUE(RunStart(BaselineStart(r, &res)).status.ok());
+  }
+  EXPECT_TRUE(WaitAllFree());
+  text = scrape();
+  EXPECT_EQ(Sample(text, "preft:adapter_acquires_total{result=\"disk_load\"}"), 1) << text;
+  EXPECT_EQ(Sample(text, "preft:adapter_acquires_total{result=\"compute_hit\"}"), 1) << text;
+  EXPECT_EQ(Sample(text, "preft:adapters{state=\"compute\"}"), 1) << text;
+  EXPECT_GT(Sample(text, "preft:adapter_bytes{tier=\"compute\"}"), 0) << text;
 }
 
 }  // namespace

@@ -1,0 +1,432 @@
+#!/usr/bin/python3
+"""The headline benchmark: PreFT vs multi-LoRA serving throughput, every mode in one run.
+
+For each deployment (disaggregated: router + prefill + decode processes with UCX between the
+tiers; colocated: router + workers that run prompt and decode in one engine), each number of
+distinct adapters N and each load, this starts a fresh cluster of the real binaries, registers
+N adapters made on the fly (LoRA rank 16 on every projection, DiReFT rank 4 on every layer by
+default), drives it with `preft bench` through the public gRPC API, samples the workers'
+Prometheus endpoints while it runs, and stops it. Modes, on the same workload and model:
+
+  base     no adapter
+  lorap    LoRA on prompt tokens only (PreFT); decode workers hold no adapter
+  direftp  DiReFT on prompt tokens only (PreFT); decode workers hold no adapter
+  lora     LoRA on every token: decode workers run it too (the multi-LoRA baseline)
+  direft   DiReFT on every token (the all-position ReFT baseline)
+
+Writes OUT/results.json (every cell, the ratios), OUT/results.csv, OUT/ratios.csv and, with
+gnuplot, OUT/throughput_vs_adapters.svg and OUT/latency_vs_load.svg (OUT/plots.gp redraws
+them); prints the ratio table. Progress and each process's log go to OUT/logs/.
+
+  bench/serve/matrix.py --build build --model models/qwen2.5-0.5b --preset qwen2.5-0.5b \\
+      --adapters 64,512 --concurrency 64 --requests 128 --out bench/results/qwen
+"""
+import argparse
+import csv
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+MODES = {  # name -> (adapter kind, positions, decode workers hold adapters)
+    "base": (None, None, False),
+    "lorap": ("lora", "prompt", False),
+    "direftp": ("direft", "prompt", False),
+    "lora": ("lora", "all", True),
+    "direft": ("direft", "all", True),
+}
+BASELINE = {"lorap": "lora", "direftp": "lora"}  # PreFT mode -> the multi-LoRA baseline
+ACQUIRE_RESULTS = ("compute_hit", "joined", "host_hit", "disk_load", "load_failure")
+
+
+def log(*a):
+    print(time.strftime("%H:%M:%S"), *a, file=sys.stderr, flush=True)
+
+
+def ints(text):
+    return [int(x) for x in text.split(",") if x]
+
+
+class Metrics:
+    """Scrapes Prometheus text endpoints: sums of samples by name and label filter."""
+
+    LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
+
+    @staticmethod
+    def scrape(address):
+        import urllib.request
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        out = []
+        for line in text.splitlines():
+            m = Metrics.LINE.match(line)
+            if m:
+                out.append((m.group(1), m.group(2) or "", float(m.group(3))))
+        return out
+
+    @staticmethod
+    def total(samples, name, label=""):
+        return sum(v for n, l, v in samples if n == name and label in l)
+
+
+class Cluster:
+    """The real binaries on 127.0.0.1; each process logs to LOGS/<name>.log."""
+
+    def __init__(self, args, logs, deployment, decode_adapters, adapter_root):
+        self.procs = []
+        self.logs = logs
+        os.makedirs(logs, exist_ok=True)
+        b = args.build
+        worker = ["--model", args.model, "--metrics-listen", "127.0.0.1:0",
+                  "--threads", str(args.threads), "--max-batch-tokens", str(args.max_batch_tokens)]
+        store = ["--adapter-root", adapter_root,
+                 "--adapter-host-bytes", str(args.adapter_host_mib << 20),
+                 "--adapter-compute-bytes", str(args.adapter_compute_mib << 20)]
+        kv = ["--kv-bytes", str(args.kv_mib << 20)]
+        decode = [f"{b}/services/decode/preft-decode", *worker, *kv, "--transport", args.transport]
+        if args.transport == "ucx":
+            decode += ["--ucx-tls", args.ucx_tls]
+        router = [f"{b}/services/router/preft-router", "--model", args.model,
+                  "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                  "--adapter-root", adapter_root, "--admission-timeout-s", "600"]
+        if deployment == "colocated":
+            decode += ["--colocated", *store]
+            router += ["--colocated"]
+        elif decode_adapters:
+            decode += ["--adapters", "all-positions", *store]
+        decodes = [self.start(f"decode-{i}", decode) for i in range(args.decode_workers)]
+        self.decode_metrics = [self.address(n, metrics=True) for n in decodes]
+        router += ["--decode", ",".join(self.address(n) for n in decodes)]
+        self.prefill_metrics = []
+        if deployment == "disaggregated":
+            prefill = [f"{b}/services/prefill/preft-prefill", *worker, *store,
+                       "--kv-bytes", str(args.prefill_kv_mib << 20),
+                       "--transport", args.transport]
+            if args.transport == "ucx":
+                prefill += ["--ucx-tls", args.ucx_tls]
+            prefills = [self.start(f"prefill-{i}", prefill) for i in range(args.prefill_workers)]
+            self.prefill_metrics = [self.address(n, metrics=True) for n in prefills]
+            router += ["--prefill", ",".join(self.address(n) for n in prefills)]
+        self.start("router", router)
+        self.router = self.address("router")
+        self.workers = self.decode_metrics + self.prefill_metrics
+
+    def start(self, name, argv):
+        f = open(os.path.join(self.logs, f"{name}.log"), "w")
+        self.procs.append((name, subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)))
+        return name
+
+    def address(self, name, metrics=False):
+        pattern = (r"metrics on http://([^/\s]+)/metrics" if metrics else r"listening on (\S+)")
+        path = os.path.join(self.logs, f"{name}.log")
+        proc = dict(self.procs)[name]
+        for _ in range(3000):
+            m = re.search(pattern, open(path).read())
+            if m:
+                return m.group(1)
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited {proc.returncode}:\n{open(path).read()}")
+            time.sleep(0.1)
+        raise RuntimeError(f"{name} did not start:\n{open(path).read()}")
+
+    def stop(self):
+        for _, p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for name, p in reversed(self.procs):
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                log(f"{name} did not drain in 60 s: killed")
+                p.kill()
+                p.wait()
+
+
+class Sampler(threading.Thread):
+    """KV usage of the decode tier, sampled every `period` while the load runs."""
+
+    def __init__(self, decode_metrics, period=0.5):
+        super().__init__(daemon=True)
+        self.addresses, self.period = decode_metrics, period
+        self.usage = []
+        self.stopping = threading.Event()
+
+    def run(self):
+        while not self.stopping.wait(self.period):
+            try:
+                values = [Metrics.total(Metrics.scrape(a), "preft:kv_cache_usage_perc")
+                          for a in self.addresses]
+                self.usage.append(sum(values) / len(values))
+            except OSError:
+                pass
+
+
+def acquires(workers):
+    """Adapter store acquires by result, summed over `workers`' metrics endpoints."""
+    total = dict.fromkeys(ACQUIRE_RESULTS, 0.0)
+    for a in workers:
+        s = Metrics.scrape(a)
+        for r in ACQUIRE_RESULTS:
+            total[r] += Metrics.total(s, "preft:adapter_acquires_total", f'result="{r}"')
+    return total
+
+
+def make_model(args):
+    if os.path.exists(os.path.join(args.model, "config.json")):
+        return
+    if not args.preset:
+        sys.exit(f"matrix: no model in {args.model} (pass --preset to make one)")
+    log(f"making the {args.preset} model in {args.model}")
+    subprocess.run([f"{args.build}/tools/preft", "make-model", "--preset", args.preset,
+                    "--dtype", args.dtype, "--seed", "1", "--out", args.model], check=True)
+
+
+def make_adapters(args, kind, n):
+    """N adapters of `kind` under args.adapter_dir, kept between runs (same seeds, same files)."""
+    rank = args.lora_rank if kind == "lora" else args.direft_rank
+    names = []
+    for i in range(n):
+        name = f"{kind}-r{rank}-{i:03d}"
+        path = os.path.join(args.adapter_dir, name)
+        if not os.path.exists(os.path.join(path, "adapter_config.json")):
+            if i % 32 == 0:
+                log(f"making {kind} adapters {i}..{min(n, i + 32) - 1} in {args.adapter_dir}")
+            cmd = [f"{args.build}/tools/preft", "make-adapter", "--model", args.model,
+                   "--kind", kind, "--rank", str(rank), "--layers", "all",
+                   "--dtype", args.dtype, "--seed", str(1000 + i), "--out", path]
+            if kind == "lora":
+                cmd += ["--targets", "all"]
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        names.append(name)
+    return names
+
+
+def register(router, names, adapter_dir):
+    from preft_client import Client
+    with Client(router) as c:
+        for name in names:
+            c.register_adapter(name, os.path.abspath(os.path.join(adapter_dir, name)))
+
+
+def run_cell(args, deployment, mode, n, concurrency):
+    kind, positions, decode_adapters = MODES[mode]
+    cell = f"{deployment}-{mode}-n{n}-c{concurrency}"
+    names = make_adapters(args, kind, n) if kind else []
+    log(f"cell {cell}: starting the cluster")
+    cluster = Cluster(args, os.path.join(args.out, "logs", cell), deployment, decode_adapters,
+                      os.path.abspath(args.adapter_dir))
+    try:
+        register(cluster.router, names, args.adapter_dir)
+        before = acquires(cluster.workers)
+        sampler = Sampler(cluster.decode_metrics)
+        sampler.start()
+        cmd = [f"{args.build}/tools/preft", "bench", "--server", cluster.router, "--json",
+               "--requests", str(args.requests), "--concurrency", str(concurrency),
+               "--seed", str(args.seed), "--timeout-s", "3600"]
+        cmd += (["--lengths", args.lengths] if args.lengths else
+                ["--prompt-tokens", args.prompt_tokens, "--max-tokens", args.max_tokens])
+        if args.rate:
+            cmd += ["--rate", str(args.rate)]
+        if names:
+            cmd += ["--adapters", ",".join(names), "--adapter-positions", positions]
+        log(f"cell {cell}: {args.requests} requests, {concurrency} concurrent")
+        bench = subprocess.run(cmd, capture_output=True, text=True)
+        sampler.stopping.set()
+        sampler.join()
+        if bench.returncode != 0:
+            raise RuntimeError(f"preft bench failed in {cell}: {bench.stderr.strip()}")
+        result = json.loads(bench.stdout)
+        time.sleep(1.2)  # the workers refresh their gauges and store counters every 0.5 s
+        after = acquires(cluster.workers)
+    finally:
+        cluster.stop()
+    got = {r: after[r] - before[r] for r in ACQUIRE_RESULTS}
+    total = sum(got.values())
+    result.update({
+        "deployment": deployment, "mode": mode, "num_adapters": n, "concurrency": concurrency,
+        "kv_usage_mean": sum(sampler.usage) / len(sampler.usage) if sampler.usage else 0,
+        "kv_usage_max": max(sampler.usage, default=0),
+        "adapter_acquires": got,
+        "adapter_hit_rate": got["compute_hit"] / total if total else None,
+    })
+    log(f"cell {cell}: {result['output_tokens_per_s']:.1f} tok/s, "
+        f"TTFT p50 {result['ttft_ms']['p50']:.0f} ms, ITL p50 {result['itl_ms']['p50']:.1f} ms")
+    return result
+
+
+def ratios(cells):
+    """PreFT / multi-LoRA and PreFT / base, per deployment, N and load."""
+    by = {(c["deployment"], c["mode"], c["num_adapters"], c["concurrency"]): c for c in cells}
+    base = {(c["deployment"], c["concurrency"]): c for c in cells if c["mode"] == "base"}
+    out = []
+    for (dep, mode, n, conc), c in sorted(by.items()):
+        if mode not in BASELINE:
+            continue
+        row = {"deployment": dep, "mode": mode, "num_adapters": n, "concurrency": conc}
+        ref = by.get((dep, BASELINE[mode], n, conc))
+        if ref:
+            row["vs_multi_lora"] = c["output_tokens_per_s"] / ref["output_tokens_per_s"]
+        if (dep, conc) in base:
+            row["vs_base"] = c["output_tokens_per_s"] / base[(dep, conc)]["output_tokens_per_s"]
+        out.append(row)
+    return out
+
+
+def write_csv(path, rows, fields):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+
+
+def flatten(c):
+    row = dict(c)
+    for k in ("ttft_ms", "itl_ms", "e2e_ms"):
+        for q, v in c[k].items():
+            row[f"{k[:-3]}_{q}_ms"] = v
+    return row
+
+
+CSV_FIELDS = ["deployment", "mode", "num_adapters", "concurrency", "requests", "failed",
+              "generated_tokens", "seconds", "output_tokens_per_s", "requests_per_s",
+              "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms",
+              "itl_p99_ms", "e2e_p50_ms", "kv_usage_mean", "kv_usage_max", "adapter_hit_rate"]
+
+
+def plot(out, cells):
+    """Writes the plots' data and gnuplot script; draws SVGs when gnuplot is installed."""
+    series = sorted({(c["deployment"], c["mode"]) for c in cells})
+    top_c = max(c["concurrency"] for c in cells)
+    top_n = max(c["num_adapters"] for c in cells)
+    thr, lat = [], []
+    for dep, mode in series:
+        name = f"{dep}-{mode}"
+        pts = sorted((c["num_adapters"], c["output_tokens_per_s"]) for c in cells
+                     if (c["deployment"], c["mode"], c["concurrency"]) == (dep, mode, top_c))
+        if mode == "base" and pts:  # one run stands for every N
+            pts = [(n, pts[0][1]) for n in sorted({c["num_adapters"] for c in cells})]
+        data = os.path.join(out, f"plot-{name}-throughput.dat")
+        with open(data, "w") as f:
+            f.writelines(f"{n} {v}\n" for n, v in pts)
+        thr.append(f"'{os.path.basename(data)}' using 1:2 with linespoints title '{name}'")
+        pts = sorted((c["output_tokens_per_s"], c["ttft_ms"]["p50"], c["itl_ms"]["p50"])
+                     for c in cells if (c["deployment"], c["mode"]) == (dep, mode)
+                     and c["num_adapters"] in (top_n, 0))  # base runs once, as N = 0
+        data = os.path.join(out, f"plot-{name}-latency.dat")
+        with open(data, "w") as f:
+            f.writelines(f"{x} {t} {i}\n" for x, t, i in pts)
+        lat.append(f"'{os.path.basename(data)}' using 1:2 with linespoints title '{name}'")
+    script = f"""set terminal svg size 900,560 dynamic background rgb 'white'
+set key outside right
+set grid
+set output 'throughput_vs_adapters.svg'
+set title 'Output throughput vs distinct adapters ({top_c} concurrent requests)'
+set xlabel 'distinct adapters'
+set ylabel 'output tokens/s'
+set logscale x 2
+plot {', '.join(thr)}
+unset logscale x
+set output 'latency_vs_load.svg'
+set title 'Time to first token vs throughput ({top_n} adapters; one point per load)'
+set xlabel 'output tokens/s'
+set ylabel 'TTFT p50 (ms)'
+plot {', '.join(lat)}
+"""
+    with open(os.path.join(out, "plots.gp"), "w") as f:
+        f.write(script)
+    if shutil.which("gnuplot"):
+        subprocess.run(["gnuplot", "plots.gp"], cwd=out, check=True)
+    else:
+        log("gnuplot is not installed: plots.gp and its data written, no SVG drawn")
+
+
+def table(cells, rows):
+    lines = ["| deployment | N | conc | mode | tok/s | TTFT p50 ms | ITL p50 ms | KV use | hit rate |"
+             " / multi-LoRA | / base |", "|" + "---|" * 11]
+    ratio = {(r["deployment"], r["mode"], r["num_adapters"], r["concurrency"]): r for r in rows}
+    for c in sorted(cells, key=lambda c: (c["deployment"], c["num_adapters"], c["concurrency"],
+                                          list(MODES).index(c["mode"]))):
+        r = ratio.get((c["deployment"], c["mode"], c["num_adapters"], c["concurrency"]), {})
+        hit = c["adapter_hit_rate"]
+        lines.append(
+            f"| {c['deployment']} | {c['num_adapters']} | {c['concurrency']} | {c['mode']} | "
+            f"{c['output_tokens_per_s']:.1f} | {c['ttft_ms']['p50']:.0f} | "
+            f"{c['itl_ms']['p50']:.1f} | {c['kv_usage_mean']:.2f} | "
+            f"{'-' if hit is None else f'{hit:.2f}'} | "
+            f"{r.get('vs_multi_lora', float('nan')):.2f} | {r.get('vs_base', float('nan')):.2f} |")
+    return "\n".join(lines).replace("| nan |", "| - |").replace("nan |", "- |")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--build", default="build")
+    p.add_argument("--model", required=True, help="base model folder")
+    p.add_argument("--preset", help="make a random model of this preset if --model has none")
+    p.add_argument("--dtype", default="bf16", help="of the model and adapters made here")
+    p.add_argument("--adapter-dir", help="where adapters are made (default: MODEL-adapters)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--deployments", default="disaggregated,colocated")
+    p.add_argument("--adapters", default="64,512", help="distinct adapters N (list)")
+    p.add_argument("--concurrency", default="64", help="closed-loop concurrency (list)")
+    p.add_argument("--rate", type=float, default=0, help="Poisson arrivals/s (0: closed loop)")
+    p.add_argument("--requests", type=int, default=128)
+    p.add_argument("--prompt-tokens", default="128")
+    p.add_argument("--max-tokens", default="128")
+    p.add_argument("--lengths", help="JSONL of prompt_tokens/max_tokens (see preft bench)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--direft-rank", type=int, default=4)
+    p.add_argument("--prefill-workers", type=int, default=1)
+    p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument("--threads", type=int, default=0, help="per engine (0: all cores)")
+    p.add_argument("--max-batch-tokens", type=int, default=512)
+    p.add_argument("--kv-mib", type=int, default=1024, help="decode (or colocated) KV pool")
+    p.add_argument("--prefill-kv-mib", type=int, default=512)
+    p.add_argument("--adapter-host-mib", type=int, default=2048)
+    p.add_argument("--adapter-compute-mib", type=int, default=2048)
+    p.add_argument("--transport", default="ucx", choices=["ucx", "grpc"])
+    p.add_argument("--ucx-tls", default="posix,self")
+    args = p.parse_args()
+    args.adapter_dir = args.adapter_dir or args.model.rstrip("/") + "-adapters"
+    sys.path.insert(0, os.path.join(args.build, "clients", "python"))
+    modes = args.modes.split(",")
+    for m in modes:
+        if m not in MODES:
+            sys.exit(f"matrix: unknown mode '{m}' (use {', '.join(MODES)})")
+    deployments = args.deployments.split(",")
+    for d in deployments:
+        if d not in ("disaggregated", "colocated"):
+            sys.exit(f"matrix: unknown deployment '{d}' (use disaggregated, colocated)")
+    os.makedirs(args.out, exist_ok=True)
+    make_model(args)
+    cells = []
+    for dep in deployments:
+        for conc in ints(args.concurrency):
+            if "base" in modes:  # independent of N: measured once per deployment and load
+                cells.append(run_cell(args, dep, "base", 0, conc))
+            for n in ints(args.adapters):
+                for mode in (m for m in MODES if m in modes and m != "base"):
+                    cells.append(run_cell(args, dep, mode, n, conc))
+    rows = ratios(cells)
+    config = {k: v for k, v in vars(args).items()}
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"config": config, "cells": cells, "ratios": rows}, f, indent=1)
+    write_csv(os.path.join(args.out, "results.csv"), [flatten(c) for c in cells], CSV_FIELDS)
+    write_csv(os.path.join(args.out, "ratios.csv"), rows,
+              ["deployment", "mode", "num_adapters", "concurrency", "vs_multi_lora", "vs_base"])
+    plot(args.out, cells)
+    text = table(cells, rows)
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

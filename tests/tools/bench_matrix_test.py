@@ -1,0 +1,87 @@
+#!/usr/bin/python3
+"""bench/serve/matrix.py on a tiny model: every mode and deployment starts, serves every request
+and token, and the outputs (JSON, CSV, ratios, plots) hold what they claim. Timings are printed,
+not asserted.
+
+Usage: bench_matrix_test.py SOURCE_DIR BUILD_DIR WORK_DIR
+"""
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+
+def main():
+    src, build, work = sys.argv[1:4]
+    shutil.rmtree(work, ignore_errors=True)
+    deployments = "disaggregated"  # colocated joins when it lands
+    cmd = ["/usr/bin/python3", f"{src}/bench/serve/matrix.py", "--build", build,
+           "--model", f"{work}/model", "--preset", "tiny", "--dtype", "f32", "--out", f"{work}/out",
+           "--deployments", deployments, "--adapters", "3", "--concurrency", "2,4",
+           "--requests", "10", "--prompt-tokens", "8:24", "--max-tokens", "5",
+           "--kv-mib", "32", "--prefill-kv-mib", "32", "--adapter-host-mib", "16",
+           "--adapter-compute-mib", "16", "--threads", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    print(out.stdout)
+    if out.returncode != 0:
+        print(out.stderr[-4000:])
+        return 1
+    failures = []
+    check = lambda ok, what: ok or failures.append(what)  # noqa: E731
+    r = json.load(open(f"{work}/out/results.json"))
+    cells = r["cells"]
+    modes = ["base", "lorap", "direftp", "lora", "direft"]
+    want = {(d, m, c) for d in deployments.split(",") for m in modes for c in (2, 4)}
+    check({(c["deployment"], c["mode"], c["concurrency"]) for c in cells} == want,
+          "every deployment x mode x load measured once")
+    for c in cells:
+        name = f'{c["deployment"]}-{c["mode"]}-c{c["concurrency"]}'
+        check(c["failed"] == 0 and c["requests"] == 10, f"{name}: all 10 requests served")
+        check(c["generated_tokens"] == c["requested_tokens"] == 50, f"{name}: every token")
+        check(c["num_adapters"] == (0 if c["mode"] == "base" else 3), f"{name}: N")
+        check(c["adapters"] == (1 if c["mode"] == "base" else 3), f"{name}: adapters sent")
+        acq = sum(c["adapter_acquires"].values())
+        if c["mode"] == "base":
+            check(acq == 0 and c["adapter_hit_rate"] is None, f"{name}: no adapter acquired")
+        else:
+            # One acquire per request on the tier that runs the prompt (and, for the
+            # all-position baseline when disaggregated, one more on the decode tier).
+            per = 2 if c["deployment"] == "disaggregated" and c["mode"] in ("lora", "direft") else 1
+            check(acq == 10 * per, f"{name}: {acq} acquires, want {10 * per}")
+            check(0 <= c["adapter_hit_rate"] <= 1 and c["adapter_acquires"]["load_failure"] == 0,
+                  f"{name}: hit rate")
+        check(0 <= c["kv_usage_mean"] <= c["kv_usage_max"] <= 1, f"{name}: KV usage")
+        check(c["ttft_ms"]["p50"] <= c["ttft_ms"]["p99"], f"{name}: TTFT percentiles")
+    ratios = {(x["deployment"], x["mode"], x["concurrency"]): x for x in r["ratios"]}
+    tps = {(c["deployment"], c["mode"], c["concurrency"]): c["output_tokens_per_s"] for c in cells}
+    for d in deployments.split(","):
+        for m in ("lorap", "direftp"):
+            for conc in (2, 4):
+                x = ratios[(d, m, conc)]
+                check(abs(x["vs_multi_lora"] - tps[(d, m, conc)] / tps[(d, "lora", conc)]) < 1e-9,
+                      f"{d}-{m}-c{conc}: ratio to multi-LoRA")
+                check(abs(x["vs_base"] - tps[(d, m, conc)] / tps[(d, "base", conc)]) < 1e-9,
+                      f"{d}-{m}-c{conc}: ratio to base")
+    rows = list(csv.DictReader(open(f"{work}/out/results.csv")))
+    check(len(rows) == len(cells) and all(float(x["output_tokens_per_s"]) > 0 for x in rows),
+          "results.csv has every cell")
+    check(len(list(csv.DictReader(open(f"{work}/out/ratios.csv")))) == len(r["ratios"]),
+          "ratios.csv has every ratio")
+    for svg in ("throughput_vs_adapters.svg", "latency_vs_load.svg"):
+        text = open(f"{work}/out/{svg}").read() if os.path.exists(f"{work}/out/{svg}") else ""
+        check("<svg" in text and "lorap" in text and "disaggregated" in text, f"{svg} drawn")
+    # A bad mode is refused with a message and exit code.
+    bad = subprocess.run(cmd[:2] + ["--build", build, "--model", f"{work}/model", "--out",
+                                    f"{work}/bad", "--modes", "base,qlora"],
+                         capture_output=True, text=True)
+    check(bad.returncode != 0 and "unknown mode 'qlora'" in bad.stderr, "bad mode refused")
+    for f in failures:
+        print("FAIL:", f)
+    print(f"bench matrix: {len(failures)} failures")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
