@@ -299,25 +299,24 @@ CSV_FIELDS = ["deployment", "mode", "num_adapters", "concurrency", "requests", "
               "itl_p99_ms", "e2e_p50_ms", "kv_usage_mean", "kv_usage_max", "adapter_hit_rate"]
 
 
-def plot(out, cells):
-    """Writes the plots' data and gnuplot script; draws SVGs when gnuplot is installed."""
+def plot(out, cells, top_c, load_n):
+    """Writes the plots' data and gnuplot script; draws SVGs when gnuplot is installed.
+    Throughput vs N at concurrency `top_c`; latency vs load at N = `load_n`."""
     series = sorted({(c["deployment"], c["mode"]) for c in cells})
-    top_c = max(c["concurrency"] for c in cells)
-    top_n = max(c["num_adapters"] for c in cells)
     thr, lat = [], []
     for dep, mode in series:
         name = f"{dep}-{mode}"
         pts = sorted((c["num_adapters"], c["output_tokens_per_s"]) for c in cells
                      if (c["deployment"], c["mode"], c["concurrency"]) == (dep, mode, top_c))
         if mode == "base" and pts:  # one run stands for every N
-            pts = [(n, pts[0][1]) for n in sorted({c["num_adapters"] for c in cells})]
+            pts = [(n, pts[0][1]) for n in sorted({c["num_adapters"] for c in cells} - {0})]
         data = os.path.join(out, f"plot-{name}-throughput.dat")
         with open(data, "w") as f:
             f.writelines(f"{n} {v}\n" for n, v in pts)
         thr.append(f"'{os.path.basename(data)}' using 1:2 with linespoints title '{name}'")
         pts = sorted((c["output_tokens_per_s"], c["ttft_ms"]["p50"], c["itl_ms"]["p50"])
                      for c in cells if (c["deployment"], c["mode"]) == (dep, mode)
-                     and c["num_adapters"] in (top_n, 0))  # base runs once, as N = 0
+                     and c["num_adapters"] in (load_n, 0))  # base runs once, as N = 0
         data = os.path.join(out, f"plot-{name}-latency.dat")
         with open(data, "w") as f:
             f.writelines(f"{x} {t} {i}\n" for x, t, i in pts)
@@ -333,7 +332,7 @@ set logscale x 2
 plot {', '.join(thr)}
 unset logscale x
 set output 'latency_vs_load.svg'
-set title 'Time to first token vs throughput ({top_n} adapters; one point per load)'
+set title 'Time to first token vs throughput ({load_n} adapters; one point per load)'
 set xlabel 'output tokens/s'
 set ylabel 'TTFT p50 (ms)'
 plot {', '.join(lat)}
@@ -375,6 +374,8 @@ def main():
     p.add_argument("--deployments", default="disaggregated,colocated")
     p.add_argument("--adapters", default="64,512", help="distinct adapters N (list)")
     p.add_argument("--concurrency", default="64", help="closed-loop concurrency (list)")
+    p.add_argument("--latency-loads", default="",
+                   help="more concurrency levels, run at the first N only (latency vs load)")
     p.add_argument("--rate", type=float, default=0, help="Poisson arrivals/s (0: closed loop)")
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--prompt-tokens", default="128")
@@ -407,11 +408,13 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     make_model(args)
     cells = []
+    plan = [(conc, ints(args.adapters)) for conc in ints(args.concurrency)]
+    plan += [(conc, ints(args.adapters)[:1]) for conc in ints(args.latency_loads)]
     for dep in deployments:
-        for conc in ints(args.concurrency):
+        for conc, ns in plan:
             if "base" in modes:  # independent of N: measured once per deployment and load
                 cells.append(run_cell(args, dep, "base", 0, conc))
-            for n in ints(args.adapters):
+            for n in ns:
                 for mode in (m for m in MODES if m in modes and m != "base"):
                     cells.append(run_cell(args, dep, mode, n, conc))
     rows = ratios(cells)
@@ -421,7 +424,7 @@ def main():
     write_csv(os.path.join(args.out, "results.csv"), [flatten(c) for c in cells], CSV_FIELDS)
     write_csv(os.path.join(args.out, "ratios.csv"), rows,
               ["deployment", "mode", "num_adapters", "concurrency", "vs_multi_lora", "vs_base"])
-    plot(args.out, cells)
+    plot(args.out, cells, max(ints(args.concurrency)), ints(args.adapters)[0])
     text = table(cells, rows)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(text + "\n")
