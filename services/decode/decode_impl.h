@@ -3,11 +3,13 @@
 // The decode service's shared state (private to services/decode): the reservation table, the
 // Start calls in flight and the quarantine, guarded by one mutex, plus the engine loop, the
 // transport and the timer thread. decode_service.cc has the RPC glue and the Start path;
-// reservations.cc the reservation life cycle (reserve, retry, DONE, release, lease, quarantine).
+// reservations.cc the reservation life cycle (reserve, retry, DONE, release, lease, quarantine);
+// colocated.cc the Run path (whole requests on this worker's engine).
 
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -43,13 +45,14 @@ struct DecodeService::Impl {
     absl::Time forget_at;           // kStarted/kReleased: erased then
   };
 
-  // One Start call, from its handler until gRPC is done with it.
+  // One Start or Run call, from its handler until gRPC is done with it.
   struct Start {
     std::shared_ptr<StartStream> stream;
     std::string request_id;
-    uint64_t reservation_id = 0;
+    uint64_t reservation_id = 0;      // Start only
     bool claimed = false;             // the reservation's waiter
-    bool adapter_pending = false;     // all-position mode: acquiring the adapter's lease
+    bool adapter_pending = false;     // all-position mode or Run: acquiring the adapter's lease
+    bool cancelled = false;           // the client went away: never hand it to the engine
     bool committed = false;           // handed to the engine
     engine::Request request;          // `on_token` and `imported` are added at commit
     engine::ImportedPrompt imported;  // the prefill's first token; blocks added at commit
@@ -83,8 +86,22 @@ struct DecodeService::Impl {
   absl::Status ReserveOnEngine(engine::Engine& e, const worker::v1::ReserveRequest& req,
                                const ReservePlan& plan, worker::v1::ReserveResponse* resp,
                                Failures* failures);
+  // A Start or Run stream, registered in `starts` until gRPC is done with it.
+  std::shared_ptr<StartStream> OpenStream(StreamFinishInfo info);
+  // INVALID_ARGUMENT naming the field: an empty id or prompt, a prompt that fills the context,
+  // an id outside the vocabulary.
+  absl::Status ValidatePrompt(const std::string& request_id,
+                              const google::protobuf::RepeatedField<int32_t>& prompt_ids) const;
   absl::Status BeginStart(const std::shared_ptr<StartStream>& stream,
                           const worker::v1::StartRequest& req);
+  // Colocated (colocated.cc): validates, leases the adapter, then CommitRun.
+  absl::Status BeginRun(const std::shared_ptr<StartStream>& stream,
+                        const worker::v1::RunRequest& req);
+  void OnRunAdapter(const std::shared_ptr<StartStream>& stream,
+                    std::optional<model::AdapterPositions> positions,
+                    absl::StatusOr<adapters::AdapterLease> lease);
+  // Hands a Run's request to the engine as a local request (the prompt is computed here).
+  void CommitRunLocked(Start& start) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   void OnAdapter(const std::shared_ptr<StartStream>& stream,
                  absl::StatusOr<adapters::AdapterLease> lease);
   absl::Status Release(const worker::v1::ReleaseRequest& req, Failures* failures);
@@ -111,7 +128,7 @@ struct DecodeService::Impl {
   int64_t block_tokens = 0;
   int64_t total_blocks = 0;
   worker::v1::TransportEndpoint endpoint;
-  std::unique_ptr<adapters::AdapterStore> store;  // all-position mode only
+  std::unique_ptr<adapters::AdapterStore> store;  // all-position and colocated modes only
   std::unique_ptr<adapters::VersionedAdapters> versioned;
   std::unique_ptr<transport::KvTransport> transport;
   std::unique_ptr<engine::EngineLoop> loop;

@@ -10,13 +10,14 @@ DecodeMetrics::DecodeMetrics(prometheus::Registry& registry, const DecodeService
       running_(metrics::Gauge(registry, "preft:num_requests_running",
                               "Sequences decoding on this worker.")),
       waiting_(metrics::Gauge(registry, "preft:num_requests_waiting",
-                              "Reservations waiting for their prompt's KV from a prefill worker.")),
+                              "Reservations waiting for their prompt's KV from a prefill worker, "
+                              "and (colocated) requests queued for room in the batch.")),
       usage_(metrics::Gauge(registry, "preft:kv_cache_usage_perc",
                             "Fraction of KV blocks not free (1 = full).")),
       blocks_(metrics::GaugeFamily(
           registry, "preft:kv_blocks",
           "KV blocks by state: free, reserved (awaiting a prefill's KV), filled "
-          "(decoding), quarantined (aborted, waiting out late writes).")),
+          "(running sequences), quarantined (aborted, waiting out late writes).")),
       free_(blocks_.Add({{"state", "free"}})),
       reserved_(blocks_.Add({{"state", "reserved"}})),
       quarantined_(blocks_.Add({{"state", "quarantined"}})),
@@ -31,7 +32,7 @@ DecodeMetrics::~DecodeMetrics() = default;
 void DecodeMetrics::Refresh() {
   const DecodeService::BlockCounts b = service_->block_counts();
   running_.Set(b.sequences);
-  waiting_.Set(b.reservations_waiting);
+  waiting_.Set(b.reservations_waiting + b.queued);
   usage_.Set(b.total > 0 ? 1.0 - static_cast<double>(b.free) / b.total : 0.0);
   free_.Set(b.free);
   reserved_.Set(b.reserved);

@@ -40,24 +40,47 @@ DecodeService::Impl::~Impl() {
   store.reset();
 }
 
-absl::Status DecodeService::Impl::BeginStart(const std::shared_ptr<StartStream>& stream,
-                                             const worker::v1::StartRequest& req) {
+std::shared_ptr<StartStream> DecodeService::Impl::OpenStream(StreamFinishInfo info) {
+  StartStream::Hooks hooks;
+  hooks.on_cancel = [this](StartStream* s) { OnStreamCancel(s); };
+  hooks.on_done = [this](StartStream* s) { OnStreamDone(s); };
+  const std::string request_id = info.request_id;
+  std::shared_ptr<StartStream> stream = StartStream::Create(std::move(info), std::move(hooks));
+  absl::MutexLock lock(&mu);
+  Start& start = starts[stream.get()];
+  start.stream = stream;
+  start.request_id = request_id;
+  return stream;
+}
+
+absl::Status DecodeService::Impl::ValidatePrompt(
+    const std::string& request_id,
+    const google::protobuf::RepeatedField<int32_t>& prompt_ids) const {
   const int64_t vocab = config.vocab_size;
   const int64_t context = config.max_position_embeddings;
-  const int64_t num_prompt = req.prompt_ids_size();
-  if (req.request_id().empty()) return absl::InvalidArgumentError("request_id is empty");
+  const int64_t num_prompt = prompt_ids.size();
+  if (request_id.empty()) return absl::InvalidArgumentError("request_id is empty");
   if (num_prompt == 0) return absl::InvalidArgumentError("prompt_ids is empty");
   if (num_prompt >= context) {
     return absl::InvalidArgumentError(
         absl::StrCat("prompt_ids has ", num_prompt, " tokens; the model's context is ", context));
   }
   for (int i = 0; i < num_prompt; ++i) {
-    if (req.prompt_ids(i) < 0 || req.prompt_ids(i) >= vocab) {
-      return absl::InvalidArgumentError(absl::StrCat("prompt_ids[", i, "] = ", req.prompt_ids(i),
+    if (prompt_ids[i] < 0 || prompt_ids[i] >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat("prompt_ids[", i, "] = ", prompt_ids[i],
                                                      " is outside the vocabulary [0, ", vocab,
                                                      ")"));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status DecodeService::Impl::BeginStart(const std::shared_ptr<StartStream>& stream,
+                                             const worker::v1::StartRequest& req) {
+  const int64_t vocab = config.vocab_size;
+  const int64_t context = config.max_position_embeddings;
+  const int64_t num_prompt = req.prompt_ids_size();
+  PREFT_RETURN_IF_ERROR(ValidatePrompt(req.request_id(), req.prompt_ids()));
   if (req.first_token_id() < 0 || req.first_token_id() >= vocab) {
     return absl::InvalidArgumentError(absl::StrCat("first_token_id = ", req.first_token_id(),
                                                    " is outside the vocabulary [0, ", vocab, ")"));
@@ -172,6 +195,7 @@ void DecodeService::Impl::OnStreamCancel(StartStream* stream) {
     auto it = starts.find(stream);
     if (it == starts.end()) return;
     Start& start = it->second;
+    start.cancelled = true;  // a Run still leasing its adapter is dropped when the lease comes
     if (start.committed) {
       loop->Post([id = start.request_id](engine::Engine& e) { (void)e.Abort(id); });
     } else if (start.claimed) {
@@ -220,7 +244,7 @@ absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(
   impl->config = engine->model().config();
   impl->block_tokens = engine->cache()->shape().block_tokens;
   impl->total_blocks = engine->allocator().num_blocks();
-  if (options.all_position_adapters) {
+  if (options.all_position_adapters || options.colocated) {
     impl->store = std::make_unique<adapters::AdapterStore>(impl->config, options.store);
     impl->versioned =
         std::make_unique<adapters::VersionedAdapters>(impl->store.get(), options.adapter_root);
@@ -260,6 +284,18 @@ void DecodeService::SetAdvertisedAddress(const std::string& address) {
 }
 
 namespace {
+
+// What a stream's last message reports (StartRequest and RunRequest name the same fields).
+template <typename CallRequest>
+StreamFinishInfo FinishInfoOf(const CallRequest& r) {
+  StreamFinishInfo info;
+  info.request_id = r.request_id();
+  info.prompt_tokens = r.prompt_ids_size();
+  info.adapter = r.adapter();
+  info.adapter_version = r.adapter_version();
+  info.adapter_positions = r.adapter_positions();
+  return info;
+}
 
 // One WriteKv stream: every chunk goes to the "grpc" transport, which writes it into the cache.
 class WriteKvReactor final : public grpc::ServerReadReactor<worker::v1::KvChunk> {
@@ -321,6 +357,7 @@ DecodeService::BlockCounts DecodeService::block_counts() const {
     c.quarantined = static_cast<int32_t>(impl->quarantined_blocks);
     c.filled = c.total - c.free - c.reserved - c.quarantined;
     c.sequences = static_cast<int32_t>(e.num_running());
+    c.queued = static_cast<int32_t>(e.num_waiting());
     for (const auto& [id, r] : impl->reservations) {
       c.reservations_waiting += r.state == Impl::State::kReserved;
     }
@@ -356,24 +393,16 @@ grpc::ServerUnaryReactor* DecodeService::Reserve(grpc::CallbackServerContext* co
 
 grpc::ServerWriteReactor<v1::GenerateResponse>* DecodeService::Start(
     grpc::CallbackServerContext* context, const worker::v1::StartRequest* request) {
-  Impl* impl = impl_.get();
-  StreamFinishInfo info;
-  info.request_id = request->request_id();
-  info.prompt_tokens = request->prompt_ids_size();
-  info.adapter = request->adapter();
-  info.adapter_version = request->adapter_version();
-  info.adapter_positions = request->adapter_positions();
-  StartStream::Hooks hooks;
-  hooks.on_cancel = [impl](StartStream* s) { impl->OnStreamCancel(s); };
-  hooks.on_done = [impl](StartStream* s) { impl->OnStreamDone(s); };
-  std::shared_ptr<StartStream> stream = StartStream::Create(std::move(info), std::move(hooks));
-  {
-    absl::MutexLock lock(&impl->mu);
-    Impl::Start& start = impl->starts[stream.get()];
-    start.stream = stream;
-    start.request_id = request->request_id();
-  }
-  const absl::Status s = impl->BeginStart(stream, *request);
+  std::shared_ptr<StartStream> stream = impl_->OpenStream(FinishInfoOf(*request));
+  const absl::Status s = impl_->BeginStart(stream, *request);
+  if (!s.ok()) stream->Fail(rpc::ToGrpcStatus(s));
+  return stream->reactor();
+}
+
+grpc::ServerWriteReactor<v1::GenerateResponse>* DecodeService::Run(
+    grpc::CallbackServerContext* context, const worker::v1::RunRequest* request) {
+  std::shared_ptr<StartStream> stream = impl_->OpenStream(FinishInfoOf(*request));
+  const absl::Status s = impl_->BeginRun(stream, *request);
   if (!s.ok()) stream->Fail(rpc::ToGrpcStatus(s));
   return stream->reactor();
 }
@@ -415,6 +444,7 @@ grpc::ServerUnaryReactor* DecodeService::Status(grpc::CallbackServerContext* con
     response->set_running(static_cast<int32_t>(e.num_running()));
     response->set_queue_depth(static_cast<int32_t>(e.num_waiting()));
     response->set_all_position_adapters(impl->options.all_position_adapters);
+    response->set_colocated(impl->options.colocated);
     reactor->Finish(grpc::Status::OK);
   });
   return reactor;

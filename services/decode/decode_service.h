@@ -13,6 +13,11 @@
 // land in a block reused by someone else) and then freed. Reserve with `retry_of` keeps the
 // reservation id, bumps the generation and swaps in fresh blocks (the old ones are quarantined):
 // late writes and DONE notices of the old generation cannot touch the new attempt.
+//
+// Colocated (options.colocated; the deployment vLLM users run without disaggregation): Run
+// takes a whole request, leases its adapter, and the engine computes the prompt and decodes it
+// in the same batch as every other Run; such a sequence may be preempted and recomputed. Reserve
+// is refused, so no imported prompt (which must never be preempted) shares that cache.
 
 #include <cstdint>
 #include <memory>
@@ -37,8 +42,11 @@ struct DecodeServiceOptions {
   // needs an adapter store. Off (PreFT): StartRequest.adapter must be empty.
   bool all_position_adapters = false;
   adapters::AdapterStoreOptions store;
-  // All-position baseline: StartRequest.adapter_path must lie under this folder (canonical
-  // paths; see adapters::VersionedAdapters). "" accepts none.
+  // Colocated: Run computes prompts here (with an adapter store, like the baseline's) and
+  // Reserve is refused. Off: Run is refused.
+  bool colocated = false;
+  // All-position baseline and colocated: StartRequest/RunRequest.adapter_path must lie under
+  // this folder (canonical paths; see adapters::VersionedAdapters). "" accepts none.
   std::string adapter_root;
 };
 
@@ -54,6 +62,9 @@ struct DecodeServiceOptions {
 // without DONE; ABORTED when a retry or Release supersedes the generation it waits for. A Start
 // that has claimed its reservation and then fails or is cancelled aborts the reservation.
 // Release of a started reservation, of a released one or of an older generation is a no-op.
+// Run is FAILED_PRECONDITION unless colocated (Reserve is FAILED_PRECONDITION if colocated),
+// INVALID_ARGUMENT for a bad request, UNAVAILABLE while draining, and fails with the adapter
+// store's status when its adapter cannot be leased.
 //
 // Shut the gRPC server down (which ends every call) before destroying the service.
 class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
@@ -67,7 +78,7 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
   // Graceful drain (SIGTERM): Reserve answers UNAVAILABLE, Status reports draining; streams
   // already started run to the end.
   void StartDrain();
-  // Start streams still open (drain waits for 0).
+  // Start and Run streams still open (drain waits for 0).
   int64_t active_streams() const;
   // This worker's KV transport endpoint (its `transport` names what UCX opened).
   const worker::v1::TransportEndpoint& endpoint() const;
@@ -86,10 +97,12 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
     int32_t free = 0;         // in the allocator
     int32_t reserved = 0;     // held by reservations not yet started
     int32_t quarantined = 0;  // aborted, waiting to be freed
-    int32_t filled = 0;       // held by sequences decoding
-    // Not blocks: sequences decoding, and reservations waiting for their prompt's KV.
+    int32_t filled = 0;       // held by running sequences (decoding, or colocated prompts)
+    // Not blocks: running sequences, reservations waiting for their prompt's KV, and
+    // (colocated) requests queued for room in the batch.
     int32_t sequences = 0;
     int32_t reservations_waiting = 0;
+    int32_t queued = 0;
   };
   // Taken on the engine thread, so the counts add up to total; waits for the current step.
   BlockCounts block_counts() const;
@@ -99,6 +112,8 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
                                     worker::v1::ReserveResponse* response) override;
   grpc::ServerWriteReactor<v1::GenerateResponse>* Start(
       grpc::CallbackServerContext* context, const worker::v1::StartRequest* request) override;
+  grpc::ServerWriteReactor<v1::GenerateResponse>* Run(
+      grpc::CallbackServerContext* context, const worker::v1::RunRequest* request) override;
   grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* context,
                                     const worker::v1::ReleaseRequest* request,
                                     worker::v1::ReleaseResponse* response) override;

@@ -1,4 +1,5 @@
-// preft-decode: the decode tier as its own process (DESIGN.md §4). Prints
+// preft-decode: the decode tier as its own process (DESIGN.md §4), or with --colocated a
+// worker that runs whole requests (prompt and decode in one engine). Prints
 // "preft-decode listening on ADDR transport=NAME" once it serves; SIGTERM/SIGINT drain it
 // (Reserve refused, started streams finish, up to --drain-timeout-s) and exit 0.
 
@@ -25,6 +26,7 @@ struct Flags : preft::serving::WorkerFlags {
   int64_t lease_ms = 10000;
   int64_t quarantine_ms = 2000;
   bool all_position_adapters = false;
+  bool colocated = false;
   preft::serving::AdapterStoreFlags adapters;
 };
 
@@ -51,6 +53,7 @@ int Run(const Flags& f) {
   so.max_lease = std::max(so.max_lease, so.default_lease);
   so.quarantine = absl::Milliseconds(f.quarantine_ms);
   so.all_position_adapters = f.all_position_adapters;
+  so.colocated = f.colocated;
   so.adapter_root = f.adapters.root;
   so.store = preft::serving::StoreOptions(f.adapters, loaded.model->weight_dtype());
   auto service =
@@ -124,12 +127,18 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   std::string adapters = "none";
-  app.add_option("--adapters", adapters,
-                 "none (PreFT: decode never loads an adapter) or all-positions (the multi-LoRA "
-                 "baseline: each request's adapter also runs on generated tokens)")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"none", "all-positions"}));
-  preft::serving::AddAdapterStoreFlags(app, &f.adapters);  // with --adapters all-positions
+  CLI::Option* adapters_option =
+      app.add_option("--adapters", adapters,
+                     "none (PreFT: decode never loads an adapter) or all-positions (the "
+                     "multi-LoRA baseline: each request's adapter also runs on generated tokens)")
+          ->capture_default_str()
+          ->check(CLI::IsMember({"none", "all-positions"}));
+  app.add_flag("--colocated", f.colocated,
+               "run whole requests (Run from a router started with --colocated): the prompt with "
+               "its adapter, then decode, in this worker's one engine; Reserve is refused")
+      ->excludes(adapters_option);
+  // With --adapters all-positions or --colocated.
+  preft::serving::AddAdapterStoreFlags(app, &f.adapters);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -139,6 +148,12 @@ int main(int argc, char** argv) {
   f.all_position_adapters = adapters == "all-positions";
   if (f.all_position_adapters && f.adapters.root.empty()) {
     std::fprintf(stderr, "preft-decode: --adapters all-positions needs --adapter-root\n");
+    return 2;
+  }
+  if (f.colocated && f.adapters.root.empty()) {
+    std::fprintf(stderr,
+                 "preft-decode: --colocated needs --adapter-root (the folder the router registers "
+                 "adapters from)\n");
     return 2;
   }
   return Run(f);

@@ -22,6 +22,12 @@ constexpr absl::Duration kRememberEnded = absl::Minutes(1);
 
 absl::StatusOr<DecodeService::Impl::ReservePlan> DecodeService::Impl::PlanReserve(
     const worker::v1::ReserveRequest& req) {
+  if (options.colocated) {
+    // Its local sequences grow and get preempted; an imported prompt must never be.
+    return absl::FailedPreconditionError(
+        "colocated decode worker: send Run (it computes prompts itself and takes no imported "
+        "KV, so Reserve, Prefill and Start are not served here)");
+  }
   const int64_t context = config.max_position_embeddings;
   if (req.num_tokens() <= 0) {
     return absl::InvalidArgumentError(

@@ -30,7 +30,7 @@ std::shared_ptr<StartStream> StartStream::Create(StreamFinishInfo info, Hooks ho
 }
 
 StartStream::StartStream(StreamFinishInfo info, Hooks hooks)
-    : info_(std::move(info)), hooks_(std::move(hooks)) {
+    : hooks_(std::move(hooks)), info_(std::move(info)) {
   out_.set_request_id(info_.request_id);
 }
 
@@ -58,6 +58,11 @@ void StartStream::Fail(const grpc::Status& status) {
     failure_ = status;
   }
   Pump();
+}
+
+void StartStream::ResolveAdapterPositions(v1::AdapterPositions positions) {
+  absl::MutexLock lock(&mu_);
+  info_.adapter_positions = positions;
 }
 
 void StartStream::OnWriteDone(bool ok) {

@@ -1,6 +1,6 @@
 #pragma once
 
-// One DecodeWorker.Start call on its way to the client: the engine's token events are queued
+// One DecodeWorker.Start (or Run) call on its way to the client: the engine's token events are queued
 // and written one message at a time (events that arrive while a write is in flight go out
 // together in the next message); the last message carries the finish. The decode service
 // learns of the client's cancellation and of gRPC's end of the call through hooks.
@@ -21,7 +21,8 @@
 
 namespace preft::decode {
 
-// What the last message reports besides the counts (copied from the StartRequest).
+// What the last message reports besides the counts (copied from the StartRequest or
+// RunRequest).
 struct StreamFinishInfo {
   std::string request_id;
   int32_t prompt_tokens = 0;
@@ -56,6 +57,9 @@ class StartStream {
   // Ends the stream with `status` (not OK) once the write in flight, if any, is done. Queued
   // tokens are dropped. Ignored once the stream is finishing.
   void Fail(const grpc::Status& status);
+  // Run: the positions an UNSPECIFIED request resolved to (the adapter's default), known once
+  // its lease is in. Call before the engine has the request.
+  void ResolveAdapterPositions(v1::AdapterPositions positions);
 
  private:
   class Reactor;
@@ -76,11 +80,11 @@ class StartStream {
   // Cancellation reported by OnCancel or a failed write; calls on_cancel the first time.
   void Cancelled();
 
-  const StreamFinishInfo info_;
   const Hooks hooks_;
   grpc::ServerWriteReactor<v1::GenerateResponse>* reactor_ = nullptr;  // gRPC owns; until OnDone
 
   absl::Mutex mu_;
+  StreamFinishInfo info_ ABSL_GUARDED_BY(mu_);
   std::deque<Event> pending_ ABSL_GUARDED_BY(mu_);
   std::optional<grpc::Status> failure_ ABSL_GUARDED_BY(mu_);
   int32_t completion_tokens_ ABSL_GUARDED_BY(mu_) = 0;
