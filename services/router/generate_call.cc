@@ -10,15 +10,11 @@
 
 namespace preft::router {
 
-namespace {
-
-bool Retryable(absl::StatusCode code) {
+bool GenerateCall::Retryable(absl::StatusCode code) {
   // The worker is gone or failed the call itself: another worker may succeed.
   return code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kInternal ||
          code == absl::StatusCode::kAborted || code == absl::StatusCode::kUnknown;
 }
-
-}  // namespace
 
 GenerateCall::GenerateCall(RouterService::Impl* router, grpc::CallbackServerContext* context,
                            const v1::GenerateRequest* request)
@@ -113,7 +109,7 @@ void GenerateCall::ObserveTokens(int n) {
   const bool first = last_token_at_ == absl::InfinitePast();
   if (first) {
     m.FirstToken(positions_, now - arrival_);
-    m.Stage("decode_start", now - prefilled_at_);
+    if (prefilled_at_ != absl::InfinitePast()) m.Stage("decode_start", now - prefilled_at_);
     --n;  // the first token has no gap before it
   }
   // Tokens that arrive together share the gap since the previous message.
@@ -203,38 +199,58 @@ worker::v1::ReserveRequest GenerateCall::ReserveRequestFor(int64_t prompt_tokens
   return req;
 }
 
+absl::StatusOr<GenerateCall::DecodeChoice> GenerateCall::DecodeCandidates(int64_t prompt_tokens,
+                                                                         int64_t max_new) {
+  const bool colocated = router_->options.colocated;
+  DecodeChoice c;
+  c.workers = router_->pool->decode();
+  bool any_healthy = false, any_of_kind = false, any_with_adapters = false;
+  for (const auto& w : c.workers) {
+    absl::MutexLock lock(&w->mu);
+    c.views.push_back(w->view);
+    // A colocated router sends Run, which only colocated workers serve; they refuse Reserve.
+    const bool of_kind = w->view.colocated == colocated;
+    any_healthy |= w->view.healthy;
+    any_of_kind |= w->view.healthy && of_kind;
+    any_with_adapters |= w->view.healthy && of_kind && w->view.adapters;
+    if (!of_kind) c.views.back().healthy = false;
+    // The all-position baseline decodes with the adapter: only workers that run adapters.
+    if (!colocated && needs_decode_adapter_ && !w->view.adapters) c.views.back().healthy = false;
+  }
+  if (any_healthy && !any_of_kind) {
+    return absl::FailedPreconditionError(
+        colocated ? "this router is --colocated (it sends whole requests with Run), but no "
+                    "decode worker is: start them with --colocated"
+                  : "the decode workers are colocated (they run whole requests and refuse "
+                    "Reserve): start the router with --colocated");
+  }
+  if (!colocated && needs_decode_adapter_ && !any_with_adapters && !c.workers.empty()) {
+    return absl::FailedPreconditionError(
+        "the request applies its adapter to generated tokens (all positions), but no decode "
+        "worker runs adapters (start them with --adapters all-positions), or ask for "
+        "adapter_positions PROMPT");
+  }
+  const int64_t bt = c.views.empty() ? 16 : std::max<int64_t>(1, c.views[0].block_tokens);
+  c.blocks = BlocksNeeded(prompt_tokens, max_new, bt);
+  bool fits_somewhere = false;
+  for (const DecodeView& v : c.views) fits_somewhere |= v.total_blocks >= c.blocks;
+  if (!c.views.empty() && !fits_somewhere &&
+      std::all_of(c.views.begin(), c.views.end(), [](const DecodeView& v) { return v.healthy; })) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt of ", prompt_tokens, " tokens + max_tokens ", max_new, " needs ", c.blocks,
+        " KV blocks; the largest decode worker has ", c.views[0].total_blocks));
+  }
+  return c;
+}
+
 absl::StatusOr<GenerateCall::Reservation> GenerateCall::Reserve(int64_t prompt_tokens,
                                                                 int64_t max_new) {
   std::string last_error = "no decode worker is known";
   for (;;) {
     if (stopped()) return absl::CancelledError("cancelled");
-    const auto workers = router_->pool->decode();
-    std::vector<DecodeView> views;
-    bool any_with_adapters = false;
-    for (const auto& w : workers) {
-      absl::MutexLock lock(&w->mu);
-      views.push_back(w->view);
-      any_with_adapters |= w->view.healthy && w->view.adapters;
-      // The all-position baseline decodes with the adapter: only workers that run adapters.
-      if (needs_decode_adapter_ && !w->view.adapters) views.back().healthy = false;
-    }
-    if (needs_decode_adapter_ && !any_with_adapters && !workers.empty()) {
-      return absl::FailedPreconditionError(
-          "the request applies its adapter to generated tokens (all positions), but no decode "
-          "worker runs adapters (start them with --adapters all-positions), or ask for "
-          "adapter_positions PROMPT");
-    }
-    const int64_t bt = views.empty() ? 16 : std::max<int64_t>(1, views[0].block_tokens);
-    const int64_t need = BlocksNeeded(prompt_tokens, max_new, bt);
-    bool fits_somewhere = false;
-    for (const DecodeView& v : views) fits_somewhere |= v.total_blocks >= need;
-    if (!views.empty() && !fits_somewhere &&
-        std::all_of(views.begin(), views.end(), [](const DecodeView& v) { return v.healthy; })) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("prompt of ", prompt_tokens, " tokens + max_tokens ", max_new, " needs ",
-                       need, " KV blocks; the largest decode worker has ", views[0].total_blocks));
-    }
-    for (size_t i : RankDecode(views, need)) {
+    PREFT_ASSIGN_OR_RETURN(const DecodeChoice c, DecodeCandidates(prompt_tokens, max_new));
+    const auto& workers = c.workers;
+    for (size_t i : RankDecode(c.views, c.blocks)) {
       grpc::ClientContext ctx;
       ReserveDeadline(&ctx);
       const worker::v1::ReserveRequest req = ReserveRequestFor(prompt_tokens, max_new, 0);
@@ -342,12 +358,7 @@ absl::StatusOr<worker::v1::PrefillResponse> GenerateCall::Prefill(
     if (stopped()) return absl::CancelledError("cancelled");
     if (!Retryable(s.code())) return s;  // the request itself is bad: no other worker helps
     ++attempt;
-    router_->metrics->Retried("prefill", s);
-    last_error = absl::StrCat(w->address, ": ", s.message());
-    std::fprintf(stderr, "router: prefill of %s on %s failed (%s); retrying\n", id_.c_str(),
-                 w->address.c_str(), s.ToString().c_str());
-    if (s.code() == absl::StatusCode::kUnavailable) WorkerPool::MarkUnhealthy(*w);
-    tried.push_back(w->address);
+    AttemptFailed("prefill", *w, s, &last_error, &tried);
     // Same reservation, next generation: late writes of the failed attempt cannot land in it.
     grpc::ClientContext rctx;
     ReserveDeadline(&rctx);
@@ -412,50 +423,64 @@ absl::Status GenerateCall::Decode(const Reservation& res, const std::vector<int3
   grpc::ClientContext ctx;
   Track(&ctx);
   auto reader = res.worker->stub->Start(&ctx, req);
+  std::optional<FinishAdapter> finish;
+  if (adapter) finish = FinishAdapter{adapter->name, first.adapter_version(), first.adapter_positions()};
+  const Relayed relayed = Relay(&ctx, reader.get(), finish);
+  Untrack();
+  // A Start that ended before it took the reservation (refused, or cancelled before the decode
+  // worker saw it) leaves it held: give it back now rather than at lease expiry. A no-op for a
+  // reservation the stream had started.
+  if (completion_tokens_ == 0 && (relayed.client_gone || stopped() || !relayed.status.ok())) {
+    Release(res, relayed.status.ok() || relayed.client_gone || stopped() ? "cancelled"
+                                                                          : "start failed");
+  }
+  return RelayEnd(relayed, *res.worker);
+}
+
+GenerateCall::Relayed GenerateCall::Relay(grpc::ClientContext* ctx,
+                                          grpc::ClientReaderInterface<v1::GenerateResponse>* reader,
+                                          const std::optional<FinishAdapter>& adapter) {
+  Relayed out;
+  out.all.set_request_id(id_);
   v1::GenerateResponse msg;
-  v1::GenerateResponse all;  // non-streaming: everything in one message
-  all.set_request_id(id_);
-  bool client_gone = false;
   while (reader->Read(&msg)) {
     msg.set_request_id(id_);
     completion_tokens_ += msg.token_ids_size();
     if (msg.token_ids_size() > 0) ObserveTokens(msg.token_ids_size());
     if (adapter && msg.has_finish()) {
       msg.mutable_finish()->set_adapter(adapter->name);
-      msg.mutable_finish()->set_adapter_version(first.adapter_version());
-      msg.mutable_finish()->set_adapter_positions(first.adapter_positions());
+      msg.mutable_finish()->set_adapter_version(adapter->version);
+      msg.mutable_finish()->set_adapter_positions(adapter->positions);
     }
     if (request_.stream()) {
       if (!Write(msg)) {
-        client_gone = true;
-        ctx.TryCancel();
+        out.client_gone = true;
+        ctx->TryCancel();
       }
     } else {
-      all.mutable_token_ids()->MergeFrom(msg.token_ids());
-      all.mutable_text()->append(msg.text());
-      all.mutable_logprobs()->MergeFrom(msg.logprobs());
-      if (msg.has_finish()) *all.mutable_finish() = msg.finish();
+      out.all.mutable_token_ids()->MergeFrom(msg.token_ids());
+      out.all.mutable_text()->append(msg.text());
+      out.all.mutable_logprobs()->MergeFrom(msg.logprobs());
+      if (msg.has_finish()) *out.all.mutable_finish() = msg.finish();
     }
   }
-  const absl::Status s = rpc::FromGrpcStatus(reader->Finish());
-  Untrack();
-  // A Start that ended before it took the reservation (refused, or cancelled before the decode
-  // worker saw it) leaves it held: give it back now rather than at lease expiry. A no-op for a
-  // reservation the stream had started.
-  if (completion_tokens_ == 0 && (client_gone || stopped() || !s.ok())) {
-    Release(res, s.ok() || client_gone || stopped() ? "cancelled" : "start failed");
-  }
-  if (client_gone) return absl::CancelledError("the client went away");
+  out.status = rpc::FromGrpcStatus(reader->Finish());
+  return out;
+}
+
+absl::Status GenerateCall::RelayEnd(const Relayed& relayed, DecodeWorker& worker) {
+  if (relayed.client_gone) return absl::CancelledError("the client went away");
   if (stopped()) return AbortedResult();
+  const absl::Status& s = relayed.status;
   if (!s.ok()) {
     if (s.code() == absl::StatusCode::kUnavailable) {
-      WorkerPool::MarkUnhealthy(*res.worker);
+      WorkerPool::MarkUnhealthy(worker);
       return absl::UnavailableError(
-          absl::StrCat("decode worker ", res.worker->address, " failed mid-stream: ", s.message()));
+          absl::StrCat("decode worker ", worker.address, " failed mid-stream: ", s.message()));
     }
     return s;
   }
-  if (!request_.stream()) Write(all);
+  if (!request_.stream()) Write(relayed.all);
   return absl::OkStatus();
 }
 
@@ -490,6 +515,7 @@ absl::Status GenerateCall::Run() {
   RouterMetrics& m = *router_->metrics;
   const absl::Time admitted = absl::Now();
   m.Stage("admit", admitted - arrival_);
+  if (router_->options.colocated) return RunColocated(prompt, adapter, sampling);
 
   absl::StatusOr<Reservation> res =
       Reserve(static_cast<int64_t>(prompt.size()), sampling.max_tokens);

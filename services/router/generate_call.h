@@ -6,10 +6,14 @@
 #include <grpcpp/grpcpp.h>
 
 #include <condition_variable>
+#include <cstdio>
 #include <mutex>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "common/engine/engine.h"
 #include "common/engine/sampling_params.h"
 #include "proto/preft/v1/preft.grpc.pb.h"
@@ -35,12 +39,36 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
     std::shared_ptr<DecodeWorker> worker;
     worker::v1::ReserveResponse r;
   };
+  // The decode workers a request may use now: their last views (those it may not use marked
+  // unhealthy) and the blocks it needs there.
+  struct DecodeChoice {
+    std::vector<std::shared_ptr<DecodeWorker>> workers;
+    std::vector<DecodeView> views;
+    int64_t blocks = 0;
+  };
+  // The adapter a stream's finish names, as this router resolved it.
+  struct FinishAdapter {
+    std::string name;
+    int64_t version = 0;
+    v1::AdapterPositions positions = v1::ADAPTER_POSITIONS_UNSPECIFIED;
+  };
+  // A worker's token stream, read to its end.
+  struct Relayed {
+    absl::Status status;
+    bool client_gone = false;
+    v1::GenerateResponse all;  // non-streaming: everything in one message
+  };
 
+  // A worker call failed this way: another worker may succeed.
+  static bool Retryable(absl::StatusCode code);
   void Drive();
   // Everything up to the end of the decode stream; returns the call's status.
   absl::Status Run();
   absl::Status Admit(std::vector<int32_t>* prompt, std::optional<RegisteredAdapter>* adapter,
                      engine::SamplingParams* sampling);
+  // FAILED_PRECONDITION when no healthy worker is of the kind the request needs (colocated or
+  // not; running adapters for the all-position baseline), INVALID_ARGUMENT when it fits in none.
+  absl::StatusOr<DecodeChoice> DecodeCandidates(int64_t prompt_tokens, int64_t max_new);
   absl::StatusOr<Reservation> Reserve(int64_t prompt_tokens, int64_t max_new);
   absl::StatusOr<worker::v1::PrefillResponse> Prefill(
       Reservation* res, const std::vector<int32_t>& prompt,
@@ -49,12 +77,35 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
                       const std::optional<RegisteredAdapter>& adapter,
                       const engine::SamplingParams& sampling,
                       const worker::v1::PrefillResponse& first);
+  // Colocated (colocated_call.cc): Run on a decode worker, relayed; replaces a worker that
+  // fails before the first token.
+  absl::Status RunColocated(const std::vector<int32_t>& prompt,
+                            const std::optional<RegisteredAdapter>& adapter,
+                            const engine::SamplingParams& sampling);
+  // Relays a Start or Run stream to the client (each message as it comes when the client
+  // streams); the finish names `adapter`. Call with `ctx` tracked.
+  Relayed Relay(grpc::ClientContext* ctx, grpc::ClientReaderInterface<v1::GenerateResponse>* reader,
+                const std::optional<FinishAdapter>& adapter);
+  // The call's end after a relayed stream from `worker`.
+  absl::Status RelayEnd(const Relayed& relayed, DecodeWorker& worker);
   void Release(const Reservation& res, const std::string& reason);
   int64_t LeaseMs() const;
   // A new reservation (retry_of 0) or the next generation of `retry_of`.
   worker::v1::ReserveRequest ReserveRequestFor(int64_t prompt_tokens, int64_t max_new,
                                                uint64_t retry_of) const;
 
+  // A worker call failed in a way another worker may not: counted, logged, the worker skipped
+  // until its next poll if it is gone, and remembered as tried by this request.
+  template <typename Worker>
+  void AttemptFailed(const char* tier, Worker& w, const absl::Status& s, std::string* last_error,
+                     std::vector<std::string>* tried) {
+    router_->metrics->Retried(tier, s);
+    *last_error = absl::StrCat(w.address, ": ", s.message());
+    std::fprintf(stderr, "router: %s of %s on %s failed (%s); retrying\n", tier, id_.c_str(),
+                 w.address.c_str(), s.ToString().c_str());
+    if (s.code() == absl::StatusCode::kUnavailable) WorkerPool::MarkUnhealthy(w);
+    tried->push_back(w.address);
+  }
   // Client context for a worker call: the client's deadline, registered for cancellation.
   void Track(grpc::ClientContext* ctx);
   // Reserve calls are not cancelled midway (a reservation the worker made must be known here
@@ -90,7 +141,7 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
   const absl::Time arrival_;
   RouterMetrics::Positions positions_ = "base";
   int64_t prompt_tokens_ = 0;
-  absl::Time prefilled_at_;  // the prefill's answer
+  absl::Time prefilled_at_ = absl::InfinitePast();  // the prefill's answer (none colocated)
   absl::Time last_token_at_ = absl::InfinitePast();
   bool needs_decode_adapter_ = false;  // all-position adapter: decode must run it too
   Access::Slot slot_;  // this client's stream, held until the call ends

@@ -1,4 +1,5 @@
-// preft-router: the cluster's public gRPC API in front of prefill and decode workers.
+// preft-router: the cluster's public gRPC API in front of prefill and decode workers (or, with
+// --colocated, of decode workers that run whole requests).
 
 #include <cstdio>
 #include <filesystem>
@@ -7,6 +8,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/ascii.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/metrics/metrics_server.h"
 #include "common/model/config.h"
@@ -43,7 +45,9 @@ int main(int argc, char** argv) {
   app.add_option("--listen", listen, "host:port to serve on (port 0 picks one)");
   app.add_option("--http-listen", http_listen, "OpenAI-compatible HTTP on host:port (/v1/completions, /v1/chat/completions, /v1/models, /health)");
   app.add_option("--metrics-listen", metrics_listen, "serve Prometheus metrics on host:port (GET /metrics); none if unset");
-  app.add_option("--prefill", prefill, "prefill workers: host:port or dns:NAME:PORT (repeatable, comma-separated)")->required();
+  bool colocated = false;
+  app.add_option("--prefill", prefill, "prefill workers: host:port or dns:NAME:PORT (repeatable, comma-separated); required unless --colocated");
+  app.add_flag("--colocated", colocated, "no prefill tier: send whole requests to decode workers started with --colocated (one engine runs prompt and decode)");
   app.add_option("--decode", decode, "decode workers: host:port or dns:NAME:PORT (repeatable, comma-separated)")->required();
   app.add_option("--adapter-root", adapter_root, "folder adapters are registered from (shared with the workers)");
   app.add_option("--base-name", base_name, "the base model's name in requests (default: the model folder's name)");
@@ -61,6 +65,19 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
+  }
+  const std::vector<std::string> prefill_workers = SplitList(prefill);
+  if (colocated && !prefill_workers.empty()) {
+    std::fprintf(stderr,
+                 "preft-router: --colocated runs whole requests on the decode workers: give no "
+                 "--prefill workers (got %s)\n",
+                 absl::StrJoin(prefill_workers, ",").c_str());
+    return 2;
+  }
+  if (!colocated && prefill_workers.empty()) {
+    std::fprintf(stderr, "preft-router: --prefill is required (or --colocated, without a prefill "
+                         "tier)\n");
+    return 2;
   }
   serving::InstallTerminationHandler();
   auto server_credentials = rpc::MakeServerCredentials(tls);
@@ -90,7 +107,7 @@ int main(int argc, char** argv) {
   if (base_name.empty()) base_name = "base";
 
   router::WorkerPoolOptions pool_options;
-  pool_options.prefill = SplitList(prefill);
+  pool_options.prefill = prefill_workers;
   pool_options.decode = SplitList(decode);
   pool_options.poll_interval = absl::Milliseconds(poll_ms);
   pool_options.credentials = *channel_credentials;
@@ -113,6 +130,7 @@ int main(int argc, char** argv) {
   options.lease = absl::Milliseconds(lease_ms);
   options.admission_timeout = absl::Seconds(admission_timeout_s);
   options.max_prompt_tokens = max_prompt_tokens;
+  options.colocated = colocated;
   options.access.max_streams_per_client = max_streams_per_client;
   for (auto [file, token] : {std::pair{&admin_token_file, &options.access.admin_token},
                              std::pair{&api_token_file, &options.access.api_token}}) {

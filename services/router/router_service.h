@@ -7,6 +7,9 @@
 //   reservation with generation + 1) -> Start on the decode worker and relay its token stream.
 // Cancelling the call (or Abort) cancels whatever RPC is in flight, so both tiers free the
 // request's resources; the reservation of a request that never starts is released.
+// Colocated (RouterOptions::colocated, no prefill tier): tokenise and validate -> Run on a
+// colocated decode worker (by free KV and batch load; its engine queues what does not fit yet)
+// and relay its stream; a worker failing before the first token is replaced.
 
 #include <memory>
 #include <string>
@@ -29,7 +32,9 @@ struct RouterOptions {
   // Waiting for KV room / a prefill worker when the client set no deadline.
   absl::Duration admission_timeout = absl::Seconds(30);
   absl::Duration lease = absl::Seconds(30);  // reservation lease asked of decode workers
-  int max_prefill_attempts = 3;              // prefill workers tried per request
+  int max_prefill_attempts = 3;  // workers tried per prompt (prefill; colocated: decode)
+  // Whole requests on colocated decode workers (DecodeWorker.Run); no prefill workers.
+  bool colocated = false;
   AccessOptions access;                      // tokens and the per-client stream cap
   int64_t max_prompt_tokens = 0;             // longer prompts are refused; 0: the model's context
   // Where the router's metrics (router_metrics.h) go; a private registry if null. Must outlive

@@ -19,6 +19,7 @@ struct DecodeView {
   int64_t running = 0;
   int64_t queue_depth = 0;
   bool adapters = false;  // runs adapters on generated tokens (the all-position baseline)
+  bool colocated = false;  // runs whole requests (Run), refuses Reserve
 };
 
 // Where an adapter stands on one prefill worker, best first.

@@ -169,6 +169,7 @@ void WorkerPool::PollNow() {
     w->view.running = r.running();
     w->view.queue_depth = r.queue_depth();
     w->view.adapters = r.all_position_adapters();
+    w->view.colocated = r.colocated();
   }
   for (const auto& w : prefill()) {
     grpc::ClientContext ctx;

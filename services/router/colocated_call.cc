@@ -1,0 +1,82 @@
+// GenerateCall's colocated path (RouterOptions::colocated): no reservation, no prefill and no
+// KV transfer; a colocated decode worker runs the whole request (DecodeWorker.Run) and its
+// engine admits, queues and preempts it like any local request.
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/status_macros.h"
+#include "common/rpc/status.h"
+#include "services/router/generate_call.h"
+#include "services/wire/convert.h"
+
+namespace preft::router {
+
+absl::Status GenerateCall::RunColocated(const std::vector<int32_t>& prompt,
+                                        const std::optional<RegisteredAdapter>& adapter,
+                                        const engine::SamplingParams& sampling) {
+  worker::v1::RunRequest req;
+  req.set_request_id(id_);
+  for (int32_t t : prompt) req.add_prompt_ids(t);
+  *req.mutable_sampling() = wire::ToProto(sampling);
+  std::optional<FinishAdapter> finish;
+  if (adapter) {
+    // Resolved here, so the finish names what ran whichever worker runs it.
+    const v1::AdapterPositions positions = wire::ToProto(
+        wire::FromProto(request_.adapter_positions()).value_or(adapter->default_positions));
+    req.set_adapter(adapter->name);
+    req.set_adapter_version(adapter->version);
+    req.set_adapter_path(adapter->path);
+    req.set_adapter_positions(positions);
+    finish = FinishAdapter{adapter->name, adapter->version, positions};
+  }
+  std::vector<std::string> tried;
+  std::string last_error = "no colocated decode worker is available";
+  for (int attempt = 0; attempt < router_->options.max_prefill_attempts;) {
+    if (stopped()) return AbortedResult();
+    PREFT_ASSIGN_OR_RETURN(
+        const DecodeChoice c,
+        DecodeCandidates(static_cast<int64_t>(prompt.size()), sampling.max_tokens));
+    std::vector<DecodeView> views = c.views;
+    for (size_t i = 0; i < views.size(); ++i) {
+      if (std::find(tried.begin(), tried.end(), c.workers[i]->address) != tried.end())
+        views[i].healthy = false;
+    }
+    // Any worker may take it (its engine queues what does not fit yet): most free first.
+    const std::vector<size_t> order = RankDecode(views, 0);
+    if (order.empty()) {
+      if (absl::Now() >= admission_deadline_) {
+        return absl::UnavailableError(
+            absl::StrCat("no colocated decode worker could run the request (last: ", last_error,
+                         ")"));
+      }
+      WaitForCapacity();
+      if (!tried.empty() && tried.size() >= c.workers.size()) tried.clear();  // all failed once
+      continue;
+    }
+    const std::shared_ptr<DecodeWorker>& w = c.workers[order.front()];
+    router_->metrics->Routed("decode", "most_free");
+    {
+      absl::MutexLock lock(&w->mu);  // until the next poll says otherwise
+      w->view.free_blocks -= c.blocks;
+    }
+    grpc::ClientContext ctx;
+    Track(&ctx);
+    auto reader = w->stub->Run(&ctx, req);
+    const Relayed relayed = Relay(&ctx, reader.get(), finish);
+    Untrack();
+    const absl::Status& s = relayed.status;
+    // Before its first token the request has cost the client nothing: run it elsewhere.
+    if (s.ok() || relayed.client_gone || stopped() || completion_tokens_ > 0 ||
+        !Retryable(s.code())) {
+      return RelayEnd(relayed, *w);
+    }
+    ++attempt;
+    AttemptFailed("decode", *w, s, &last_error, &tried);
+  }
+  return absl::UnavailableError(absl::StrCat("the request failed on ",
+                                             router_->options.max_prefill_attempts,
+                                             " decode workers (last: ", last_error, ")"));
+}
+
+}  // namespace preft::router
