@@ -27,6 +27,11 @@ absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(model::Model* model,
 
 absl::StatusOr<std::unique_ptr<EmbeddedCluster>> EmbeddedCluster::Start(
     EmbeddedClusterOptions o) {
+  if (o.colocated) {
+    o.num_prefill = 0;
+    o.decode.colocated = true;
+    o.router.colocated = true;
+  }
   std::unique_ptr<EmbeddedCluster> c(new EmbeddedCluster());
   PREFT_ASSIGN_OR_RETURN(serving::LoadedModel first, serving::LoadModel(o.model_dir));
   c->tokenizer_ = std::move(first.tokenizer);

@@ -4,7 +4,9 @@
 // model instance and in-process KV transport, or UCX), served on an internal gRPC server, and
 // the router on the public address. What `preft serve` runs, and what the cluster tests drive
 // through the public API. The code paths are the multi-process ones: only the transport and
-// the channels (in-process gRPC) differ.
+// the channels (in-process gRPC) differ. With `colocated` there is no prefill tier: each decode
+// worker runs whole requests in its one engine (the deployment vLLM users run), so benchmarks
+// compare the two on the same code.
 
 #include <memory>
 #include <string>
@@ -29,8 +31,11 @@ inline serving::TransportFlags InprocTransportFlags() {
 struct EmbeddedClusterOptions {
   std::string model_dir;
   std::string listen = "127.0.0.1:0";  // the router's public address
-  int num_prefill = 1;
+  int num_prefill = 1;  // not used when colocated
   int num_decode = 1;
+  // No prefill workers; decode workers (decode.colocated) run whole requests, which the router
+  // (router.colocated) sends them with Run.
+  bool colocated = false;
   std::string adapter_root;  // "" refuses adapter registration
   int64_t prefill_kv_bytes = int64_t{256} << 20;
   int64_t decode_kv_bytes = int64_t{512} << 20;
@@ -54,6 +59,8 @@ class EmbeddedCluster {
   const std::string& address() const;
   // The OpenAI-compatible HTTP API's host:port ("" without options.http_listen).
   std::string http_address() const { return http_ ? http_->address() : ""; }
+  int num_decode() const { return static_cast<int>(decode_.size()); }
+  int num_prefill() const { return static_cast<int>(prefill_.size()); }
   decode::DecodeService& decode(int i) { return *decode_[i]; }
   prefill::PrefillService& prefill(int i) { return *prefill_[i]; }
   router::RouterService& router() { return *router_; }

@@ -1,4 +1,5 @@
-// `preft serve`: the embedded cluster (router + prefill + decode in one process).
+// `preft serve`: the embedded cluster (router + prefill + decode in one process; or router +
+// colocated workers with --colocated).
 
 #include <cstdio>
 #include <filesystem>
@@ -23,6 +24,7 @@ struct ServeFlags {
   int64_t decode_kv_mib = 512;
   int threads = 0;
   std::string decode_adapters = "none";
+  bool colocated = false;
   double drain_timeout_s = 30;
 };
 
@@ -57,14 +59,20 @@ int RunServe(const ServeFlags& f) {
   o.decode_kv_bytes = f.decode_kv_mib << 20;
   o.threads = f.threads;
   o.decode.all_position_adapters = f.decode_adapters == "all-positions";
+  o.colocated = f.colocated;
   o.decode.adapter_root = f.adapter_root;
   auto cluster = EmbeddedCluster::Start(o);
   if (!cluster.ok()) {
     std::fprintf(stderr, "preft serve: %s\n", cluster.status().ToString().c_str());
     return 1;
   }
-  std::printf("preft serve listening on %s (prefill workers %d, decode workers %d)\n",
-              (*cluster)->address().c_str(), f.prefill_workers, f.decode_workers);
+  if (f.colocated) {
+    std::printf("preft serve listening on %s (colocated workers %d)\n",
+                (*cluster)->address().c_str(), f.decode_workers);
+  } else {
+    std::printf("preft serve listening on %s (prefill workers %d, decode workers %d)\n",
+                (*cluster)->address().c_str(), f.prefill_workers, f.decode_workers);
+  }
   if (!f.http_listen.empty()) {
     std::printf("preft serve: OpenAI-compatible HTTP on http://%s/v1\n",
                 (*cluster)->http_address().c_str());
@@ -89,15 +97,24 @@ void RegisterServeCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--http-listen", flags->http_listen,
                   "OpenAI-compatible HTTP (/v1/completions, /v1/chat/completions, /v1/models)");
   cmd->add_option("--adapter-root", flags->adapter_root, "adapters may be registered from under this folder");
-  cmd->add_option("--prefill-workers", flags->prefill_workers)->check(CLI::Range(1, 64));
-  cmd->add_option("--decode-workers", flags->decode_workers)->check(CLI::Range(1, 64));
+  CLI::Option* prefill_workers =
+      cmd->add_option("--prefill-workers", flags->prefill_workers)->check(CLI::Range(1, 64));
+  cmd->add_option("--decode-workers", flags->decode_workers, "decode (or colocated) workers")
+      ->check(CLI::Range(1, 64));
   cmd->add_option("--prefill-kv-mib", flags->prefill_kv_mib)->check(CLI::PositiveNumber);
   cmd->add_option("--decode-kv-mib", flags->decode_kv_mib)->check(CLI::PositiveNumber);
   cmd->add_option("--threads", flags->threads, "compute threads per engine (0: all cores)");
-  cmd->add_option("--adapters", flags->decode_adapters,
-                  "decode workers: none (PreFT) or all-positions (also the multi-LoRA baseline)")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"none", "all-positions"}));
+  CLI::Option* adapters =
+      cmd->add_option("--adapters", flags->decode_adapters,
+                      "decode workers: none (PreFT) or all-positions (also the multi-LoRA "
+                      "baseline)")
+          ->capture_default_str()
+          ->check(CLI::IsMember({"none", "all-positions"}));
+  cmd->add_flag("--colocated", flags->colocated,
+                "no prefill tier: each worker runs whole requests (prompt with its adapter, then "
+                "decode) in one engine, as vLLM does without disaggregation")
+      ->excludes(prefill_workers)
+      ->excludes(adapters);
   cmd->add_option("--drain-timeout-s", flags->drain_timeout_s);
   cmd->callback([flags, exit_code] { *exit_code = RunServe(*flags); });
 }

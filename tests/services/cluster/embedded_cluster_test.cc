@@ -2,194 +2,15 @@
 // driven through the public API: outputs equal the engine's, errors carry precise codes, and
 // cancellation, abort and drain free everything on both tiers.
 
-#include "tools/preft/embedded_cluster.h"
-
-#include <gtest/gtest.h>
-#include <unistd.h>
-
 #include <httplib.h>
 
-#include <filesystem>
-#include <thread>
-
 #include "clients/cpp/preft_client.h"
-#include "common/adapters/adapter_loader.h"
-#include "common/base/mapped_file.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
-#include "common/engine/engine.h"
-#include "nlohmann/json.hpp"
-#include "tests/services/cluster/cluster_client.h"
-#include "tests/testing/fixtures.h"
+#include "tests/services/cluster/cluster_fixture.h"
 
 namespace preft::tools {
 namespace {
-
-namespace fs = std::filesystem;
-using testing::Generate;
-
-class EmbeddedClusterTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    root_ = new fs::path(fs::path(::testing::TempDir()) / ("cluster_adapters_" + std::to_string(getpid())));
-    fs::remove_all(*root_);
-    fs::create_directories(*root_);
-    for (const char* a : {"lora", "lora_rs", "direft"})
-      fs::copy(testing::TinyLlamaFixture() + "/" + a, *root_ / a);
-  }
-
-  static void TearDownTestSuite() {
-    std::error_code ec;
-    std::filesystem::remove_all(*root_, ec);
-  }
-
-  void SetUp() override {
-    EmbeddedClusterOptions o;
-    o.model_dir = testing::TinyLlamaFixture();
-    o.adapter_root = root_->string();
-    o.num_prefill = 2;
-    o.num_decode = 2;
-    o.prefill_kv_bytes = 8 << 20;
-    o.decode_kv_bytes = 3 << 19;  // 128 blocks of 16 tokens: 2048 per worker
-    o.decode.all_position_adapters = true;  // the fixture's LoRA/DiReFT modes need it
-    o.threads = 1;
-    o.decode.quarantine = absl::Milliseconds(50);
-    o.router.admission_timeout = absl::Seconds(2);
-    Configure(&o);
-    auto c = EmbeddedCluster::Start(o);
-    ASSERT_TRUE(c.ok()) << c.status();
-    cluster_ = std::move(c).value();
-    stub_ = testing::PreftStub(cluster_->address());
-    for (const char* a : {"lora", "lora_rs", "direft"}) {
-      grpc::ClientContext ctx;
-      if (!o.router.access.admin_token.empty()) {
-        ctx.AddMetadata("authorization", "Bearer " + o.router.access.admin_token);
-      }
-      v1::RegisterAdapterRequest req;
-      req.set_name(a);
-      req.set_path(a);
-      v1::RegisterAdapterResponse r;
-      ASSERT_TRUE(stub_->RegisterAdapter(&ctx, req, &r).ok()) << a;
-    }
-  }
-
-  virtual void Configure(EmbeddedClusterOptions*) {}
-
-  // Reserves `tokens` of KV on every decode worker, as another router would.
-  void HoldDecodeKv(int tokens) {
-    for (const auto& w : cluster_->pool().decode()) {
-      grpc::ClientContext ctx;
-      worker::v1::ReserveRequest req;
-      req.set_request_id("hog");
-      req.set_num_tokens(tokens - 8);
-      req.set_max_new_tokens(8);
-      req.set_lease_ms(30000);
-      worker::v1::ReserveResponse r;
-      ASSERT_TRUE(w->stub->Reserve(&ctx, req, &r).ok());
-      held_.emplace_back(w.get(), r);
-    }
-    cluster_->pool().PollNow();
-  }
-  void ReleaseHeldKv() {
-    for (auto& [w, res] : held_) {
-      grpc::ClientContext ctx;
-      worker::v1::ReleaseRequest req;
-      req.set_reservation_id(res.reservation_id());
-      req.set_generation(res.generation());
-      worker::v1::ReleaseResponse r;
-      EXPECT_TRUE(w->stub->Release(&ctx, req, &r).ok());
-    }
-    held_.clear();
-  }
-
-  // Every block on every worker is back where it started.
-  void ExpectNoLeaks() {
-    const absl::Time until = absl::Now() + absl::Seconds(5);
-    for (;;) {
-      bool clean = true;
-      for (int i = 0; i < 2; ++i) {
-        const auto b = cluster_->decode(i).block_counts();
-        clean &= b.free == b.total && cluster_->decode(i).active_streams() == 0;
-        clean &= cluster_->prefill(i).active_requests() == 0;
-      }
-      if (clean) return;
-      if (absl::Now() > until) break;
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-    for (int i = 0; i < 2; ++i) {
-      const auto b = cluster_->decode(i).block_counts();
-      ADD_FAILURE() << "decode " << i << ": free " << b.free << "/" << b.total << " reserved "
-                    << b.reserved << " quarantined " << b.quarantined << " filled " << b.filled
-                    << "; prefill " << i << " active " << cluster_->prefill(i).active_requests();
-    }
-  }
-
-  static v1::GenerateRequest Request(const std::vector<int32_t>& prompt, int max_tokens,
-                                     const std::string& model = "",
-                                     v1::AdapterPositions positions = v1::ADAPTER_POSITIONS_UNSPECIFIED) {
-    v1::GenerateRequest r;
-    for (int32_t t : prompt) r.mutable_token_ids()->add_ids(t);
-    r.set_model(model);
-    r.set_adapter_positions(positions);
-    r.set_stream(true);
-    r.mutable_sampling()->set_max_tokens(max_tokens);
-    r.mutable_sampling()->set_ignore_eos(true);
-    return r;
-  }
-
-  // Every case of the fixture's reference.json (base, lora, lora_rs, lorap, direft, direftp:
-  // outputs of transformers + PEFT + pyreft), all at once through the cluster.
-  void ReproduceFixtureModes() {
-  auto text = base::ReadFileToString(testing::TinyLlamaFixture() + "/reference.json");
-  ASSERT_TRUE(text.ok());
-  const nlohmann::json ref = nlohmann::json::parse(*text);
-  std::vector<v1::GenerateRequest> requests;
-  for (const auto& c : ref["cases"]) {
-    std::string model;
-    v1::AdapterPositions pos = v1::ADAPTER_POSITIONS_UNSPECIFIED;
-    if (!c["adapter"].is_null()) {
-      model = c["adapter"];
-      pos = c["adapter_positions"] == "prompt" ? v1::ADAPTER_POSITIONS_PROMPT
-                                               : v1::ADAPTER_POSITIONS_ALL;
-    }
-    v1::GenerateRequest r = Request(c["prompt_ids"].get<std::vector<int32_t>>(),
-                                    static_cast<int>(c["token_ids"].size()), model, pos);
-    r.mutable_sampling()->set_logprobs(2);
-    requests.push_back(r);
-  }
-  std::vector<testing::GenerateOutcome> got(requests.size());
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < requests.size(); ++i)
-    threads.emplace_back([&, i] { got[i] = Generate(stub_.get(), requests[i]); });
-  for (auto& t : threads) t.join();
-  std::set<std::string> modes;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    const auto& c = ref["cases"][i];
-    const std::string mode = c["mode"];
-    modes.insert(mode);
-    ASSERT_TRUE(got[i].status.ok()) << mode << ": " << got[i].status.error_message();
-    EXPECT_EQ(got[i].token_ids, c["token_ids"].get<std::vector<int32_t>>()) << mode;
-    ASSERT_EQ(got[i].logprobs.size(), c["logprobs"].size()) << mode;
-    for (size_t t = 0; t < got[i].logprobs.size(); ++t)
-      EXPECT_NEAR(got[i].logprobs[t].logprob(), c["logprobs"][t]["logprob"].get<double>(), 1e-4)
-          << mode << " step " << t;
-    EXPECT_EQ(got[i].finish.reason(), v1::FINISH_REASON_LENGTH);
-    EXPECT_EQ(got[i].finish.usage().completion_tokens(), static_cast<int>(c["token_ids"].size()));
-    if (!c["adapter"].is_null()) {
-      EXPECT_EQ(got[i].finish.adapter(), c["adapter"].get<std::string>());
-      EXPECT_EQ(got[i].finish.adapter_version(), 1);
-    }
-  }
-  EXPECT_EQ(modes.size(), 6u);
-  ExpectNoLeaks();
-  }
-
-  static fs::path* root_;
-  std::unique_ptr<EmbeddedCluster> cluster_;
-  std::vector<std::pair<router::DecodeWorker*, worker::v1::ReserveResponse>> held_;  // HoldDecodeKv
-  std::unique_ptr<v1::Preft::Stub> stub_;
-};
-fs::path* EmbeddedClusterTest::root_ = nullptr;
 
 TEST_F(EmbeddedClusterTest, ReproducesEveryFixtureModeConcurrently) { ReproduceFixtureModes(); }
 
@@ -294,43 +115,11 @@ TEST_F(EmbeddedClusterTest, NoCapacityWithinTheDeadlineIsResourceExhausted) {
   ExpectNoLeaks();
 }
 
-TEST_F(EmbeddedClusterTest, CancellingMidStreamFreesBothTiers) {
-  std::vector<std::thread> threads;
-  for (int i = 0; i < 4; ++i) {
-    threads.emplace_back([&, i] {
-      auto r = Request({1, 2, 3, 4, 5}, 400, i % 2 ? "lora" : "");
-      auto out = Generate(stub_.get(), r, 60, [](const v1::GenerateResponse&, grpc::ClientContext* ctx) {
-        ctx->TryCancel();
-      });
-      EXPECT_EQ(out.status.error_code(), grpc::StatusCode::CANCELLED);
-    });
-  }
-  for (auto& t : threads) t.join();
-  ExpectNoLeaks();
-}
+TEST_F(EmbeddedClusterTest, CancellingMidStreamFreesBothTiers) { CancelMidStream(); }
 
-TEST_F(EmbeddedClusterTest, AbortEndsTheStreamWithFinishAbort) {
-  auto r = Request({1, 2, 3, 4, 5}, 500);
-  r.set_request_id("to-abort");
-  std::atomic<bool> sent{false};
-  auto out = Generate(stub_.get(), r, 60, [&](const v1::GenerateResponse&, grpc::ClientContext*) {
-    if (sent.exchange(true)) return;
-    grpc::ClientContext ctx;
-    v1::AbortRequest a;
-    a.set_request_id("to-abort");
-    v1::AbortResponse resp;
-    EXPECT_TRUE(stub_->Abort(&ctx, a, &resp).ok());
-  });
-  EXPECT_TRUE(out.status.ok()) << out.status.error_message();
-  EXPECT_EQ(out.finish.reason(), v1::FINISH_REASON_ABORT);
-  EXPECT_LT(out.token_ids.size(), 500u);
-  grpc::ClientContext ctx;
-  v1::AbortRequest a;
-  a.set_request_id("to-abort");
-  v1::AbortResponse resp;
-  EXPECT_EQ(stub_->Abort(&ctx, a, &resp).error_code(), grpc::StatusCode::NOT_FOUND);
-  ExpectNoLeaks();
-}
+TEST_F(EmbeddedClusterTest, AbortEndsTheStreamWithFinishAbort) { AbortMidStream(); }
+
+TEST_F(EmbeddedClusterTest, MixedLoadEqualsOneEngine) { MixedLoadEqualsOneEngine(); }
 
 TEST_F(EmbeddedClusterTest, AdapterAdminListsUpdatesAndUnregisters) {
   grpc::ClientContext lctx;

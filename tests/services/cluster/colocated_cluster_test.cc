@@ -1,0 +1,132 @@
+// The colocated embedded cluster (router + decode workers that run whole requests, no prefill
+// tier) through the public API: the same outputs as the disaggregated cluster and one engine,
+// every block free afterwards, and precise errors when the router and its workers disagree on
+// the deployment.
+
+#include "prometheus/registry.h"
+#include "tests/services/cluster/cluster_fixture.h"
+
+namespace preft::tools {
+namespace {
+
+// `s` has `code` and says `part`.
+void ExpectStatus(const grpc::Status& s, grpc::StatusCode code, const std::string& part) {
+  EXPECT_EQ(s.error_code(), code) << s.error_message();
+  EXPECT_NE(s.error_message().find(part), std::string::npos) << s.error_message();
+}
+
+class ColocatedClusterTest : public EmbeddedClusterTest {
+ protected:
+  void Configure(EmbeddedClusterOptions* o) override {
+    o->colocated = true;
+    o->decode.all_position_adapters = false;  // a colocated worker runs every adapter itself
+    o->router.metrics = &registry_;
+  }
+
+  // Observations of the router's histogram `name` whose labels include `label`.
+  uint64_t HistogramCount(const std::string& name, const prometheus::ClientMetric::Label& label) {
+    uint64_t n = 0;
+    for (const auto& family : registry_.Collect()) {
+      if (family.name != name) continue;
+      for (const auto& m : family.metric) {
+        for (const auto& l : m.label)
+          if (l.name == label.name && l.value == label.value) n += m.histogram.sample_count;
+      }
+    }
+    return n;
+  }
+
+  prometheus::Registry registry_;
+};
+
+TEST_F(ColocatedClusterTest, ReproducesEveryFixtureModeConcurrently) {
+  EXPECT_EQ(cluster_->num_prefill(), 0);
+  for (const auto& w : cluster_->pool().decode()) {
+    grpc::ClientContext ctx;
+    worker::v1::DecodeStatusResponse status;
+    ASSERT_TRUE(w->stub->Status(&ctx, worker::v1::DecodeStatusRequest(), &status).ok());
+    EXPECT_TRUE(status.colocated()) << w->address;
+  }
+  ReproduceFixtureModes();
+}
+
+// Greedy and seeded, every adapter mode, under concurrent mixed load. TTFT is observed as
+// always; the stages of the disaggregated path (reserve, prefill, KV transfer) never are.
+TEST_F(ColocatedClusterTest, MixedLoadEqualsOneEngine) {
+  MixedLoadEqualsOneEngine();
+  EXPECT_EQ(HistogramCount("preft:router_time_to_first_token_seconds", {"positions", "all"}), 8u);
+  EXPECT_EQ(HistogramCount("preft:router_time_to_first_token_seconds", {"positions", "prompt"}),
+            8u);
+  EXPECT_EQ(HistogramCount("preft:router_time_to_first_token_seconds", {"positions", "base"}), 4u);
+  EXPECT_EQ(HistogramCount("preft:router_ttft_stage_seconds", {"stage", "admit"}), 20u);
+  for (const char* stage : {"reserve", "prefill_queue", "prefill_compute", "kv_transfer",
+                            "prefill_rpc", "decode_start"}) {
+    EXPECT_EQ(HistogramCount("preft:router_ttft_stage_seconds", {"stage", stage}), 0u) << stage;
+  }
+}
+
+TEST_F(ColocatedClusterTest, CancellingMidStreamFreesEverything) { CancelMidStream(); }
+
+TEST_F(ColocatedClusterTest, AbortEndsTheStreamWithFinishAbort) { AbortMidStream(); }
+
+TEST_F(ColocatedClusterTest, UnknownAdaptersAndBadRequestsGetPreciseCodes) {
+  ExpectStatus(Generate(stub_.get(), Request({1, 2, 3}, 4, "nobody"), 10).status,
+               grpc::StatusCode::NOT_FOUND, "'nobody'");
+  EXPECT_EQ(Generate(stub_.get(), Request({1, 99999}, 2), 10).status.error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  // A registered adapter whose folder is gone: the worker's store answers NOT_FOUND.
+  grpc::ClientContext rctx;
+  v1::RegisterAdapterRequest reg;
+  reg.set_name("vanishing");
+  reg.set_path("vanishing");
+  fs::copy(*root_ / "lora", *root_ / "vanishing");
+  v1::RegisterAdapterResponse rr;
+  ASSERT_TRUE(stub_->RegisterAdapter(&rctx, reg, &rr).ok());
+  fs::remove_all(*root_ / "vanishing");
+  ExpectStatus(Generate(stub_.get(), Request({1, 2, 3}, 4, "vanishing"), 10).status,
+               grpc::StatusCode::NOT_FOUND, "vanishing");
+  // Reserve is for disaggregated workers.
+  grpc::ClientContext ctx;
+  worker::v1::ReserveRequest req;
+  req.set_request_id("r");
+  req.set_num_tokens(4);
+  req.set_max_new_tokens(4);
+  worker::v1::ReserveResponse res;
+  ExpectStatus(cluster_->pool().decode().front()->stub->Reserve(&ctx, req, &res),
+               grpc::StatusCode::FAILED_PRECONDITION, "send Run");
+  ExpectNoLeaks();
+}
+
+// The router and its decode workers disagree on the deployment: requests are refused, naming
+// the fix. Parameter true: a colocated router before disaggregated workers; false: the reverse.
+class MismatchedDeploymentTest : public EmbeddedClusterTest,
+                                 public ::testing::WithParamInterface<bool> {
+ protected:
+  void Configure(EmbeddedClusterOptions* o) override {
+    (GetParam() ? o->router.colocated : o->decode.colocated) = true;
+  }
+};
+
+TEST_P(MismatchedDeploymentTest, RequestsAreRefusedNamingTheFix) {
+  ExpectStatus(Generate(stub_.get(), Request({1, 2, 3}, 4), 10).status,
+               grpc::StatusCode::FAILED_PRECONDITION,
+               GetParam() ? "start them with --colocated" : "start the router with --colocated");
+  ExpectNoLeaks();
+}
+
+INSTANTIATE_TEST_SUITE_P(RouterOrWorkers, MismatchedDeploymentTest, ::testing::Bool());
+
+TEST_F(EmbeddedClusterTest, DisaggregatedDecodeWorkersRefuseRun) {
+  grpc::ClientContext ctx;
+  worker::v1::RunRequest run;
+  run.set_request_id("r");
+  run.add_prompt_ids(1);
+  auto reader = cluster_->pool().decode().front()->stub->Run(&ctx, run);
+  v1::GenerateResponse msg;
+  EXPECT_FALSE(reader->Read(&msg));
+  ExpectStatus(reader->Finish(), grpc::StatusCode::FAILED_PRECONDITION, "not colocated");
+  ExpectNoLeaks();
+}
+
+}  // namespace
+}  // namespace preft::tools
