@@ -8,6 +8,9 @@
 #
 # PREFT_TLS_DIR=DIR (from scripts/make-dev-certs.sh) runs every gRPC hop over mutual TLS;
 # PREFT_TRANSPORT=grpc moves KV onto gRPC (WriteKv) instead of UCX.
+# PREFT_COLOCATED=1 starts the colocated deployment instead (needs ADAPTER_ROOT): 2 decode
+# workers with --colocated, each running whole requests in one engine as vLLM does without
+# disaggregation, and the router with --colocated; no prefill workers, no KV between processes.
 # RUN_DIR (default /tmp/preft-local-cluster) holds pids and addresses between the two calls;
 # RUN_DIR/metrics-targets lists "NAME HOST:PORT" of each process's Prometheus endpoint.
 set -euo pipefail
@@ -58,6 +61,10 @@ start() {
   if [[ -n "$root" && "${PREFT_DECODE_ADAPTERS:-1}" != 0 ]]; then
     decode_flags=(--adapters all-positions)
   fi
+  if [[ "${PREFT_COLOCATED:-0}" == 1 ]]; then
+    start_colocated "$build" "$model" "$root"
+    return
+  fi
   for i in 0 1; do
     "$build/services/decode/preft-decode" --model "$model" "${worker_flags[@]}" "${adapter_flags[@]}" \
       "${decode_flags[@]}" \
@@ -79,6 +86,30 @@ start() {
   cat "$run/router.addr"
 }
 
+start_colocated() {  # after start's set-up; uses its tls_flags
+  local build=$1 model=$2 root=$3
+  if [[ -z "$root" ]]; then
+    echo "local-cluster: PREFT_COLOCATED=1 needs ADAPTER_ROOT (colocated workers load adapters)" >&2
+    return 2
+  fi
+  # The KV never leaves a colocated worker: the in-process transport stays idle.
+  for i in 0 1; do
+    "$build/services/decode/preft-decode" --model "$model" --colocated --adapter-root "$root" \
+      --transport inproc --metrics-listen 127.0.0.1:0 "${tls_flags[@]}" \
+      > "$run/decode-$i.log" 2>&1 &
+    echo $! >> "$run/pids"
+  done
+  local decode
+  decode="$(wait_address "$run/decode-0.log"),$(wait_address "$run/decode-1.log")"
+  "$build/services/router/preft-router" --model "$model" --colocated --decode "$decode" \
+    --listen "${PREFT_ROUTER_LISTEN:-127.0.0.1:0}" --metrics-listen 127.0.0.1:0 \
+    "${tls_flags[@]}" --adapter-root "$root" > "$run/router.log" 2>&1 &
+  echo $! >> "$run/pids"
+  wait_address "$run/router.log" > "$run/router.addr"
+  for name in decode-0 decode-1 router; do record_metrics "$name"; done
+  cat "$run/router.addr"
+}
+
 stop() {
   [[ -f "$run/pids" ]] || return 0
   # Router first (it drains its streams), then the workers.
@@ -96,5 +127,5 @@ stop() {
 case ${1:-} in
   start) shift; start "$@" ;;
   stop) stop ;;
-  *) sed -n '2,10p' "$0"; exit 2 ;;
+  *) sed -n '2,13p' "$0"; exit 2 ;;
 esac

@@ -1,27 +1,35 @@
 #!/usr/bin/env bash
-# The preft CLI on bad input: a clear message on stderr and a non-zero exit code, never a crash.
-# Usage: cli_test.sh PREFT_BINARY WORK_DIR
+# The preft CLI (and the server binaries' flags) on bad input: a clear message on stderr and a
+# non-zero exit code, never a crash.
+# Usage: cli_test.sh PREFT_BINARY WORK_DIR ROUTER_BINARY DECODE_BINARY
 set -u
 preft=$1
 work=$2
+router=$3
+decode=$4
 rm -rf "$work" && mkdir -p "$work"
 failures=0
 checks=0
 
-# expect CODE PATTERN -- ARGS...: runs preft ARGS, checks the exit code and that stderr matches.
-expect() {
-  local want_code=$1 pattern=$2
+# expect_of BINARY CODE PATTERN -- ARGS...: runs BINARY ARGS, checks the exit code and that
+# stderr matches.
+expect_of() {
+  local binary=$1 want_code=$2 pattern=$3
   checks=$((checks + 1))
-  shift 3
-  "$preft" "$@" > "$work/out" 2> "$work/err"
+  shift 4
+  "$binary" "$@" > "$work/out" 2> "$work/err"
   local code=$?
+  local name
+  name=$(basename "$binary")
   if [[ $code -ne $want_code ]] || ! grep -qE -- "$pattern" "$work/err"; then
-    echo "FAIL: preft $* -> exit $code (want $want_code), stderr:"; sed 's/^/  /' "$work/err"
+    echo "FAIL: $name $* -> exit $code (want $want_code), stderr:"; sed 's/^/  /' "$work/err"
     failures=$((failures + 1))
   else
-    echo "ok: preft $* -> exit $code: $(head -c 160 "$work/err" | head -1)"
+    echo "ok: $name $* -> exit $code: $(head -c 160 "$work/err" | head -1)"
   fi
 }
+# expect CODE PATTERN -- ARGS...: the same for preft.
+expect() { expect_of "$preft" "$@"; }
 
 expect 0 "wrote" -- make-model --preset tiny --seed 3 --out "$work/m"
 expect 1 "gpt-5" -- make-model --preset gpt-5 --out "$work/x"
@@ -62,6 +70,12 @@ if [[ "$lines" != 4 || "$with_adapter" != 2 ]]; then
 else
   echo "ok: --concurrency 4 --json -> 4 results, 2 with the adapter"
 fi
+# The colocated deployment's flags: no prefill tier, so no --prefill; workers need the root.
+expect 2 "excludes" -- serve --colocated --prefill-workers 2
+expect_of "$router" 2 "--colocated runs whole requests on the decode workers: give no --prefill workers \(got a:1\)" -- --model "$work/m" --colocated --prefill a:1 --decode b:2
+expect_of "$router" 2 "--prefill is required \(or --colocated" -- --model "$work/m" --decode b:2
+expect_of "$decode" 2 "--colocated needs --adapter-root" -- --model "$work/m" --colocated
+expect_of "$decode" 2 "excludes" -- --model "$work/m" --colocated --adapters all-positions --adapter-root "$work"
 # Same seed, same tokens.
 a=$("$preft" generate --model "$work/m" --prompt-ids 5,6,7 --temperature 1 --seed 9 --max-tokens 8 --json)
 checks=$((checks + 1))

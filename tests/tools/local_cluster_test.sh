@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# scripts/local-cluster.sh end to end: five processes over UCX, a registered adapter, requests
+# scripts/local-cluster.sh end to end: five processes over UCX (with PREFT_COLOCATED=1 the
+# colocated deployment: a router and two colocated workers), a registered adapter, requests
 # through `preft client` equal to `preft generate`, bad requests with their gRPC codes, and a
 # graceful stop that leaves no process behind.
 # Usage: local_cluster_test.sh SOURCE_DIR BUILD_DIR WORK_DIR
