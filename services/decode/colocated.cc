@@ -46,7 +46,7 @@ absl::Status DecodeService::Impl::BeginRun(const std::shared_ptr<StartStream>& s
     Start& start = starts.at(stream.get());
     start.request = std::move(request);
     start.adapter_pending = with_adapter;
-    if (!with_adapter) CommitRunLocked(start);
+    if (!with_adapter && !start.cancelled) CommitRunLocked(start);
   }
   if (with_adapter) {
     // Loads off the engine thread; on a compute hit the callback runs here, at once.

@@ -31,7 +31,7 @@ absl::Status GenerateCall::RunColocated(const std::vector<int32_t>& prompt,
     finish = FinishAdapter{adapter->name, adapter->version, positions};
   }
   std::vector<std::string> tried;
-  std::string last_error = "no colocated decode worker is available";
+  std::string last_error = "none was healthy";
   for (int attempt = 0; attempt < router_->options.max_prefill_attempts;) {
     if (stopped()) return AbortedResult();
     PREFT_ASSIGN_OR_RETURN(
@@ -57,8 +57,11 @@ absl::Status GenerateCall::RunColocated(const std::vector<int32_t>& prompt,
     const std::shared_ptr<DecodeWorker>& w = c.workers[order.front()];
     router_->metrics->Routed("decode", "most_free");
     {
-      absl::MutexLock lock(&w->mu);  // until the next poll says otherwise
-      w->view.free_blocks -= c.blocks;
+      // Until the next poll says otherwise, so a burst spreads over the workers; never below
+      // 0, which would take the worker out of the ranking although its engine would queue.
+      absl::MutexLock lock(&w->mu);
+      w->view.free_blocks = std::max<int64_t>(0, w->view.free_blocks - c.blocks);
+      ++w->view.queue_depth;
     }
     grpc::ClientContext ctx;
     Track(&ctx);

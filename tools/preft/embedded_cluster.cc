@@ -91,6 +91,7 @@ absl::StatusOr<std::unique_ptr<EmbeddedCluster>> EmbeddedCluster::Start(
   router::WorkerPoolOptions po;
   po.prefill = prefill_addresses;
   po.decode = decode_addresses;
+  po.poll_interval = o.poll_interval;
   c->pool_ = std::make_unique<router::WorkerPool>(po);
   adapters::LoadOptions load;
   load.max_rank = o.prefill.store.load.max_rank;

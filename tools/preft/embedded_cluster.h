@@ -45,6 +45,7 @@ struct EmbeddedClusterOptions {
   decode::DecodeServiceOptions decode;
   prefill::PrefillServiceOptions prefill;  // adapter_root is filled from above
   router::RouterOptions router;
+  absl::Duration poll_interval = absl::Milliseconds(100);  // the router's worker status polls
   int max_request_bytes = 16 << 20;  // the router's; larger messages are RESOURCE_EXHAUSTED
   std::string http_listen;           // the OpenAI-compatible HTTP API; "" for none
 };
@@ -62,6 +63,8 @@ class EmbeddedCluster {
   int num_decode() const { return static_cast<int>(decode_.size()); }
   int num_prefill() const { return static_cast<int>(prefill_.size()); }
   decode::DecodeService& decode(int i) { return *decode_[i]; }
+  // Where decode worker `i` serves (as the router's pool names it).
+  const std::string& decode_address(int i) const { return worker_servers_[i]->address(); }
   prefill::PrefillService& prefill(int i) { return *prefill_[i]; }
   router::RouterService& router() { return *router_; }
   router::WorkerPool& pool() { return *pool_; }

@@ -69,6 +69,32 @@ TEST_F(ColocatedClusterTest, CancellingMidStreamFreesEverything) { CancelMidStre
 
 TEST_F(ColocatedClusterTest, AbortEndsTheStreamWithFinishAbort) { AbortMidStream(); }
 
+// A worker that fails a Run before its first token is replaced. Here it is draining, which
+// the router has not polled (it polls only at start): it picks that worker first.
+class ColocatedRetryTest : public ColocatedClusterTest {
+ protected:
+  void Configure(EmbeddedClusterOptions* o) override {
+    ColocatedClusterTest::Configure(o);
+    o->poll_interval = absl::Hours(1);
+  }
+};
+
+TEST_F(ColocatedRetryTest, AWorkerFailingBeforeTheFirstTokenIsReplaced) {
+  const std::string first = cluster_->pool().decode().front()->address;  // equal views: first
+  for (int i = 0; i < cluster_->num_decode(); ++i)
+    if (cluster_->decode_address(i) == first) cluster_->decode(i).StartDrain();
+  const auto out = Generate(stub_.get(), Request({1, 2, 3, 4}, 6, "lora"), 30);
+  ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+  EXPECT_EQ(out.token_ids.size(), 6u);
+  double retries = 0;
+  for (const auto& family : registry_.Collect()) {
+    if (family.name != "preft:router_retries_total") continue;
+    for (const auto& m : family.metric) retries += m.counter.value;
+  }
+  EXPECT_EQ(retries, 1);
+  ExpectNoLeaks();
+}
+
 TEST_F(ColocatedClusterTest, UnknownAdaptersAndBadRequestsGetPreciseCodes) {
   ExpectStatus(Generate(stub_.get(), Request({1, 2, 3}, 4, "nobody"), 10).status,
                grpc::StatusCode::NOT_FOUND, "'nobody'");
