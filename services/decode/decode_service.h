@@ -86,8 +86,8 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
   // bound: call this before the worker reports ready. No effect on other transports.
   void SetAdvertisedAddress(const std::string& address);
 
-  // The adapter store (workers serving adapters; null otherwise) and the options it was built
-  // with, for metrics.
+  // The adapter store (workers serving adapters: all-position or colocated; null otherwise)
+  // and the options it was built with, for metrics.
   const adapters::AdapterStore* adapter_store() const;
   const DecodeServiceOptions& options() const;
 

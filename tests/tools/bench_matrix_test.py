@@ -16,7 +16,7 @@ import sys
 def main():
     src, build, work = sys.argv[1:4]
     shutil.rmtree(work, ignore_errors=True)
-    deployments = "disaggregated"  # colocated joins when it lands
+    deployments = "disaggregated,colocated"
     cmd = ["/usr/bin/python3", f"{src}/bench/serve/matrix.py", "--build", build,
            "--model", f"{work}/model", "--preset", "tiny", "--dtype", "f32", "--out", f"{work}/out",
            "--deployments", deployments, "--adapters", "3", "--concurrency", "2,4",
