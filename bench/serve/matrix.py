@@ -88,8 +88,10 @@ class Cluster:
                  "--adapter-host-bytes", str(args.adapter_host_mib << 20),
                  "--adapter-compute-bytes", str(args.adapter_compute_mib << 20)]
         kv = ["--kv-bytes", str(args.kv_mib << 20)]
-        decode = [f"{b}/services/decode/preft-decode", *worker, *kv, "--transport", args.transport]
-        if args.transport == "ucx":
+        # A colocated worker moves no KV: its transport stays in process.
+        transport = args.transport if deployment == "disaggregated" else "inproc"
+        decode = [f"{b}/services/decode/preft-decode", *worker, *kv, "--transport", transport]
+        if transport == "ucx":
             decode += ["--ucx-tls", args.ucx_tls]
         router = [f"{b}/services/router/preft-router", "--model", args.model,
                   "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
