@@ -215,7 +215,7 @@ def register(router, names, adapter_dir):
             c.register_adapter(name, os.path.abspath(os.path.join(adapter_dir, name)))
 
 
-def run_cell(args, deployment, mode, n, concurrency):
+def run_cell(args, deployment, mode, n, concurrency, requests):
     kind, positions, decode_adapters = MODES[mode]
     cell = f"{deployment}-{mode}-n{n}-c{concurrency}"
     names = make_adapters(args, kind, n) if kind else []
@@ -228,7 +228,7 @@ def run_cell(args, deployment, mode, n, concurrency):
         sampler = Sampler(cluster.decode_metrics)
         sampler.start()
         cmd = [f"{args.build}/tools/preft", "bench", "--server", cluster.router, "--json",
-               "--requests", str(args.requests), "--concurrency", str(concurrency),
+               "--requests", str(requests), "--concurrency", str(concurrency),
                "--seed", str(args.seed), "--timeout-s", "3600"]
         cmd += (["--lengths", args.lengths] if args.lengths else
                 ["--prompt-tokens", args.prompt_tokens, "--max-tokens", args.max_tokens])
@@ -236,7 +236,7 @@ def run_cell(args, deployment, mode, n, concurrency):
             cmd += ["--rate", str(args.rate)]
         if names:
             cmd += ["--adapters", ",".join(names), "--adapter-positions", positions]
-        log(f"cell {cell}: {args.requests} requests, {concurrency} concurrent")
+        log(f"cell {cell}: {requests} requests, {concurrency} concurrent")
         bench = subprocess.run(cmd, capture_output=True, text=True)
         sampler.stopping.set()
         sampler.join()
@@ -342,7 +342,9 @@ plot {', '.join(lat)}
     with open(os.path.join(out, "plots.gp"), "w") as f:
         f.write(script)
     if shutil.which("gnuplot"):
-        subprocess.run(["gnuplot", "plots.gp"], cwd=out, check=True)
+        drawn = subprocess.run(["gnuplot", "plots.gp"], cwd=out, capture_output=True, text=True)
+        if drawn.returncode != 0:  # e.g. nothing to draw against N: the tables still stand
+            log(f"gnuplot failed: {drawn.stderr.strip()[-300:]}")
     else:
         log("gnuplot is not installed: plots.gp and its data written, no SVG drawn")
 
@@ -378,6 +380,8 @@ def main():
     p.add_argument("--concurrency", default="64", help="closed-loop concurrency (list)")
     p.add_argument("--latency-loads", default="",
                    help="more concurrency levels, run at the first N only (latency vs load)")
+    p.add_argument("--latency-requests", type=int, help="requests per --latency-loads cell "
+                   "(default: --requests)")
     p.add_argument("--rate", type=float, default=0, help="Poisson arrivals/s (0: closed loop)")
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--prompt-tokens", default="128")
@@ -410,15 +414,16 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     make_model(args)
     cells = []
-    plan = [(conc, ints(args.adapters)) for conc in ints(args.concurrency)]
-    plan += [(conc, ints(args.adapters)[:1]) for conc in ints(args.latency_loads)]
+    plan = [(conc, ints(args.adapters), args.requests) for conc in ints(args.concurrency)]
+    plan += [(conc, ints(args.adapters)[:1], args.latency_requests or args.requests)
+             for conc in ints(args.latency_loads)]
     for dep in deployments:
-        for conc, ns in plan:
+        for conc, ns, requests in plan:
             if "base" in modes:  # independent of N: measured once per deployment and load
-                cells.append(run_cell(args, dep, "base", 0, conc))
+                cells.append(run_cell(args, dep, "base", 0, conc, requests))
             for n in ns:
                 for mode in (m for m in MODES if m in modes and m != "base"):
-                    cells.append(run_cell(args, dep, mode, n, conc))
+                    cells.append(run_cell(args, dep, mode, n, conc, requests))
     rows = ratios(cells)
     config = {k: v for k, v in vars(args).items()}
     with open(os.path.join(args.out, "results.json"), "w") as f:
