@@ -16,7 +16,8 @@ Prometheus endpoints while it runs, and stops it. Modes, on the same workload an
 
 Writes OUT/results.json (every cell, the ratios), OUT/results.csv, OUT/ratios.csv and, with
 gnuplot, OUT/throughput_vs_adapters.svg and OUT/latency_vs_load.svg (OUT/plots.gp redraws
-them); prints the ratio table. Progress and each process's log go to OUT/logs/.
+them); prints the ratio table. Progress and each process's log go to OUT/logs/; each cell's
+result is kept in OUT/cells/, and a rerun into the same OUT measures only the missing cells.
 
   bench/serve/matrix.py --build build --model models/qwen2.5-0.5b --preset qwen2.5-0.5b \\
       --adapters 64,512 --concurrency 64 --requests 128 --out bench/results/qwen
@@ -216,8 +217,22 @@ def register(router, names, adapter_dir):
 
 
 def run_cell(args, deployment, mode, n, concurrency, requests):
-    kind, positions, decode_adapters = MODES[mode]
+    """One cell's result, kept in OUT/cells/CELL.json: a rerun with the same OUT measures only
+    the cells it lacks (a failed or interrupted run loses nothing already measured)."""
     cell = f"{deployment}-{mode}-n{n}-c{concurrency}"
+    path = os.path.join(args.out, "cells", f"{cell}.json")
+    if os.path.exists(path):
+        log(f"cell {cell}: kept from an earlier run ({path})")
+        return json.load(open(path))
+    result = measure_cell(args, cell, deployment, mode, n, concurrency, requests)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f)
+    return result
+
+
+def measure_cell(args, cell, deployment, mode, n, concurrency, requests):
+    kind, positions, decode_adapters = MODES[mode]
     names = make_adapters(args, kind, n) if kind else []
     log(f"cell {cell}: starting the cluster")
     cluster = Cluster(args, os.path.join(args.out, "logs", cell), deployment, decode_adapters,

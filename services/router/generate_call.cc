@@ -224,7 +224,9 @@ absl::StatusOr<GenerateCall::DecodeChoice> GenerateCall::DecodeCandidates(int64_
                   : "the decode workers are colocated (they run whole requests and refuse "
                     "Reserve): start the router with --colocated");
   }
-  if (!colocated && needs_decode_adapter_ && !any_with_adapters && !c.workers.empty()) {
+  // Only when the workers are known (a poll answered): before the first poll, or while every
+  // worker is briefly unhealthy, the request waits for capacity like any other.
+  if (!colocated && needs_decode_adapter_ && any_of_kind && !any_with_adapters) {
     return absl::FailedPreconditionError(
         "the request applies its adapter to generated tokens (all positions), but no decode "
         "worker runs adapters (start them with --adapters all-positions), or ask for "
