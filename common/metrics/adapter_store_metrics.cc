@@ -11,13 +11,14 @@ void Advance(prometheus::Counter& c, int64_t now, int64_t before) {
 
 }  // namespace
 
-AdapterStoreMetrics::State AdapterStoreMetrics::Read(const adapters::AdapterStore& store,
-                                                     const adapters::AdapterStoreOptions& options) {
+AdapterStoreMetrics::State AdapterStoreMetrics::Read(
+    const adapters::AdapterStore& store, const adapters::AdapterStoreOptions& options,
+    const std::vector<adapters::AdapterInfo>& listed) {
   State s;
   s.stats = store.stats();
   s.compute_capacity_bytes = options.compute_bytes;
   s.host_capacity_bytes = options.host_bytes;
-  for (const adapters::AdapterInfo& a : store.List()) {
+  for (const adapters::AdapterInfo& a : listed) {
     s.in_compute += a.in_compute;
     s.in_host += a.in_host;
   }

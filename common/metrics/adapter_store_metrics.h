@@ -5,6 +5,7 @@
 // result (the hit rate: compute_hit over all) and evictions. Names are in docs/METRICS.md.
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -24,9 +25,11 @@ class AdapterStoreMetrics {
     int64_t in_compute = 0;  // versions in a compute slot
     int64_t in_host = 0;     // versions parsed in host memory
   };
-  // What `store`, built with `options`, holds now.
+  // What `store`, built with `options`, holds now; `listed` is its List() (callers that also
+  // read the list for other metrics pass theirs, so the store is listed once).
   static State Read(const adapters::AdapterStore& store,
-                    const adapters::AdapterStoreOptions& options);
+                    const adapters::AdapterStoreOptions& options,
+                    const std::vector<adapters::AdapterInfo>& listed);
 
   // Borrows the registry (it must outlive this).
   explicit AdapterStoreMetrics(prometheus::Registry& registry);

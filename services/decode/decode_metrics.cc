@@ -39,8 +39,8 @@ void DecodeMetrics::Refresh() {
   quarantined_.Set(b.quarantined);
   filled_.Set(b.filled);
   if (store_) {
-    store_->Set(metrics::AdapterStoreMetrics::Read(*service_->adapter_store(),
-                                                   service_->options().store));
+    const adapters::AdapterStore& store = *service_->adapter_store();
+    store_->Set(metrics::AdapterStoreMetrics::Read(store, service_->options().store, store.List()));
   }
 }
 

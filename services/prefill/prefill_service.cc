@@ -524,9 +524,10 @@ PrefillMetrics::State PrefillService::Impl::ReadMetricsState() {
   read.get_future().wait();
   s.waiting += awaiting_adapter.load();
   s.running += transfers.load();
-  s.store = metrics::AdapterStoreMetrics::Read(*store, options.store);
+  const std::vector<adapters::AdapterInfo> listed = store->List();
+  s.store = metrics::AdapterStoreMetrics::Read(*store, options.store, listed);
   auto name_of = [](const std::string& key) { return key.substr(0, key.rfind("@v")); };
-  for (const adapters::AdapterInfo& a : store->List()) {
+  for (const adapters::AdapterInfo& a : listed) {
     if (a.leases > 0) s.running_adapters.push_back(name_of(a.name));
   }
   {
