@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 MODES = {  # name -> (adapter kind, positions, decode workers hold adapters)
     "base": (None, None, False),
@@ -60,7 +61,6 @@ class Metrics:
 
     @staticmethod
     def scrape(address):
-        import urllib.request
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
             text = r.read().decode()
         out = []
@@ -371,14 +371,13 @@ def table(cells, rows):
     for c in sorted(cells, key=lambda c: (c["deployment"], c["num_adapters"], c["concurrency"],
                                           list(MODES).index(c["mode"]))):
         r = ratio.get((c["deployment"], c["mode"], c["num_adapters"], c["concurrency"]), {})
-        hit = c["adapter_hit_rate"]
+        opt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731  (absent: no adapter/ratio)
         lines.append(
             f"| {c['deployment']} | {c['num_adapters']} | {c['concurrency']} | {c['mode']} | "
             f"{c['output_tokens_per_s']:.1f} | {c['ttft_ms']['p50']:.0f} | "
             f"{c['itl_ms']['p50']:.1f} | {c['kv_usage_mean']:.2f} | "
-            f"{'-' if hit is None else f'{hit:.2f}'} | "
-            f"{r.get('vs_multi_lora', float('nan')):.2f} | {r.get('vs_base', float('nan')):.2f} |")
-    return "\n".join(lines).replace("| nan |", "| - |").replace("nan |", "- |")
+            f"{opt(c['adapter_hit_rate'])} | {opt(r.get('vs_multi_lora'))} | {opt(r.get('vs_base'))} |")
+    return "\n".join(lines)
 
 
 def main():
@@ -440,7 +439,7 @@ def main():
                 for mode in (m for m in MODES if m in modes and m != "base"):
                     cells.append(run_cell(args, dep, mode, n, conc, requests))
     rows = ratios(cells)
-    config = {k: v for k, v in vars(args).items()}
+    config = dict(vars(args))
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"config": config, "cells": cells, "ratios": rows}, f, indent=1)
     write_csv(os.path.join(args.out, "results.csv"), [flatten(c) for c in cells], CSV_FIELDS)
