@@ -60,10 +60,21 @@ TEST(OpsTest, FastExpIsWithinTwoUlpOfExp) {
 }
 
 TEST(OpsTest, SiluMulMatchesDefinition) {
-  auto g = Random(50, 5), u = Random(50, 6);
-  std::vector<float> out(50);
-  SiluMulSeparate(g.data(), u.data(), 50, out.data());
-  for (int i = 0; i < 50; ++i) EXPECT_NEAR(out[i], g[i] / (1 + std::exp(-g[i])) * u[i], 1e-6);
+  // Sizes with and without a vector tail; gates from deep saturation to large positive.
+  for (int64_t n : {1, 7, 50, 100003}) {
+    auto g = Random(n, 5), u = Random(n, 6);
+    for (int64_t i = 0; i < n; ++i) g[i] *= (i % 3 == 0) ? 120.f : 8.f;
+    std::vector<float> out(n), gate_up(2 * n), interleaved(n);
+    SiluMulSeparate(g.data(), u.data(), n, out.data());
+    std::copy(g.begin(), g.end(), gate_up.begin());
+    std::copy(u.begin(), u.end(), gate_up.begin() + n);
+    SiluMul(gate_up.data(), 1, n, interleaved.data());
+    for (int64_t i = 0; i < n; ++i) {
+      const double want = g[i] / (1 + std::exp(-static_cast<double>(g[i]))) * u[i];
+      ASSERT_NEAR(out[i], want, 1e-6 + 1e-6 * std::abs(want)) << "n " << n << " i " << i;
+      ASSERT_EQ(out[i], interleaved[i]);
+    }
+  }
 }
 
 // Paged attention over shuffled blocks equals dense causal attention, for decode-sized and

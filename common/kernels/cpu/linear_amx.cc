@@ -29,9 +29,13 @@ namespace {
 constexpr int kTileRows = 16;
 constexpr int kTileBytes = 1024;
 // n rows per block (two A tiles) and k per pass (the C tiles go through memory between
-// passes; 32 rows x 1024 of w and 1024 of packed x per x tile stay in L2).
+// passes). 32 rows x 256 of w (16 KB) stay in L1 while every group of x runs over them;
+// measured on Sapphire Rapids, 2 threads: level with 1024 at m = 512, up to 1.15x at m = 64.
 constexpr int64_t kBlockRows = 32;
-constexpr int64_t kKPass = 1024;
+constexpr int64_t kKPass = 256;
+// Elements of k ahead at which the first group's pass prefetches the 32 rows of w: tile
+// loads from 32 strided rows outrun the hardware prefetcher (measured: 1.1-1.4x at m = 64).
+constexpr int64_t kPrefetchAhead = 64;
 
 struct alignas(64) TileConfig {
   uint8_t palette_id;
@@ -160,11 +164,13 @@ void PackRow(const float* x, int64_t m, int64_t k, int64_t kpad, int64_t r, uint
 
 // One group of 16 (or, with kPair, 32) rows of x against one 32-row block of w, over k steps
 // [k_begin, k_end). The w block is a_base with row stride a_ld elements, except that the
-// last step reads a_tail (32 x 32, stride 32) when it is set.
+// last step reads a_tail (32 x 32, stride 32) when it is set. With `prefetch` the pass
+// fetches the w rows ahead of the tile loads (the first group's pass, which reads w from
+// memory; the others find it in L1).
 template <class Tiles, bool kPair>
 void MultiplyGroup(const uint16_t* a_base, int64_t a_ld, const uint16_t* a_tail,
                    int64_t k_tail_begin, const uint16_t* b_base, int64_t b_group_elems,
-                   int64_t k_begin, int64_t k_end, float* c) {
+                   int64_t k_begin, int64_t k_end, float* c, bool prefetch) {
   if (k_begin == 0) {
     Tiles::template Zero<0>();
     Tiles::template Zero<1>();
@@ -181,6 +187,13 @@ void MultiplyGroup(const uint16_t* a_base, int64_t a_ld, const uint16_t* a_tail,
     }
   }
   for (int64_t kk = k_begin; kk < k_end; kk += 32) {
+    if (prefetch && kk + kPrefetchAhead < k_tail_begin) {
+#pragma GCC unroll 32
+      for (int64_t r = 0; r < kBlockRows; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(a_base + r * a_ld + kk + kPrefetchAhead),
+                     _MM_HINT_T0);
+      }
+    }
     if (a_tail != nullptr && kk >= k_tail_begin) {
       Tiles::template Load<4>(a_tail, 64);
       Tiles::template Load<5>(a_tail + 16 * 32, 64);
@@ -266,10 +279,10 @@ void AmxLinear(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t 
           float* c = cbuf + g * 2 * 256;
           if (g + 1 < groups) {
             MultiplyGroup<Tiles, true>(a_base, a_ld, a_tail, kpad - 32, b, group_elems,
-                                       k_begin, k_end, c);
+                                       k_begin, k_end, c, g == 0);
           } else {
             MultiplyGroup<Tiles, false>(a_base, a_ld, a_tail, kpad - 32, b, group_elems,
-                                        k_begin, k_end, c);
+                                        k_begin, k_end, c, g == 0);
           }
         }
       }

@@ -1,5 +1,8 @@
 #include "common/kernels/cpu/ops.h"
 
+#include <immintrin.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -45,20 +48,68 @@ void ApplyRope(const int32_t* positions, int64_t num_tokens, const float* inv_fr
   }
 }
 
+namespace {
+
+// FastExp (ops.h) on 8 lanes, same steps.
+inline __m256 FastExp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f),
+                                                   _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i pow2 = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
+}
+
+// silu(g) * u on 8 lanes. The division is a reciprocal estimate refined by one Newton step
+// (relative error ~1e-7): vdivps cost 10x the rest of the loop on Sapphire Rapids (1.8 ms
+// against 0.17 ms for a 64 x 4864 MLP activation).
+inline __m256 SiluMul8(__m256 g, __m256 u) {
+  const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.f), FastExp8(_mm256_sub_ps(_mm256_setzero_ps(), g)));
+  __m256 r = _mm256_rcp_ps(d);
+  r = _mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(2.f)));
+  return _mm256_mul_ps(_mm256_mul_ps(g, r), u);
+}
+
+void SiluMulRange(const float* g, const float* u, int64_t n, float* o) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(o + i, SiluMul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+  }
+  if (i < n) {
+    alignas(32) float gt[8] = {}, ut[8] = {}, ot[8];
+    std::memcpy(gt, g + i, (n - i) * sizeof(float));
+    std::memcpy(ut, u + i, (n - i) * sizeof(float));
+    _mm256_store_ps(ot, SiluMul8(_mm256_load_ps(gt), _mm256_load_ps(ut)));
+    std::memcpy(o + i, ot, (n - i) * sizeof(float));
+  }
+}
+
+}  // namespace
+
 void SiluMul(const float* gate_up, int64_t num_tokens, int64_t inter, float* out) {
 #pragma omp parallel for schedule(static) if (num_tokens > 1)
   for (int64_t t = 0; t < num_tokens; ++t) {
-    const float* g = gate_up + t * 2 * inter;
-    const float* u = g + inter;
-    float* o = out + t * inter;
-#pragma omp simd
-    for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + FastExp(-g[i])) * u[i];
+    SiluMulRange(gate_up + t * 2 * inter, gate_up + t * 2 * inter + inter, inter, out + t * inter);
   }
 }
 
 void SiluMulSeparate(const float* gate, const float* up, int64_t n, float* out) {
-#pragma omp parallel for simd schedule(static) if (n > 65536)
-  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.f + FastExp(-gate[i])) * up[i];
+  constexpr int64_t kChunk = 4096;  // multiple of 8: whole vectors per chunk
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t begin = c * kChunk;
+    SiluMulRange(gate + begin, up + begin, std::min(kChunk, n - begin), out + begin);
+  }
 }
 
 void AddInPlace(float* y, const float* x, int64_t n) {
