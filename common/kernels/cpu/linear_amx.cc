@@ -21,6 +21,8 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
 
+#include "common/kernels/cpu/transpose_avx512.h"
+
 namespace preft::kernels::cpu {
 namespace {
 
@@ -139,27 +141,31 @@ struct EmulatedTiles {
   }
 };
 
-// Packs row r of x (zeros past m and k) into the B tiles of its 16-row group: tile t = r / 16
-// holds, at row q of k step s, the pair (x[r][32s + 2q], x[r][32s + 2q + 1]) in column r % 16.
-// xp is [m_tiles][kpad / 2][16] pairs, so one k step of one group is a contiguous 1 KiB tile.
-void PackRow(const float* x, int64_t m, int64_t k, int64_t kpad, int64_t r, uint32_t* xp) {
-  const __m512i index = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(16));
-  uint32_t* base = xp + (r / 16) * (kpad / 2) * 16 + (r % 16);
-  const float* src = x + r * k;
-  for (int64_t c = 0; c < kpad; c += 32) {
-    __m512i pairs = _mm512_setzero_si512();
+// Packs one 32-wide k step of one 16-row group of x (zeros past m and k) into its B tile:
+// row q of the tile holds, in column j, the pair (x[16 g + j][c + 2q], x[16 g + j][c + 2q + 1]).
+// xp is [m_tiles][kpad / 2][16] pairs, so one k step of one group is a contiguous 1 KiB tile;
+// the pairs of 16 rows are transposed in registers.
+void PackStep(const float* x, int64_t m, int64_t k, int64_t kpad, int64_t g, int64_t c,
+              uint32_t* xp) {
+  const int64_t left = k - c;
+  const __mmask16 lo = left >= 16 ? 0xffff : (1u << left) - 1;
+  const __mmask16 hi = left >= 32 ? 0xffff : left > 16 ? (1u << (left - 16)) - 1 : 0;
+  __m512i in[16], out[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) {
+    const int64_t r = 16 * g + j;
     if (r < m) {
-      const int64_t left = k - c;
-      const __mmask16 lo = left >= 16 ? 0xffff : (1u << left) - 1;
-      const __mmask16 hi = left >= 32 ? 0xffff : left > 16 ? (1u << (left - 16)) - 1 : 0;
-      const __m512 vlo = _mm512_maskz_loadu_ps(lo, src + c);
-      const __m512 vhi = _mm512_maskz_loadu_ps(hi, src + c + 16);
-      pairs = (__m512i)_mm512_cvtne2ps_pbh(vhi, vlo);
+      const __m512 vlo = _mm512_maskz_loadu_ps(lo, x + r * k + c);
+      const __m512 vhi = _mm512_maskz_loadu_ps(hi, x + r * k + c + 16);
+      in[j] = (__m512i)_mm512_cvtne2ps_pbh(vhi, vlo);
+    } else {
+      in[j] = _mm512_setzero_si512();
     }
-    _mm512_i32scatter_epi32(base + (c / 2) * 16, index, pairs, 4);
   }
+  Transpose16x16(in, out);
+  uint32_t* dst = xp + g * (kpad / 2) * 16 + (c / 2) * 16;
+#pragma GCC unroll 16
+  for (int q = 0; q < 16; ++q) _mm512_storeu_si512(dst + q * 16, out[q]);
 }
 
 // One group of 16 (or, with kPair, 32) rows of x against one 32-row block of w, over k steps
@@ -234,8 +240,8 @@ void AmxLinear(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t 
 #pragma omp parallel if (WorthThreads(m, n, k))
   {
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < groups * 16; ++r) {
-      PackRow(x, m, k, kpad, r, reinterpret_cast<uint32_t*>(xp));
+    for (int64_t s = 0; s < groups * (kpad / 32); ++s) {
+      PackStep(x, m, k, kpad, s % groups, s / groups * 32, reinterpret_cast<uint32_t*>(xp));
     }
     // The implicit barrier above publishes xp.
     Tiles::Configure();
