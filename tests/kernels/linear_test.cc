@@ -130,6 +130,9 @@ TEST(LinearAmxEmulatedTest, MatchesReference) {
   std::vector<Shape> shapes = TestShapes(1'000'000);
   shapes.push_back({17, 33, 4864});  // several k passes plus a k tail
   shapes.push_back({33, 100, 2080});
+  // Packed x past L2: work items take spans of w blocks (the last span short, its last
+  // block partial, every block with a k tail).
+  shapes.push_back({130, 520, 4100});
   int index = 0;
   for (const Shape& s : shapes) {
     const Weight w = MakeWeight(DType::kBF16, s.n, s.k, rng);
@@ -144,6 +147,24 @@ TEST(LinearAmxEmulatedTest, MatchesReference) {
     y.pop_back();
     ExpectMatchesReference(x, w, with_bias ? bias.data() : nullptr, s, y, true, 1e-4,
                            "amx-emulated");
+    if (HasFailure()) return;
+  }
+}
+
+// The same spans of w blocks on real tiles (Linear reaches them only for long prompts).
+TEST(LinearAmxTest, SpansOfBlocksMatchReference) {
+  if (!GetCpuFeatures().amx_bf16) GTEST_SKIP() << "needs AMX-BF16";
+  std::mt19937 rng(5);
+  for (const Shape& s : {Shape{130, 520, 4100}, Shape{200, 600, 4864}}) {
+    const Weight w = MakeWeight(DType::kBF16, s.n, s.k, rng);
+    const std::vector<float> x = RandomVector(s.m * s.k, rng);
+    const std::vector<float> bias = RandomVector(s.n, rng);
+    std::vector<float> y(s.m * s.n + 1, NAN);
+    y.back() = 12345.f;
+    LinearBf16Amx(x.data(), s.m, w.half.data(), s.n, s.k, bias.data(), y.data());
+    EXPECT_EQ(y.back(), 12345.f) << "wrote past y, m=" << s.m << " n=" << s.n;
+    y.pop_back();
+    ExpectMatchesReference(x, w, bias.data(), s, y, true, 1e-4, "amx-spans");
     if (HasFailure()) return;
   }
 }

@@ -38,6 +38,10 @@ constexpr int64_t kKPass = 256;
 // Elements of k ahead at which the first group's pass prefetches the 32 rows of w: tile
 // loads from 32 strided rows outrun the hardware prefetcher (measured: 1.1-1.4x at m = 64).
 constexpr int64_t kPrefetchAhead = 64;
+// Packed x above this many bytes no longer stays in L2 beside w; then work items take spans
+// of up to kMaxSpan w blocks (see AmxLinear).
+constexpr int64_t kMaxL2XBytes = 1 << 20;
+constexpr int64_t kMaxSpan = 8;
 
 struct alignas(64) TileConfig {
   uint8_t palette_id;
@@ -225,6 +229,46 @@ void MultiplyGroup(const uint16_t* a_base, int64_t a_ld, const uint16_t* a_tail,
   }
 }
 
+// Where the tile loads of one 32-row block of w read: the matrix in place, except a
+// zero-padded copy of the last partial block and of the last k step when k is not a
+// multiple of 32 (so tile loads stay inside the mapping). `slot` picks the per-thread tail.
+struct BlockOperand {
+  const uint16_t* base;
+  int64_t ld;
+  const uint16_t* tail;
+};
+
+BlockOperand PrepareBlock(const uint16_t* w, int64_t n, int64_t k, int64_t kpad, int64_t blk,
+                          int64_t slot) {
+  const int64_t n0 = blk * kBlockRows;
+  const int64_t rows = std::min(kBlockRows, n - n0);
+  BlockOperand op{w + n0 * k, k, nullptr};
+  if (rows < kBlockRows) {
+    auto* panel = static_cast<uint16_t*>(ThreadScratch(2, kBlockRows * kpad * 2));
+    for (int64_t r = 0; r < kBlockRows; ++r) {
+      uint16_t* dst = panel + r * kpad;
+      if (r < rows) {
+        std::memcpy(dst, op.base + r * k, k * 2);
+        std::memset(dst + k, 0, (kpad - k) * 2);
+      } else {
+        std::memset(dst, 0, kpad * 2);
+      }
+    }
+    return {panel, kpad, nullptr};
+  }
+  if (k != kpad) {
+    auto* tail = static_cast<uint16_t*>(ThreadScratch(3, kMaxSpan * kBlockRows * 32 * 2)) +
+                 slot * kBlockRows * 32;
+    const int64_t k0 = kpad - 32;
+    for (int64_t r = 0; r < kBlockRows; ++r) {
+      std::memcpy(tail + r * 32, op.base + r * k + k0, (k - k0) * 2);
+      std::memset(tail + r * 32 + (k - k0), 0, (kpad - k) * 2);
+    }
+    op.tail = tail;
+  }
+  return op;
+}
+
 template <class Tiles>
 void AmxLinear(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
                const float* bias, float* y) {
@@ -236,6 +280,13 @@ void AmxLinear(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t 
   const __m512i column = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
       _mm512_set1_epi32(16));
+  // When packed x outgrows L2 (long prompts against down_proj), each work item takes a span
+  // of w blocks and runs the k passes outermost, so one pass of x serves the whole span.
+  int64_t span = 1;
+  if (groups * group_elems * 2 > kMaxL2XBytes) {
+    span = std::clamp<int64_t>(blocks / (4 * omp_get_max_threads()), 1, kMaxSpan);
+  }
+  const int64_t items = CeilDiv(blocks, span);
 
 #pragma omp parallel if (WorthThreads(m, n, k))
   {
@@ -245,66 +296,49 @@ void AmxLinear(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t 
     }
     // The implicit barrier above publishes xp.
     Tiles::Configure();
-    // C tiles of one w block: [group][half of the block][16 x 16], in f32.
-    auto* cbuf = static_cast<float*>(ThreadScratch(0, groups * 2 * kTileBytes));
+    // C tiles of the item's w blocks: [block][group][half of the block][16 x 16], in f32.
+    auto* cbuf = static_cast<float*>(ThreadScratch(0, span * groups * 2 * kTileBytes));
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      const int64_t n0 = blk * kBlockRows;
-      const int64_t rows = std::min(kBlockRows, n - n0);
-      const uint16_t* a_base = w + n0 * k;
-      int64_t a_ld = k;
-      const uint16_t* a_tail = nullptr;
-      if (rows < kBlockRows) {
-        // Last block: a zero-padded copy, so tile loads stay inside the mapping.
-        auto* panel = static_cast<uint16_t*>(ThreadScratch(2, kBlockRows * kpad * 2));
-        for (int64_t r = 0; r < kBlockRows; ++r) {
-          uint16_t* dst = panel + r * kpad;
-          if (r < rows) {
-            std::memcpy(dst, a_base + r * k, k * 2);
-            std::memset(dst + k, 0, (kpad - k) * 2);
-          } else {
-            std::memset(dst, 0, kpad * 2);
-          }
-        }
-        a_base = panel;
-        a_ld = kpad;
-      } else if (k != kpad) {
-        // The last k step would read past each row (and past the matrix): pad it.
-        auto* tail = static_cast<uint16_t*>(ThreadScratch(3, kBlockRows * 32 * 2));
-        const int64_t k0 = kpad - 32;
-        for (int64_t r = 0; r < kBlockRows; ++r) {
-          std::memcpy(tail + r * 32, a_base + r * k + k0, (k - k0) * 2);
-          std::memset(tail + r * 32 + (k - k0), 0, (kpad - k) * 2);
-        }
-        a_tail = tail;
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t first = item * span, count = std::min(span, blocks - first);
+      BlockOperand ops[kMaxSpan];
+      for (int64_t s = 0; s < count; ++s) {
+        ops[s] = PrepareBlock(w, n, k, kpad, first + s, s);
       }
       for (int64_t k_begin = 0; k_begin < kpad; k_begin += kKPass) {
         const int64_t k_end = std::min(kpad, k_begin + kKPass);
-        for (int64_t g = 0; g < groups; g += 2) {
-          const uint16_t* b = xp + g * group_elems;
-          float* c = cbuf + g * 2 * 256;
-          if (g + 1 < groups) {
-            MultiplyGroup<Tiles, true>(a_base, a_ld, a_tail, kpad - 32, b, group_elems,
-                                       k_begin, k_end, c, g == 0);
-          } else {
-            MultiplyGroup<Tiles, false>(a_base, a_ld, a_tail, kpad - 32, b, group_elems,
-                                        k_begin, k_end, c, g == 0);
+        for (int64_t s = 0; s < count; ++s) {
+          const BlockOperand& op = ops[s];
+          for (int64_t g = 0; g < groups; g += 2) {
+            const uint16_t* b = xp + g * group_elems;
+            float* c = cbuf + (s * groups + g) * 2 * 256;
+            if (g + 1 < groups) {
+              MultiplyGroup<Tiles, true>(op.base, op.ld, op.tail, kpad - 32, b, group_elems,
+                                         k_begin, k_end, c, g == 0);
+            } else {
+              MultiplyGroup<Tiles, false>(op.base, op.ld, op.tail, kpad - 32, b, group_elems,
+                                          k_begin, k_end, c, g == 0);
+            }
           }
         }
       }
-      // cbuf holds yᵀ for this block: C[half][i][j] = y[16 g + j][n0 + 16 half + i]; a
+      // cbuf holds yᵀ for each block: C[half][i][j] = y[16 g + j][n0 + 16 half + i]; a
       // gather down column j of each C tile yields 16 consecutive outputs of row 16 g + j.
-      for (int64_t row = 0; row < m; ++row) {
-        const float* c = cbuf + (row / 16) * 2 * 256 + (row % 16);
-        float* dst = y + row * n + n0;
-        for (int64_t half = 0; half * 16 < rows; ++half) {
-          const int64_t count = std::min<int64_t>(16, rows - half * 16);
-          const __mmask16 mask = count == 16 ? 0xffff : (1u << count) - 1;
-          __m512 v = _mm512_i32gather_ps(column, c + half * 256, 4);
-          if (bias != nullptr) {
-            v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + n0 + half * 16));
+      for (int64_t s = 0; s < count; ++s) {
+        const int64_t n0 = (first + s) * kBlockRows;
+        const int64_t rows = std::min(kBlockRows, n - n0);
+        for (int64_t row = 0; row < m; ++row) {
+          const float* c = cbuf + (s * groups + row / 16) * 2 * 256 + (row % 16);
+          float* dst = y + row * n + n0;
+          for (int64_t half = 0; half * 16 < rows; ++half) {
+            const int64_t cnt = std::min<int64_t>(16, rows - half * 16);
+            const __mmask16 mask = cnt == 16 ? 0xffff : (1u << cnt) - 1;
+            __m512 v = _mm512_i32gather_ps(column, c + half * 256, 4);
+            if (bias != nullptr) {
+              v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + n0 + half * 16));
+            }
+            _mm512_mask_storeu_ps(dst + half * 16, mask, v);
           }
-          _mm512_mask_storeu_ps(dst + half * 16, mask, v);
         }
       }
     }
