@@ -2,7 +2,10 @@
 // 127.0.0.1 with UCX between the tiers: outputs equal one engine's under concurrent mixed
 // load, and kill -9 of a worker loses no request it did not own.
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -365,6 +368,74 @@ TEST_F(MultiProcessPrefillFaultTest, KillingAPrefillWorkerRetriesItsPrompts) {
   }
   ExpectDecodeClean(0);
   ExpectDecodeClean(1);
+}
+
+// A free loopback port, for a worker that starts after the router that dials it.
+int FreeLoopbackPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    close(fd);
+    return -1;
+  }
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// An all-position request that reaches a router before any of its decode workers answered
+// a poll (a fresh cluster whose decode tier is still loading) waits for capacity; it used to
+// fail FAILED_PRECONDITION "no decode worker runs adapters" at once.
+TEST_F(MultiProcessClusterTest, AllPositionRequestWaitsForALateDecodeWorker) {
+  const int port = FreeLoopbackPort();
+  ASSERT_GT(port, 0);
+  const std::string late = "127.0.0.1:" + std::to_string(port);
+  std::string prefill_list;
+  for (const auto& a : prefill_addresses_) prefill_list += (prefill_list.empty() ? "" : ",") + a;
+  auto r = ChildProcess::Spawn(
+      {Bin("services/router/preft-router"), "--model", testing::TinyLlamaFixture(), "--prefill",
+       prefill_list, "--decode", late, "--adapter-root", (*dir_ / "adapters").string(),
+       "--poll-ms", "50", "--admission-timeout-s", "60"},
+      (*dir_ / "late_router.log").string());
+  ASSERT_TRUE(r.ok()) << r.status();
+  auto router_address = (*r)->WaitForAddress(absl::Seconds(30));
+  ASSERT_TRUE(router_address.ok()) << router_address.status();
+  auto stub = testing::PreftStub(*router_address);
+  {
+    grpc::ClientContext ctx;
+    v1::RegisterAdapterRequest req;
+    req.set_name("a0");  // LoRA, all positions by default
+    req.set_path("a0");
+    v1::RegisterAdapterResponse resp;
+    ASSERT_TRUE(stub->RegisterAdapter(&ctx, req, &resp).ok());
+  }
+  v1::GenerateRequest request = Workload(0, 6);
+  request.set_model("a0");
+  ASSERT_EQ((*adapters_)[0]->default_positions, model::AdapterPositions::kAll);
+  const auto want = Expected({request});
+
+  std::atomic<bool> done{false};
+  testing::GenerateOutcome got;
+  std::thread client([&] {
+    got = testing::Generate(stub.get(), request, 90);
+    done = true;
+  });
+  absl::SleepFor(absl::Seconds(1));  // ~20 polls of an address nobody listens on
+  EXPECT_FALSE(done.load()) << got.status.error_code() << ": " << got.status.error_message();
+  std::vector<std::string> argv = {Bin("services/decode/preft-decode"), "--model",
+                                   testing::TinyLlamaFixture(), "--listen", late, "--kv-bytes",
+                                   "16777216", "--threads", "1", "--adapters", "all-positions",
+                                   "--adapter-root", (*dir_ / "adapters").string(), "--transport",
+                                   "ucx", "--ucx-tls", "posix,self"};
+  auto d = ChildProcess::Spawn(argv, (*dir_ / "late_decode.log").string());
+  ASSERT_TRUE(d.ok()) << d.status();
+  client.join();
+  ASSERT_TRUE(got.status.ok()) << got.status.error_code() << ": " << got.status.error_message()
+                               << "\nrouter log:\n" << (*r)->Log();
+  EXPECT_EQ(got.token_ids, want[0]);
 }
 
 }  // namespace
