@@ -102,22 +102,25 @@ TEST_P(LowRankTest, MatchesReferenceForMixedGroups) {
 TEST_P(LowRankTest, InPlaceUpdateReadsEachRowBeforeWritingIt) {
   const DType dtype = GetParam();
   std::mt19937 rng(11);
-  const int64_t d = 72, rank = 4, num_rows = 19;
-  std::vector<float> x(num_rows * d);
-  std::normal_distribution<float> dist(0.f, 1.f);
-  for (float& v : x) v = dist(rng);
-  Case c{
-      rank, {}, MakeMat(dtype, rank, d, rng), MakeMat(dtype, rank, d, rng), {1.f, -2.f, 0.5f, 0.f},
-      1.0f};
-  for (int32_t r = 0; r < num_rows; r += 2) c.rows.push_back(r);
-  std::vector<double> expect(x.begin(), x.end());
-  Reference(x, d, &expect, d, c);
-  LowRankGroup g{c.rows.data(),   static_cast<int64_t>(c.rows.size()),
-                 c.shrink.View(), c.expand.View(),
-                 c.bias.data(),   c.scale};
-  LowRankAdd(x.data(), d, x.data(), d, &g, 1);
-  for (int64_t i = 0; i < num_rows * d; ++i)
-    ASSERT_NEAR(x[i], expect[i], 1e-3 * (1 + std::abs(expect[i]))) << "element " << i;
+  // 10 rows (two work items) and 38 rows (five).
+  for (const int64_t num_rows : {19, 75}) {
+    const int64_t d = 72, rank = 4;
+    std::vector<float> x(num_rows * d);
+    std::normal_distribution<float> dist(0.f, 1.f);
+    for (float& v : x) v = dist(rng);
+    Case c{
+        rank, {}, MakeMat(dtype, rank, d, rng), MakeMat(dtype, rank, d, rng), {1.f, -2.f, 0.5f, 0.f},
+        1.0f};
+    for (int32_t r = 0; r < num_rows; r += 2) c.rows.push_back(r);
+    std::vector<double> expect(x.begin(), x.end());
+    Reference(x, d, &expect, d, c);
+    LowRankGroup g{c.rows.data(),   static_cast<int64_t>(c.rows.size()),
+                   c.shrink.View(), c.expand.View(),
+                   c.bias.data(),   c.scale};
+    LowRankAdd(x.data(), d, x.data(), d, &g, 1);
+    for (int64_t i = 0; i < num_rows * d; ++i)
+      ASSERT_NEAR(x[i], expect[i], 1e-3 * (1 + std::abs(expect[i]))) << "element " << i;
+  }
 }
 
 TEST(LowRankTest, EmptyGroupsAndNoGroupsLeaveOutputAlone) {
