@@ -18,6 +18,8 @@ Writes OUT/results.json (every cell, the ratios), OUT/results.csv, OUT/ratios.cs
 gnuplot, OUT/throughput_vs_adapters.svg and OUT/latency_vs_load.svg (OUT/plots.gp redraws
 them); prints the ratio table. Progress and each process's log go to OUT/logs/; each cell's
 result is kept in OUT/cells/, and a rerun into the same OUT measures only the missing cells.
+On a shared host, --repeat K runs every cell K times (rounds after the first in a shuffled
+order) and reports each cell's median round, with every round's throughput beside it.
 
   bench/serve/matrix.py --build build --model models/qwen2.5-0.5b --preset qwen2.5-0.5b \\
       --adapters 64,512 --concurrency 64 --requests 128 --out bench/results/qwen
@@ -26,6 +28,7 @@ import argparse
 import csv
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -216,10 +219,11 @@ def register(router, names, adapter_dir):
             c.register_adapter(name, os.path.abspath(os.path.join(adapter_dir, name)))
 
 
-def run_cell(args, deployment, mode, n, concurrency, requests):
-    """One cell's result, kept in OUT/cells/CELL.json: a rerun with the same OUT measures only
-    the cells it lacks (a failed or interrupted run loses nothing already measured)."""
-    cell = f"{deployment}-{mode}-n{n}-c{concurrency}"
+def run_cell(args, deployment, mode, n, concurrency, requests, round_index=0):
+    """One cell's result, kept in OUT/cells/CELL.json (CELL-rK.json for round K > 0): a rerun
+    with the same OUT measures only the cells it lacks (a failed or interrupted run loses
+    nothing already measured)."""
+    cell = f"{deployment}-{mode}-n{n}-c{concurrency}" + (f"-r{round_index}" if round_index else "")
     path = os.path.join(args.out, "cells", f"{cell}.json")
     if os.path.exists(path):
         log(f"cell {cell}: kept from an earlier run ({path})")
@@ -294,6 +298,15 @@ def ratios(cells):
     return out
 
 
+def median_round(results):
+    """The round with the median throughput (the lower middle of an even count), whole, so its
+    latencies belong to the same run; every round's throughput rides along."""
+    chosen = dict(sorted(results, key=lambda c: c["output_tokens_per_s"])[(len(results) - 1) // 2])
+    chosen["rounds"] = len(results)
+    chosen["output_tokens_per_s_rounds"] = [c["output_tokens_per_s"] for c in results]
+    return chosen
+
+
 def write_csv(path, rows, fields):
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
@@ -313,7 +326,8 @@ def flatten(c):
 CSV_FIELDS = ["deployment", "mode", "num_adapters", "concurrency", "requests", "failed",
               "generated_tokens", "seconds", "output_tokens_per_s", "requests_per_s",
               "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms",
-              "itl_p99_ms", "e2e_p50_ms", "kv_usage_mean", "kv_usage_max", "adapter_hit_rate"]
+              "itl_p99_ms", "e2e_p50_ms", "kv_usage_mean", "kv_usage_max", "adapter_hit_rate",
+              "rounds"]
 
 
 def plot(out, cells, top_c, load_n):
@@ -398,6 +412,9 @@ def main():
                    "(default: --requests)")
     p.add_argument("--rate", type=float, default=0, help="Poisson arrivals/s (0: closed loop)")
     p.add_argument("--requests", type=int, default=128)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of every cell, each after the first in a new order; a cell "
+                        "reports its median round (shared hosts drift +-15%% over minutes)")
     p.add_argument("--prompt-tokens", default="128")
     p.add_argument("--max-tokens", default="128")
     p.add_argument("--lengths", help="JSONL of prompt_tokens/max_tokens (see preft bench)")
@@ -425,19 +442,29 @@ def main():
     for d in deployments:
         if d not in ("disaggregated", "colocated"):
             sys.exit(f"matrix: unknown deployment '{d}' (use disaggregated, colocated)")
+    if args.repeat < 1:
+        sys.exit(f"matrix: --repeat must be at least 1, not {args.repeat}")
     os.makedirs(args.out, exist_ok=True)
     make_model(args)
-    cells = []
     plan = [(conc, ints(args.adapters), args.requests) for conc in ints(args.concurrency)]
     plan += [(conc, ints(args.adapters)[:1], args.latency_requests or args.requests)
              for conc in ints(args.latency_loads)]
+    specs = []  # (deployment, mode, N, concurrency, requests)
     for dep in deployments:
         for conc, ns, requests in plan:
             if "base" in modes:  # independent of N: measured once per deployment and load
-                cells.append(run_cell(args, dep, "base", 0, conc, requests))
+                specs.append((dep, "base", 0, conc, requests))
             for n in ns:
-                for mode in (m for m in MODES if m in modes and m != "base"):
-                    cells.append(run_cell(args, dep, mode, n, conc, requests))
+                specs.extend((dep, mode, n, conc, requests)
+                             for mode in MODES if mode in modes and mode != "base")
+    runs = {spec: [] for spec in specs}
+    for r in range(args.repeat):
+        order = list(specs)
+        if r > 0:  # later rounds in a new order, so a slow spell of the host hits other cells
+            random.Random(args.seed + r).shuffle(order)
+        for spec in order:
+            runs[spec].append(run_cell(args, *spec, round_index=r))
+    cells = [median_round(runs[spec]) for spec in specs]
     rows = ratios(cells)
     config = dict(vars(args))
     with open(os.path.join(args.out, "results.json"), "w") as f:

@@ -77,6 +77,31 @@ def main():
                                     f"{work}/bad", "--modes", "base,qlora"],
                          capture_output=True, text=True)
     check(bad.returncode != 0 and "unknown mode 'qlora'" in bad.stderr, "bad mode refused")
+    bad = subprocess.run(cmd[:2] + ["--build", build, "--model", f"{work}/model", "--out",
+                                    f"{work}/bad", "--repeat", "0"], capture_output=True, text=True)
+    check(bad.returncode != 0 and "--repeat must be at least 1" in bad.stderr, "--repeat 0 refused")
+    # Rounds: round 0 comes from the first run's kept cells, round 1 is measured; each cell
+    # reports the lower-middle round's record whole, with both throughputs beside it.
+    rep = subprocess.run(cmd[:2] + ["--build", build, "--model", f"{work}/model", "--out",
+                                    f"{work}/out", "--deployments", "colocated", "--modes",
+                                    "base,lorap", "--adapters", "3", "--concurrency", "2",
+                                    "--requests", "10", "--prompt-tokens", "8:24",
+                                    "--max-tokens", "5", "--kv-mib", "32", "--threads", "1",
+                                    "--repeat", "2"], capture_output=True, text=True)
+    if rep.returncode != 0:
+        print(rep.stderr[-4000:])
+    check(rep.returncode == 0, "--repeat 2 runs")
+    if rep.returncode == 0:
+        got = json.load(open(f"{work}/out/results.json"))["cells"]
+        check(len(got) == 2, "--repeat 2: one result per cell")
+        for c in got:
+            name = f'colocated-{c["mode"]}-n{c["num_adapters"]}-c2'
+            check(os.path.exists(f"{work}/out/cells/{name}-r1.json"), f"{name}: round 1 kept")
+            rounds = c["output_tokens_per_s_rounds"]
+            check(c["rounds"] == 2 and len(rounds) == 2 and
+                  c["output_tokens_per_s"] == min(rounds), f"{name}: median of 2 rounds")
+            check(rounds[0] == tps[("colocated", c["mode"], 2)], f"{name}: round 0 reused")
+            check(c["failed"] == 0 and c["generated_tokens"] == 50, f"{name}: every token")
     for f in failures:
         print("FAIL:", f)
     print(f"bench matrix: {len(failures)} failures")
