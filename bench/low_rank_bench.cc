@@ -10,6 +10,7 @@
 
 #include "bench/bench_util.h"
 #include "common/kernels/cpu/low_rank.h"
+#include "common/kernels/cpu/threads.h"
 #include "common/kernels/dtype.h"
 
 namespace {
@@ -25,6 +26,7 @@ struct Proj {
 }  // namespace
 
 int main(int argc, char** argv) {
+  preft::kernels::cpu::InitThreads();  // as the engine: BLAS single-threaded inside OpenMP
   const int adapters = argc > 1 ? std::atoi(argv[1]) : 64;
   const int rows_per_adapter = argc > 2 ? std::atoi(argv[2]) : 1;
   const int64_t rank = 16, layers = 24;
