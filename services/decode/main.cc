@@ -135,7 +135,8 @@ int main(int argc, char** argv) {
           ->check(CLI::IsMember({"none", "all-positions"}));
   app.add_flag("--colocated", f.colocated,
                "run whole requests (Run from a router started with --colocated): the prompt with "
-               "its adapter, then decode, in this worker's one engine; Reserve is refused")
+               "its adapter, then decode, in this worker's one engine; Reserve is refused and the "
+               "KV stays in process (--transport inproc)")
       ->excludes(adapters_option);
   // With --adapters all-positions or --colocated.
   preft::serving::AddAdapterStoreFlags(app, &f.adapters);
@@ -149,6 +150,18 @@ int main(int argc, char** argv) {
   if (f.all_position_adapters && f.adapters.root.empty()) {
     std::fprintf(stderr, "preft-decode: --adapters all-positions needs --adapter-root\n");
     return 2;
+  }
+  if (f.colocated) {
+    // A colocated worker moves no KV between processes: a UCX or gRPC transport would only
+    // sit idle (and a UCX one holds a worker and its endpoints), so it runs in-process.
+    if (app.count("--transport") > 0 && f.transport.kind != "inproc") {
+      std::fprintf(stderr,
+                   "preft-decode: --colocated moves no KV between processes: leave out "
+                   "--transport (or give inproc), not %s\n",
+                   f.transport.kind.c_str());
+      return 2;
+    }
+    f.transport.kind = "inproc";
   }
   if (f.colocated && f.adapters.root.empty()) {
     std::fprintf(stderr,

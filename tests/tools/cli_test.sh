@@ -75,6 +75,7 @@ expect 2 "excludes" -- serve --colocated --prefill-workers 2
 expect_of "$router" 2 "--colocated runs whole requests on the decode workers: give no --prefill workers \(got a:1\)" -- --model "$work/m" --colocated --prefill a:1 --decode b:2
 expect_of "$router" 2 "--prefill is required \(or --colocated" -- --model "$work/m" --decode b:2
 expect_of "$decode" 2 "--colocated needs --adapter-root" -- --model "$work/m" --colocated
+expect_of "$decode" 2 "--colocated moves no KV between processes: leave out --transport \(or give inproc\), not ucx" -- --model "$work/m" --colocated --adapter-root "$work" --transport ucx
 expect_of "$decode" 2 "excludes" -- --model "$work/m" --colocated --adapters all-positions --adapter-root "$work"
 # Same seed, same tokens.
 a=$("$preft" generate --model "$work/m" --prompt-ids 5,6,7 --temperature 1 --seed 9 --max-tokens 8 --json)
