@@ -12,18 +12,26 @@
 
 namespace preft::kernels::cpu {
 
+// FastExp's constants, shared with its vector form (ops.cc): the clamp that keeps 2^n a
+// normal float, log2(e), ln 2 split in a high and a low part, and the polynomial, highest
+// coefficient first.
+namespace fast_exp {
+inline constexpr float kMin = -87.33f, kMax = 88.f;
+inline constexpr float kLog2e = 1.44269504f;
+inline constexpr float kLn2Hi = 0.693359375f, kLn2Lo = 2.12194440e-4f;
+inline constexpr float kPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                   4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace fast_exp
+
 // exp(x) with ~1 ulp error (Cephes' expf polynomial), written in plain arithmetic so loops
 // over it vectorise (std::exp stays a scalar libm call without -ffast-math).
 inline float FastExp(float x) {
-  x = std::min(std::max(x, -87.33f), 88.f);  // keeps 2^n a normal float
-  const float n = std::floor(x * 1.44269504f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  using namespace fast_exp;
+  x = std::min(std::max(x, kMin), kMax);
+  const float n = std::floor(x * kLog2e + 0.5f);
+  const float r = x - n * kLn2Hi + n * kLn2Lo;
+  float p = kPoly[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kPoly[i];
   const float y = p * r * r + r + 1.f;
   return y * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
 }
