@@ -1,0 +1,33 @@
+#pragma once
+
+// Device-side helpers shared by the .cu files of this folder (CUDA code only).
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "common/kernels/dtype.h"
+
+namespace preft::kernels::cuda {
+
+__device__ inline float LoadAsF32(const void* base, DType dtype, int64_t i) {
+  switch (dtype) {
+    case DType::kF32: return static_cast<const float*>(base)[i];
+    case DType::kF16: return __half2float(static_cast<const __half*>(base)[i]);
+    case DType::kBF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+  }
+  return 0.f;
+}
+
+__device__ inline float WarpSum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ inline float WarpMax(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_down_sync(0xffffffffu, v, o));
+  return v;
+}
+
+}  // namespace preft::kernels::cuda

@@ -1,0 +1,34 @@
+#pragma once
+
+// Dense linear layers on the GPU through cuBLAS: y = x · Wᵀ (+ bias) with bf16 weights.
+
+#include <cstdint>
+
+namespace preft::kernels::cuda {
+
+// A cuBLAS handle bound to one stream, with a growing bf16 workspace for x.
+class Blas {
+ public:
+  // Returns 0 and a context in *out, or an error code (runtime.cuh).
+  static int Create(void* stream, Blas** out);
+  ~Blas();
+  Blas(const Blas&) = delete;
+  Blas& operator=(const Blas&) = delete;
+
+  // y[m, n] = x[m, k] · wᵀ (+ bias[n]): w bf16 [n, k] row-major, x and y f32, all on the
+  // device. x is rounded to bf16 first, as the CPU's bf16 kernels round it; the products
+  // accumulate in f32.
+  int Linear(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
+             const float* bias, float* y);
+
+  void* stream() const { return stream_; }
+
+ private:
+  Blas() = default;
+  void* handle_ = nullptr;  // cublasHandle_t
+  void* stream_ = nullptr;
+  uint16_t* xb_ = nullptr;
+  int64_t xb_elems_ = 0;
+};
+
+}  // namespace preft::kernels::cuda

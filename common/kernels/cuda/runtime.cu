@@ -1,0 +1,49 @@
+#include "common/kernels/cuda/runtime.cuh"
+
+#include <cuda_runtime.h>
+
+namespace preft::kernels::cuda {
+namespace {
+
+cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
+
+}  // namespace
+
+int DeviceCount() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
+  return n;
+}
+
+const char* ErrorString(int code) {
+  if (code >= kBlasErrorBase) return "cuBLAS call failed (status = code - kBlasErrorBase)";
+  return cudaGetErrorString(static_cast<cudaError_t>(code));
+}
+
+int Malloc(void** ptr, size_t bytes) { return cudaMalloc(ptr, bytes); }
+int Free(void* ptr) { return cudaFree(ptr); }
+int Memset(void* ptr, int value, size_t bytes, void* stream) {
+  return cudaMemsetAsync(ptr, value, bytes, S(stream));
+}
+int CopyToDevice(void* dst, const void* src, size_t bytes, void* stream) {
+  return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, S(stream));
+}
+int CopyToHost(void* dst, const void* src, size_t bytes, void* stream) {
+  return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, S(stream));
+}
+int CopyOnDevice(void* dst, const void* src, size_t bytes, void* stream) {
+  return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, S(stream));
+}
+int StreamCreate(void** stream) {
+  cudaStream_t s = nullptr;
+  const cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  *stream = s;
+  return e;
+}
+int StreamDestroy(void* stream) { return cudaStreamDestroy(S(stream)); }
+int StreamSynchronize(void* stream) { return cudaStreamSynchronize(S(stream)); }
+int MemoryInfo(size_t* free_bytes, size_t* total_bytes) {
+  return cudaMemGetInfo(free_bytes, total_bytes);
+}
+
+}  // namespace preft::kernels::cuda

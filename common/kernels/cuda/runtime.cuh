@@ -1,0 +1,34 @@
+#pragma once
+
+// Device memory, streams and errors for the CUDA kernels. Callers outside common/kernels/cuda
+// see no CUDA types: streams travel as void* (a cudaStream_t; nullptr is the default stream)
+// and every call returns 0 or the CUDA error code, which ErrorString names.
+
+#include <cstddef>
+#include <cstdint>
+
+namespace preft::kernels::cuda {
+
+// cuBLAS failures are returned as kBlasErrorBase + cublasStatus_t, apart from CUDA's codes.
+inline constexpr int kBlasErrorBase = 100000;
+
+// Number of CUDA devices visible (0 without a GPU or driver).
+int DeviceCount();
+// Names a code returned by any function here (CUDA's message, or the cuBLAS status).
+const char* ErrorString(int code);
+
+int Malloc(void** ptr, size_t bytes);
+int Free(void* ptr);
+// Fills bytes with `value` (tests poison outputs with 0xff: NaN in f32 and bf16).
+int Memset(void* ptr, int value, size_t bytes, void* stream);
+int CopyToDevice(void* dst, const void* src, size_t bytes, void* stream);
+int CopyToHost(void* dst, const void* src, size_t bytes, void* stream);
+int CopyOnDevice(void* dst, const void* src, size_t bytes, void* stream);
+int StreamCreate(void** stream);
+int StreamDestroy(void* stream);
+int StreamSynchronize(void* stream);
+
+// Free and total device memory of the current device, in bytes.
+int MemoryInfo(size_t* free_bytes, size_t* total_bytes);
+
+}  // namespace preft::kernels::cuda
