@@ -11,6 +11,9 @@
 #                                           that a bare CUDA image lacks, into DIR
 #   scripts/gpu-check.sh --run-bundle DIR   on a bare CUDA machine (only the CUDA toolkit and
 #                                           driver): run what --bundle made
+# A bundle under build-gpu/ (ignored by git) travels to a lent machine as a carried path:
+#   here:  scripts/gpu-check.sh --bundle build-gpu/bundle          (~40 MB: OpenBLAS, libgomp)
+#   there: scripts/gpu-check.sh --run-bundle build-gpu/bundle      (carry: build-gpu/bundle)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -55,7 +58,7 @@ case "${1:-}" in
     ;;
   --run-bundle)
     dir=${2:?usage: gpu-check.sh --run-bundle DIR}
-    cuda_libs=$(find / -xdev \( -name 'libcublas.so.13' -o -name 'libcudart.so.13' \) -printf '%h\n' 2>/dev/null | sort -u | paste -sd:)
+    cuda_libs=$(find /usr/local /usr/lib /opt \( -name 'libcublas.so.13' -o -name 'libcudart.so.13' \) -printf '%h\n' 2>/dev/null | sort -u | paste -sd:)
     export LD_LIBRARY_PATH="$dir/lib:${cuda_libs}:${LD_LIBRARY_PATH:-}"
     run_checks "$dir/cuda_ops_test" "$dir/cuda_bench"
     ;;
