@@ -5,7 +5,10 @@
 // bytes read per decode step / triad bandwidth, both measured in this run).
 //
 //   adapter_bench --model DIR --adapters DIR [--requests 64] [--prompt 128] [--new 128]
-//                 [--ns 1,8,64] [--lora-rank 16] [--direft-rank 4] [--quick]
+//                 [--ns 1,8,64] [--lora-rank 16] [--direft-rank 4] [--repeat 1] [--quick]
+// --repeat R runs the whole lockstep set R times (fresh engines each round) and reports each
+// figure's median round; the bandwidth is measured before and after every round and the
+// highest reading makes the byte bound (the tightest, so the overhead ratio errs high).
 // Adapters are written into --adapters (bf16, PEFT LoRA on all seven projections and DiReFT
 // on every layer) when absent.
 
@@ -147,8 +150,11 @@ int main(int argc, char** argv) {
   std::string model_dir, adapters_dir = "models/bench-adapters";
   int requests = 64, prompt_len = 128, new_tokens = 128, lora_rank = 16, direft_rank = 4;
   std::vector<int> ns = {1, 8, 64};
+  int repeat = 1;
   bool quick = false;
   app.add_option("--model", model_dir, "Model folder")->required();
+  app.add_option("--repeat", repeat, "Rounds of the whole run; figures are median rounds")
+      ->check(CLI::Range(1, 99));
   app.add_option("--adapters", adapters_dir, "Folder for the benchmark's adapters");
   app.add_option("--requests", requests, "Concurrent requests");
   app.add_option("--prompt", prompt_len, "Prompt tokens per request");
@@ -180,8 +186,7 @@ int main(int argc, char** argv) {
   const double lora_mb = lora[0]->bytes() / 1e6, direft_mb = direft[0]->bytes() / 1e6;
   std::printf("LoRA rank %d on 7 projections: %.2f MB per adapter; DiReFT rank %d: %.3f MB\n",
               lora_rank, lora_mb, direft_rank, direft_mb);
-  const double triad = preft::bench::TriadGBps();
-  std::printf("triad bandwidth %.1f GB/s\n\n", triad);
+  std::vector<double> triads = {preft::bench::TriadGBps()};
 
   using K = preft::model::AdapterKind;
   const Mode base{"base", K::kLora, false, AdapterPositions::kAll};
@@ -192,31 +197,54 @@ int main(int argc, char** argv) {
   // Every configuration has its own engine and they advance in lockstep, one step each in
   // turn, so slow spells of the shared host hit all of them alike; a configuration's
   // throughput is its generated tokens over the time its own steps took.
-  std::vector<std::unique_ptr<Run>> runs;
-  std::vector<std::pair<int, const Mode*>> keys;
-  runs.push_back(std::make_unique<Run>(model, std::vector<std::shared_ptr<const AdapterWeights>>{},
-                                       base, requests, prompt_len, new_tokens));
-  keys.emplace_back(0, &base);
-  for (int n : ns) {
-    for (const Mode& m : modes) {
-      const auto& pool = m.kind == K::kLora ? lora : direft;
-      std::vector<std::shared_ptr<const AdapterWeights>> set(pool.begin(), pool.begin() + n);
-      runs.push_back(std::make_unique<Run>(model, set, m, requests, prompt_len, new_tokens));
-      keys.emplace_back(n, &m);
+  std::vector<std::pair<int, const Mode*>> keys = {{0, &base}};
+  for (int n : ns)
+    for (const Mode& m : modes) keys.emplace_back(n, &m);
+  std::vector<std::vector<RunResult>> rounds(keys.size());  // [config][round]
+  for (int round = 0; round < repeat; ++round) {
+    std::vector<std::unique_ptr<Run>> runs;
+    for (const auto& [n, m] : keys) {
+      const auto& pool = m->kind == K::kLora ? lora : direft;
+      std::vector<std::shared_ptr<const AdapterWeights>> set;
+      if (m->adapter) set.assign(pool.begin(), pool.begin() + n);
+      runs.push_back(std::make_unique<Run>(model, set, *m, requests, prompt_len, new_tokens));
     }
-  }
-  for (bool work = true; work;) {
-    work = false;
-    for (auto& r : runs) {
-      if (!r->HasWork()) continue;
-      r->Step();
-      work = true;
+    for (bool work = true; work;) {
+      work = false;
+      for (auto& r : runs) {
+        if (!r->HasWork()) continue;
+        r->Step();
+        work = true;
+      }
     }
+    for (size_t i = 0; i < runs.size(); ++i) rounds[i].push_back(runs[i]->Result());
+    triads.push_back(preft::bench::TriadGBps());
   }
-  const RunResult b = runs[0]->Result();
+  auto median_of = [](std::vector<double> v) {
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    return v[v.size() / 2];
+  };
+  auto median_result = [&](const std::vector<RunResult>& rs) {
+    std::vector<double> tps, step;
+    for (const RunResult& r : rs) {
+      tps.push_back(r.e2e_tokens_per_s);
+      step.push_back(r.decode_step_s);
+    }
+    RunResult m;
+    m.e2e_tokens_per_s = median_of(tps);
+    m.decode_step_s = median_of(step);
+    return m;
+  };
+  const double triad = *std::max_element(triads.begin(), triads.end());
+  std::printf("triad bandwidth %.1f GB/s (highest of", triad);
+  for (double t : triads) std::printf(" %.1f", t);
+  std::printf("; before and after each round)\n");
+  if (repeat > 1) std::printf("each figure: the median of %d rounds\n", repeat);
+  std::printf("\n");
+  const RunResult b = median_result(rounds[0]);
   std::map<int, std::map<std::string, RunResult>> all;
-  for (size_t i = 1; i < runs.size(); ++i)
-    all[keys[i].first][keys[i].second->name] = runs[i]->Result();
+  for (size_t i = 1; i < keys.size(); ++i)
+    all[keys[i].first][keys[i].second->name] = median_result(rounds[i]);
   std::printf("| N | mode | tok/s | / base | decode step ms (median) |\n|---|---|---|---|---|\n");
   std::printf("| - | base | %.1f | 1.00 | %.1f |\n", b.e2e_tokens_per_s, b.decode_step_s * 1e3);
   for (int n : ns) {
