@@ -80,7 +80,10 @@ TEST(OpsTest, SiluMulMatchesDefinition) {
 // Paged attention over shuffled blocks equals dense causal attention, for decode-sized and
 // prefill-sized query chunks (the two code paths), with GQA, with and without a sliding window.
 TEST(OpsTest, PagedAttentionMatchesDenseCausalAttention) {
-  const int64_t heads = 4, kv_heads = 2, hd = 16, bt = 4, num_blocks = 16;
+  const int64_t heads = 4, kv_heads = 2, num_blocks = 16;
+  // Head sizes below, at and past the direct path's 64-wide output slices; blocks past its
+  // 64-token score slices.
+  for (auto [hd, bt] : {std::pair<int64_t, int64_t>{16, 4}, {64, 16}, {96, 80}})
   for (int64_t window : {0, 5})
   for (int64_t num_new : {1, 3, 8, 21}) {
     const int64_t ctx = 25;
@@ -123,8 +126,9 @@ TEST(OpsTest, PagedAttentionMatchesDenseCausalAttention) {
           double o = 0;
           for (int64_t p = first; p < visible; ++p)
             o += s[p] / z * values[(p * kv_heads + kh) * hd + i];
-          ASSERT_NEAR(out[(t * heads + h) * hd + i], o, 1e-5) << "window " << window << " num_new "
-              << num_new << " t " << t << " head " << h << " dim " << i;
+          ASSERT_NEAR(out[(t * heads + h) * hd + i], o, 1e-5) << "hd " << hd << " bt " << bt
+              << " window " << window << " num_new " << num_new << " t " << t << " head " << h
+              << " dim " << i;
         }
       }
     }

@@ -41,6 +41,10 @@ void Softmax(float* s, int64_t n) {
   for (int64_t i = 0; i < n; ++i) s[i] *= inv;
 }
 
+// Local accumulators of AttendDirect: a block's scores, and a slice of a head's output.
+constexpr int64_t kMaxBlockTokens = 64;
+constexpr int64_t kOutChunk = 64;
+
 // Queries of one KV head's group for a few new tokens, straight over the blocks: each K tile
 // ([d][bt], transposed) is loaded once for all the group's heads, and a head's scores over
 // the tile's tokens are one vector loop (no horizontal sums).
@@ -55,32 +59,44 @@ void AttendDirect(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, in
     const int64_t visible = ctx - seq.num_new + t + 1;
     const int64_t first = FirstVisible(visible, window);
     const float* q = seq.q + (t * num_heads + h * group) * d;  // the group's heads, contiguous
+    // Scores and outputs accumulate in local arrays (registers once vectorised): through the
+    // scores or output pointers, which may alias K and V for all the compiler knows, every
+    // step was a load and a store.
     for (int64_t b = first / bt; b * bt < visible; ++b) {
       const float* kt = KeyBlock(l, seq.block_table, b, h);
       for (int64_t j = 0; j < group; ++j) {
-        float* sj = scores.data() + j * stride + b * bt;
         const float* qj = q + j * d;
-        for (int64_t tok = 0; tok < bt; ++tok) sj[tok] = 0.f;
-        for (int64_t i = 0; i < d; ++i) {
-          const float qi = qj[i] * scale;
-          const float* row = kt + i * bt;
+        for (int64_t tok0 = 0; tok0 < bt; tok0 += kMaxBlockTokens) {
+          const int64_t n = std::min(kMaxBlockTokens, bt - tok0);
+          float acc[kMaxBlockTokens] = {};
+          for (int64_t i = 0; i < d; ++i) {
+            const float qi = qj[i] * scale;
+            const float* row = kt + i * bt + tok0;
 #pragma omp simd
-          for (int64_t tok = 0; tok < bt; ++tok) sj[tok] += qi * row[tok];
+            for (int64_t tok = 0; tok < n; ++tok) acc[tok] += qi * row[tok];
+          }
+          std::copy(acc, acc + n, scores.data() + j * stride + b * bt + tok0);
         }
       }
     }
     for (int64_t j = 0; j < group; ++j) {
+      const float* w = scores.data() + j * stride;
       Softmax(scores.data() + j * stride + first, visible - first);
-      float* o = seq.out + (t * num_heads + h * group + j) * d;
-      std::fill(o, o + d, 0.f);
-    }
-    for (int64_t p = first; p < visible; ++p) {
-      const float* v = KeyBlock(l, seq.block_table, p / bt, h) + l.v_offset + (p % bt) * d;
-      for (int64_t j = 0; j < group; ++j) {
-        const float w = scores[j * stride + p];
-        float* o = seq.out + (t * num_heads + h * group + j) * d;
+      for (int64_t i0 = 0; i0 < d; i0 += kOutChunk) {
+        const int64_t n = std::min(kOutChunk, d - i0);
+        float acc[kOutChunk] = {};
+        for (int64_t p = first; p < visible; ++p) {
+          const float* v =
+              KeyBlock(l, seq.block_table, p / bt, h) + l.v_offset + (p % bt) * d + i0;
+          const float wp = w[p];
+          if (n == kOutChunk) {
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) o[i] += w * v[i];
+            for (int64_t i = 0; i < kOutChunk; ++i) acc[i] += wp * v[i];
+          } else {
+            for (int64_t i = 0; i < n; ++i) acc[i] += wp * v[i];
+          }
+        }
+        std::copy(acc, acc + n, seq.out + (t * num_heads + h * group + j) * d + i0);
       }
     }
   }
