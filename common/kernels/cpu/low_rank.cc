@@ -41,6 +41,27 @@ PREFT_AVX512 inline __m512 OddBf16(__m512i v) {
   return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
+// yr[0 .. 32) += scale * the 32 outputs whose even elements are `even` and odd ones `odd`:
+// output p is lane p / 2 of one or the other.
+PREFT_AVX512 inline void AddInterleaved(__m512 even, __m512 odd, __m512 scale, float* yr) {
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+  _mm512_storeu_ps(yr, _mm512_fmadd_ps(scale, _mm512_permutex2var_ps(even, lo, odd),
+                                       _mm512_loadu_ps(yr)));
+  _mm512_storeu_ps(yr + 16, _mm512_fmadd_ps(scale, _mm512_permutex2var_ps(even, hi, odd),
+                                            _mm512_loadu_ps(yr + 16)));
+}
+
+// yr[o] += scale * z E[:, o] for the outputs [begin, out) past a vector loop.
+inline void ExpandTailBf16(const float* z, const uint16_t* e, int64_t rank, int64_t out,
+                           int64_t begin, float scale, float* yr) {
+  for (int64_t o = begin; o < out; ++o) {
+    float sum = 0;
+    for (int64_t k = 0; k < rank; ++k) sum += z[k] * Bf16ToF32(e[k * out + o]);
+    yr[o] += scale * sum;
+  }
+}
+
 // Rank rows handled per pass: four streams of S or E, each loaded vector of x (or of the
 // expand sum) reused four times.
 constexpr int64_t kRowsPerPass = 4;
@@ -110,22 +131,11 @@ PREFT_AVX512 void ExpandRowBf16Avx512(const float* z, const uint16_t* e, int64_t
       _mm512_store_ps(t + c + 16, to);
     }
   }
-  // Output p of a chunk is the even sum's lane p / 2 (p even) or the odd sum's (p odd).
-  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t c = 0; c < vec_end; c += 32) {
-    const __m512 te = _mm512_load_ps(t + c), to = _mm512_load_ps(t + c + 16);
-    _mm512_storeu_ps(yr + c, _mm512_fmadd_ps(sc, _mm512_permutex2var_ps(te, lo, to),
-                                             _mm512_loadu_ps(yr + c)));
-    _mm512_storeu_ps(yr + c + 16, _mm512_fmadd_ps(sc, _mm512_permutex2var_ps(te, hi, to),
-                                                  _mm512_loadu_ps(yr + c + 16)));
+    AddInterleaved(_mm512_load_ps(t + c), _mm512_load_ps(t + c + 16), sc, yr + c);
   }
-  for (int64_t o = vec_end; o < out; ++o) {
-    float sum = 0;
-    for (int64_t k = 0; k < rank; ++k) sum += z[k] * Bf16ToF32(e[k * out + o]);
-    yr[o] += scale * sum;
-  }
+  ExpandTailBf16(z, e, rank, out, vec_end, scale, yr);
 }
 
 // ---- Prompt rows on bf16 weights with AVX-512 (SGMV): compute-bound, each loaded weight
@@ -176,8 +186,6 @@ PREFT_AVX512 void ExpandRowsBf16Avx512(const float* z, const int32_t* rows, int6
                                        const uint16_t* e, int64_t rank, int64_t out,
                                        float scale, float* y, int64_t y_stride) {
   const int64_t vec_end = out & ~int64_t{31};
-  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t r0 = 0; r0 < n; r0 += 4) {
     const int64_t m = std::min<int64_t>(4, n - r0);
@@ -197,20 +205,11 @@ PREFT_AVX512 void ExpandRowsBf16Avx512(const float* z, const int32_t* rows, int6
         }
       }
       for (int64_t j = 0; j < m; ++j) {
-        float* yr = y + rows[r0 + j] * y_stride + o;
-        _mm512_storeu_ps(yr, _mm512_fmadd_ps(sc, _mm512_permutex2var_ps(even[j], lo, odd[j]),
-                                             _mm512_loadu_ps(yr)));
-        _mm512_storeu_ps(yr + 16, _mm512_fmadd_ps(sc, _mm512_permutex2var_ps(even[j], hi, odd[j]),
-                                                  _mm512_loadu_ps(yr + 16)));
+        AddInterleaved(even[j], odd[j], sc, y + rows[r0 + j] * y_stride + o);
       }
     }
     for (int64_t j = 0; j < m; ++j) {
-      float* yr = y + rows[r0 + j] * y_stride;
-      for (int64_t o = vec_end; o < out; ++o) {
-        float sum = 0;
-        for (int64_t k = 0; k < rank; ++k) sum += zr[j][k] * Bf16ToF32(e[k * out + o]);
-        yr[o] += scale * sum;
-      }
+      ExpandTailBf16(zr[j], e, rank, out, vec_end, scale, y + rows[r0 + j] * y_stride);
     }
   }
 }

@@ -91,9 +91,9 @@ int PagedAttention(const AttentionSeq* seqs, int64_t num_seqs, int64_t max_new,
   if (layout.head_dim > kMaxHeadDim) return static_cast<int>(cudaErrorInvalidValue);
   const dim3 grid(static_cast<unsigned>(num_seqs), static_cast<unsigned>(num_heads),
                   static_cast<unsigned>(max_new));
-  AttentionKernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(seqs, layout,
+  AttentionKernel<<<grid, kThreads, 0, AsStream(stream)>>>(seqs, layout,
                                                                            num_heads, scale, window);
-  return static_cast<int>(cudaGetLastError());
+  return LaunchStatus();
 }
 
 }  // namespace preft::kernels::cuda

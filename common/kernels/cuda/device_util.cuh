@@ -1,15 +1,23 @@
 #pragma once
 
-// Device-side helpers shared by the .cu files of this folder (CUDA code only).
+// Helpers shared by the .cu files of this folder (CUDA code only): stream and launch status
+// plumbing for the wrappers, loads and warp reductions for the kernels.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "common/kernels/dtype.h"
 
 namespace preft::kernels::cuda {
+
+// The stream callers pass as void* (nullptr: the default stream).
+inline cudaStream_t AsStream(void* stream) { return static_cast<cudaStream_t>(stream); }
+
+// What a wrapper returns after its launch: 0 or the launch's CUDA error.
+inline int LaunchStatus() { return static_cast<int>(cudaGetLastError()); }
 
 __device__ inline float LoadAsF32(const void* base, DType dtype, int64_t i) {
   switch (dtype) {

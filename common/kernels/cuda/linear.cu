@@ -3,6 +3,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include "common/kernels/cuda/device_util.cuh"
 #include "common/kernels/cuda/ops.cuh"
 #include "common/kernels/cuda/runtime.cuh"
 
@@ -22,7 +23,7 @@ int Blas::Create(void* stream, Blas** out) {
   }
   b->handle_ = h;
   b->stream_ = stream;
-  if (const cublasStatus_t s = cublasSetStream(h, static_cast<cudaStream_t>(stream));
+  if (const cublasStatus_t s = cublasSetStream(h, AsStream(stream));
       s != CUBLAS_STATUS_SUCCESS) {
     delete b;
     return BlasError(s);

@@ -40,8 +40,8 @@ int LowRankAdd(const float* x, int64_t x_stride, float* y, int64_t y_stride,
                void* stream) {
   if (num_items == 0) return 0;
   LowRankKernel<<<static_cast<unsigned>(num_items), kThreads, 0,
-                  static_cast<cudaStream_t>(stream)>>>(x, x_stride, y, y_stride, groups, items);
-  return static_cast<int>(cudaGetLastError());
+                  AsStream(stream)>>>(x, x_stride, y, y_stride, groups, items);
+  return LaunchStatus();
 }
 
 }  // namespace preft::kernels::cuda

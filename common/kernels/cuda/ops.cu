@@ -10,7 +10,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
 unsigned Blocks(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
 
 __global__ void GatherRowsKernel(const void* table, DType dtype, int64_t cols,
@@ -81,58 +80,56 @@ __global__ void AddBiasKernel(float* y, const float* bias, int64_t total, int64_
   if (i < total) y[i] += bias[i % n];
 }
 
-int Launched() { return static_cast<int>(cudaGetLastError()); }
-
 }  // namespace
 
 int GatherRows(const void* table, DType dtype, int64_t cols, const int32_t* ids,
                int64_t num_tokens, float* out, void* stream) {
   if (num_tokens == 0) return 0;
-  GatherRowsKernel<<<static_cast<unsigned>(num_tokens), kThreads, 0, S(stream)>>>(
+  GatherRowsKernel<<<static_cast<unsigned>(num_tokens), kThreads, 0, AsStream(stream)>>>(
       table, dtype, cols, ids, out);
-  return Launched();
+  return LaunchStatus();
 }
 
 int RmsNorm(const float* x, const float* weight, int64_t num_tokens, int64_t dim, float eps,
             float* out, void* stream) {
   if (num_tokens == 0) return 0;
-  RmsNormKernel<<<static_cast<unsigned>(num_tokens), kThreads, 0, S(stream)>>>(x, weight, dim,
+  RmsNormKernel<<<static_cast<unsigned>(num_tokens), kThreads, 0, AsStream(stream)>>>(x, weight, dim,
                                                                               eps, out);
-  return Launched();
+  return LaunchStatus();
 }
 
 int ApplyRope(const int32_t* positions, int64_t num_tokens, const float* inv_freq,
               int64_t head_dim, float* q, int64_t num_heads, float* k, int64_t num_kv_heads,
               void* stream) {
   if (num_tokens == 0) return 0;
-  RopeKernel<<<static_cast<unsigned>(num_tokens), kThreads, 0, S(stream)>>>(
+  RopeKernel<<<static_cast<unsigned>(num_tokens), kThreads, 0, AsStream(stream)>>>(
       positions, inv_freq, head_dim, q, num_heads, k, num_kv_heads);
-  return Launched();
+  return LaunchStatus();
 }
 
 int SiluMulSeparate(const float* gate, const float* up, int64_t n, float* out, void* stream) {
   if (n == 0) return 0;
-  SiluMulKernel<<<Blocks(n), kThreads, 0, S(stream)>>>(gate, up, n, out);
-  return Launched();
+  SiluMulKernel<<<Blocks(n), kThreads, 0, AsStream(stream)>>>(gate, up, n, out);
+  return LaunchStatus();
 }
 
 int AddInPlace(float* y, const float* x, int64_t n, void* stream) {
   if (n == 0) return 0;
-  AddKernel<<<Blocks(n), kThreads, 0, S(stream)>>>(y, x, n);
-  return Launched();
+  AddKernel<<<Blocks(n), kThreads, 0, AsStream(stream)>>>(y, x, n);
+  return LaunchStatus();
 }
 
 int RoundToBf16(const float* x, int64_t n, uint16_t* xb, void* stream) {
   if (n == 0) return 0;
-  RoundKernel<<<Blocks(n), kThreads, 0, S(stream)>>>(x, n,
+  RoundKernel<<<Blocks(n), kThreads, 0, AsStream(stream)>>>(x, n,
                                                     reinterpret_cast<__nv_bfloat16*>(xb));
-  return Launched();
+  return LaunchStatus();
 }
 
 int AddBias(float* y, const float* bias, int64_t m, int64_t n, void* stream) {
   if (m * n == 0) return 0;
-  AddBiasKernel<<<Blocks(m * n), kThreads, 0, S(stream)>>>(y, bias, m * n, n);
-  return Launched();
+  AddBiasKernel<<<Blocks(m * n), kThreads, 0, AsStream(stream)>>>(y, bias, m * n, n);
+  return LaunchStatus();
 }
 
 }  // namespace preft::kernels::cuda

@@ -2,12 +2,9 @@
 
 #include <cuda_runtime.h>
 
+#include "common/kernels/cuda/device_util.cuh"
+
 namespace preft::kernels::cuda {
-namespace {
-
-cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
-
-}  // namespace
 
 int DeviceCount() {
   int n = 0;
@@ -23,16 +20,16 @@ const char* ErrorString(int code) {
 int Malloc(void** ptr, size_t bytes) { return cudaMalloc(ptr, bytes); }
 int Free(void* ptr) { return cudaFree(ptr); }
 int Memset(void* ptr, int value, size_t bytes, void* stream) {
-  return cudaMemsetAsync(ptr, value, bytes, S(stream));
+  return cudaMemsetAsync(ptr, value, bytes, AsStream(stream));
 }
 int CopyToDevice(void* dst, const void* src, size_t bytes, void* stream) {
-  return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, S(stream));
+  return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, AsStream(stream));
 }
 int CopyToHost(void* dst, const void* src, size_t bytes, void* stream) {
-  return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, S(stream));
+  return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, AsStream(stream));
 }
 int CopyOnDevice(void* dst, const void* src, size_t bytes, void* stream) {
-  return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, S(stream));
+  return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, AsStream(stream));
 }
 int StreamCreate(void** stream) {
   cudaStream_t s = nullptr;
@@ -40,8 +37,8 @@ int StreamCreate(void** stream) {
   *stream = s;
   return e;
 }
-int StreamDestroy(void* stream) { return cudaStreamDestroy(S(stream)); }
-int StreamSynchronize(void* stream) { return cudaStreamSynchronize(S(stream)); }
+int StreamDestroy(void* stream) { return cudaStreamDestroy(AsStream(stream)); }
+int StreamSynchronize(void* stream) { return cudaStreamSynchronize(AsStream(stream)); }
 int MemoryInfo(size_t* free_bytes, size_t* total_bytes) {
   return cudaMemGetInfo(free_bytes, total_bytes);
 }
