@@ -2,7 +2,7 @@
 // reference measured in the same run: a memory-bandwidth probe (triad over 1 GiB arrays)
 // and the byte bound it implies for decode.
 //
-//   engine_bench --model DIR [--threads N] [--quick] [--only-batch N (for profiling)]
+//   engine_bench --model DIR [--threads N] [--quick] [--only-batch N | --only-prefill N (for profiling)]
 
 #include <omp.h>
 #include <sys/resource.h>
@@ -80,12 +80,14 @@ int main(int argc, char** argv) {
   std::string model_dir;
   int threads = 0;
   bool quick = false;
-  int only_batch = 0;  // profile one batched run only
+  int only_batch = 0;    // profile one batched run only
+  int only_prefill = 0;  // profile prompts of this length only
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--model") && i + 1 < argc) model_dir = argv[++i];
     else if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) threads = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--only-batch") && i + 1 < argc) only_batch = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--only-prefill") && i + 1 < argc) only_prefill = std::atoi(argv[++i]);
   }
   if (model_dir.empty()) {
     std::fprintf(stderr, "usage: engine_bench --model DIR [--threads N] [--quick]\n");
@@ -110,6 +112,13 @@ int main(int argc, char** argv) {
     const DecodeResult r = RunBatch(model.get(), only_batch, 128, 64, only_batch * 17, 2048);
     std::printf("%d seqs: prefill %.0f tok/s, decode %.0f tok/s\n", only_batch,
                 r.prefill_tokens_per_s, r.decode_tokens_per_s);
+    return 0;
+  }
+  if (only_prefill > 0) {
+    for (int round = 0; round < 5; ++round) {
+      const DecodeResult r = RunBatch(model.get(), 1, only_prefill, 1, 64, only_prefill);
+      std::printf("prefill %d: %.0f tok/s\n", only_prefill, r.prefill_tokens_per_s);
+    }
     return 0;
   }
   const DecodeResult one = RunBatch(model.get(), 1, 16, quick ? 16 : 64, 64, 512);

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/base/aligned_vector.h"
 #include "common/engine/engine_observer.h"
 #include "common/engine/request.h"
 #include "common/engine/scheduler.h"
@@ -117,7 +118,7 @@ class Engine {
   EngineObserver* observer_ = nullptr;
   StepReport step_report_;  // filled during Step
   absl::Time now_;          // when the tokens being appended were sampled
-  std::vector<float> logits_;
+  base::AlignedVector<float> logits_;
   std::vector<std::pair<float, int32_t>> sample_scratch_;
 };
 

@@ -181,7 +181,7 @@ void Model::ApplyDireft(int64_t li, float* x) {
 }
 
 absl::Status Model::Forward(const ForwardBatch& batch, kv::KvCache* cache,
-                            std::vector<float>* logits) {
+                            base::AlignedVector<float>* logits) {
   const ModelConfig& c = config_;
   const kv::KvCacheShape& cs = cache->shape();
   if (cs.num_layers != c.num_layers || cs.num_kv_heads != c.num_kv_heads ||
@@ -283,12 +283,12 @@ absl::Status Model::Forward(const ForwardBatch& batch, kv::KvCache* cache,
 
   // Only the rows that will be sampled go through the final norm and the LM head.
   const int64_t rows = static_cast<int64_t>(batch.logit_rows.size());
-  std::vector<float> last(rows * d);
+  last_.resize(rows * d);
   for (int64_t r = 0; r < rows; ++r)
-    std::memcpy(&last[r * d], &x_[batch.logit_rows[r] * d], d * sizeof(float));
-  cpu::RmsNorm(last.data(), final_norm_.data(), rows, d, eps, last.data());
+    std::memcpy(&last_[r * d], &x_[batch.logit_rows[r] * d], d * sizeof(float));
+  cpu::RmsNorm(last_.data(), final_norm_.data(), rows, d, eps, last_.data());
   logits->resize(rows * c.vocab_size);
-  cpu::Linear(last.data(), rows, lm_head_, nullptr, logits->data());
+  cpu::Linear(last_.data(), rows, lm_head_, nullptr, logits->data());
   return absl::OkStatus();
 }
 

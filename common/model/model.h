@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/base/aligned_vector.h"
 #include "common/kernels/cpu/low_rank.h"
 #include "common/kernels/matrix.h"
 #include "common/kv/kv_cache.h"
@@ -41,7 +42,7 @@ class Model {
   // `batch.logit_rows` into `logits` ([rows, vocab], row-major). Each sequence's adapter is
   // applied to the tokens its mask selects: LoRA on the targeted projections, DiReFT on the
   // intervened layers' outputs, grouped per adapter (one kernel call per projection).
-  absl::Status Forward(const ForwardBatch& batch, kv::KvCache* cache, std::vector<float>* logits);
+  absl::Status Forward(const ForwardBatch& batch, kv::KvCache* cache, base::AlignedVector<float>* logits);
 
  private:
   struct Layer {
@@ -80,7 +81,7 @@ class Model {
   std::vector<float> inv_freq_;
 
   // Scratch, resized per batch.
-  std::vector<float> x_, h_, q_, k_, v_, attn_, tmp_, gate_, up_;
+  base::AlignedVector<float> x_, h_, q_, k_, v_, attn_, tmp_, gate_, up_, last_;
   std::vector<AdapterRows> lora_rows_, direft_rows_;
   std::vector<kernels::cpu::LowRankGroup> groups_;
 };

@@ -143,7 +143,7 @@ GenerationResult PrefillThenBaseDecode(Model* prefill_model, const AdapterWeight
   std::vector<int32_t> blocks(16);
   for (int32_t i = 0; i < 16; ++i) blocks[i] = i;
   GenerationResult r;
-  std::vector<float> logits;
+  base::AlignedVector<float> logits;
   std::vector<int32_t> tokens = prompt;
   model::ForwardBatch prefill;
   prefill.AddSequence(blocks.data(), 16, prompt.data(), static_cast<int64_t>(prompt.size()),

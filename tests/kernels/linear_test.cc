@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "common/base/aligned_vector.h"
 #include "common/kernels/cpu/cpu_features.h"
 #include "common/kernels/cpu/linear_kernels.h"
 #include "common/kernels/dtype.h"
@@ -151,20 +152,23 @@ TEST(LinearAmxEmulatedTest, MatchesReference) {
   }
 }
 
-// The same spans of w blocks on real tiles (Linear reaches them only for long prompts).
-TEST(LinearAmxTest, SpansOfBlocksMatchReference) {
+// Paths of the AMX kernel that Linear reaches only with big operands, on real tiles: spans of
+// w blocks (packed x past 1 MiB: long prompts) and streaming stores (y past 1 MiB on a cache
+// line; n = 2736 also ends on a half block of 16 rows).
+TEST(LinearAmxTest, SpansAndStreamedOutputsMatchReference) {
   if (!GetCpuFeatures().amx_bf16) GTEST_SKIP() << "needs AMX-BF16";
   std::mt19937 rng(5);
-  for (const Shape& s : {Shape{130, 520, 4100}, Shape{200, 600, 4864}}) {
+  for (const Shape& s : {Shape{130, 520, 4100}, Shape{200, 600, 4864}, Shape{100, 2736, 896},
+                         Shape{520, 1024, 300}}) {
     const Weight w = MakeWeight(DType::kBF16, s.n, s.k, rng);
     const std::vector<float> x = RandomVector(s.m * s.k, rng);
     const std::vector<float> bias = RandomVector(s.n, rng);
-    std::vector<float> y(s.m * s.n + 1, NAN);
+    base::AlignedVector<float> y(s.m * s.n + 1, NAN);
     y.back() = 12345.f;
     LinearBf16Amx(x.data(), s.m, w.half.data(), s.n, s.k, bias.data(), y.data());
     EXPECT_EQ(y.back(), 12345.f) << "wrote past y, m=" << s.m << " n=" << s.n;
-    y.pop_back();
-    ExpectMatchesReference(x, w, bias.data(), s, y, true, 1e-4, "amx-spans");
+    ExpectMatchesReference(x, w, bias.data(), s, std::vector<float>(y.begin(), y.end() - 1),
+                           true, 1e-4, "amx");
     if (HasFailure()) return;
   }
 }

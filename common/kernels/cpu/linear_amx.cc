@@ -287,6 +287,10 @@ void AmxLinear(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t 
     span = std::clamp<int64_t>(blocks / (4 * omp_get_max_threads()), 1, kMaxSpan);
   }
   const int64_t items = CeilDiv(blocks, span);
+  // Long outputs are written with streaming stores: each block writes two whole lines per row
+  // of y, and a plain store would first read each line in (from DRAM: y is past L2).
+  const bool stream = m * n * 4 > kMaxL2XBytes && reinterpret_cast<uintptr_t>(y) % 64 == 0 &&
+                      n % 16 == 0;
 
 #pragma omp parallel if (WorthThreads(m, n, k))
   {
@@ -337,11 +341,16 @@ void AmxLinear(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t 
             if (bias != nullptr) {
               v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + n0 + half * 16));
             }
-            _mm512_mask_storeu_ps(dst + half * 16, mask, v);
+            if (stream && cnt == 16) {
+              _mm512_stream_ps(dst + half * 16, v);
+            } else {
+              _mm512_mask_storeu_ps(dst + half * 16, mask, v);
+            }
           }
         }
       }
     }
+    if (stream) _mm_sfence();  // the streamed lines reach memory before the barrier
     Tiles::Release();
   }
 }
