@@ -246,9 +246,10 @@ absl::Status Model::Forward(const ForwardBatch& batch, kv::KvCache* cache,
   for (int64_t li = 0; li < c.num_layers; ++li) {
     const Layer& l = layers_[li];
     cpu::RmsNorm(x_.data(), l.input_norm.data(), T, d, eps, h_.data());
-    cpu::Linear(h_.data(), T, l.q, bias(l.q_bias), q_.data());
-    cpu::Linear(h_.data(), T, l.k, bias(l.k_bias), k_.data());
-    cpu::Linear(h_.data(), T, l.v, bias(l.v_bias), v_.data());
+    cpu::LinearShared(h_.data(), T,
+                      {{l.q, bias(l.q_bias), q_.data()},
+                       {l.k, bias(l.k_bias), k_.data()},
+                       {l.v, bias(l.v_bias), v_.data()}});
     if (!lora_rows_.empty()) {
       ApplyLora(li, h_.data(), d,
                 {{Projection::kQ, q_.data(), q_out},
@@ -267,8 +268,7 @@ absl::Status Model::Forward(const ForwardBatch& batch, kv::KvCache* cache,
     cpu::AddInPlace(x_.data(), tmp_.data(), T * d);
 
     cpu::RmsNorm(x_.data(), l.post_attention_norm.data(), T, d, eps, h_.data());
-    cpu::Linear(h_.data(), T, l.gate, nullptr, gate_.data());
-    cpu::Linear(h_.data(), T, l.up, nullptr, up_.data());
+    cpu::LinearShared(h_.data(), T, {{l.gate, nullptr, gate_.data()}, {l.up, nullptr, up_.data()}});
     if (!lora_rows_.empty()) {
       ApplyLora(li, h_.data(), d,
                 {{Projection::kGate, gate_.data(), inter}, {Projection::kUp, up_.data(), inter}});

@@ -117,6 +117,32 @@ TEST_P(LinearIsaTest, Bf16) {
   RunAllShapes(DType::kBF16, GetParam() >= LinearIsa::kAvx512Bf16, LinearIsaName(GetParam()));
 }
 
+// LinearShared gives exactly what one Linear per output gives: q/k/v-like outputs of
+// different widths (one with a partial block, one with a bias, one streamed on AMX), and
+// an output that cannot share (f16 beside bf16) making the call fall back.
+TEST_P(LinearIsaTest, SharedEqualsSeparateCalls) {
+  std::mt19937 rng(7);
+  for (int64_t m : {1, 5, 17, 64, 300}) {
+    const int64_t k = 96;
+    const Weight a = MakeWeight(DType::kBF16, 4096, k, rng);
+    const Weight b = MakeWeight(DType::kBF16, 40, k, rng);
+    const Weight c = MakeWeight(m == 17 ? DType::kF16 : DType::kBF16, 128, k, rng);
+    const std::vector<float> x = RandomVector(m * k, rng), bias = RandomVector(40, rng);
+    base::AlignedVector<float> ya(m * 4096, NAN), yb(m * 40, NAN), yc(m * 128, NAN);
+    LinearShared(x.data(), m,
+                 {{a.View(4096, k), nullptr, ya.data()},
+                  {b.View(40, k), bias.data(), yb.data()},
+                  {c.View(128, k), nullptr, yc.data()}});
+    base::AlignedVector<float> ra(m * 4096), rb(m * 40), rc(m * 128);
+    Linear(x.data(), m, a.View(4096, k), nullptr, ra.data());
+    Linear(x.data(), m, b.View(40, k), bias.data(), rb.data());
+    Linear(x.data(), m, c.View(128, k), nullptr, rc.data());
+    EXPECT_EQ(ya, ra) << "m=" << m;
+    EXPECT_EQ(yb, rb) << "m=" << m;
+    EXPECT_EQ(yc, rc) << "m=" << m;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllLevels, LinearIsaTest,
                          ::testing::Values(LinearIsa::kScalar, LinearIsa::kAvx2,
                                            LinearIsa::kAvx512, LinearIsa::kAvx512Bf16,

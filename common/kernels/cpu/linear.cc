@@ -104,4 +104,22 @@ void Linear(const float* x, int64_t m, const MatrixView& w, const float* bias, f
   }
 }
 
+void LinearShared(const float* x, int64_t m, std::initializer_list<LinearOutput> outputs) {
+  constexpr int64_t kMaxOutputs = 4;
+  Bf16Output amx[kMaxOutputs];
+  int64_t count = 0;
+  const int64_t k = outputs.size() > 0 ? outputs.begin()->w.cols : 0;
+  bool shared = ActiveLinearIsa() == LinearIsa::kAmx && m > kMaxGemvRows && k > 0 &&
+                outputs.size() <= kMaxOutputs;
+  for (const LinearOutput& o : outputs) {
+    shared = shared && o.w.dtype == DType::kBF16 && o.w.cols == k && o.w.rows > 0;
+    if (shared) amx[count++] = {static_cast<const uint16_t*>(o.w.data), o.w.rows, o.bias, o.y};
+  }
+  if (shared) {
+    LinearBf16AmxShared(x, m, k, amx, count);
+    return;
+  }
+  for (const LinearOutput& o : outputs) Linear(x, m, o.w, o.bias, o.y);
+}
+
 }  // namespace preft::kernels::cpu

@@ -3,6 +3,7 @@
 // Dense linear layers on the CPU: y = x · Wᵀ (+ bias), the hot path of every forward.
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "common/kernels/matrix.h"
 
@@ -13,5 +14,16 @@ namespace preft::kernels::cpu {
 // CPU's features (AMX-BF16 > AVX-512-BF16 > AVX-512 > AVX2). Parallel over OpenMP threads;
 // call from one thread at a time.
 void Linear(const float* x, int64_t m, const MatrixView& w, const float* bias, float* y);
+
+// One weight of LinearShared.
+struct LinearOutput {
+  MatrixView w;
+  const float* bias;  // may be null
+  float* y;
+};
+
+// Linear for several weights of the same x (q, k, v; gate, up), with the same results as
+// one Linear per output. On AMX, x is packed once and all outputs share one parallel region.
+void LinearShared(const float* x, int64_t m, std::initializer_list<LinearOutput> outputs);
 
 }  // namespace preft::kernels::cpu

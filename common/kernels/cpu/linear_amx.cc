@@ -270,12 +270,15 @@ BlockOperand PrepareBlock(const uint16_t* w, int64_t n, int64_t k, int64_t kpad,
 }
 
 template <class Tiles>
-void AmxLinear(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
-               const float* bias, float* y) {
+void AmxLinear(const float* x, int64_t m, int64_t k, const Bf16Output* outs, int64_t num_outs) {
   const int64_t kpad = RoundUp(k, 32);
   const int64_t groups = CeilDiv(m, 16);
   const int64_t group_elems = kpad * 16;  // bf16 per packed 16-row group
-  const int64_t blocks = CeilDiv(n, kBlockRows);
+  int64_t blocks = 0, total_n = 0;
+  for (int64_t o = 0; o < num_outs; ++o) {
+    blocks += CeilDiv(outs[o].n, kBlockRows);
+    total_n += outs[o].n;
+  }
   auto* xp = static_cast<uint16_t*>(ThreadScratch(1, groups * group_elems * sizeof(uint16_t)));
   const __m512i column = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -286,13 +289,19 @@ void AmxLinear(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t 
   if (groups * group_elems * 2 > kMaxL2XBytes) {
     span = std::clamp<int64_t>(blocks / (4 * omp_get_max_threads()), 1, kMaxSpan);
   }
-  const int64_t items = CeilDiv(blocks, span);
+  // Work items are spans of blocks of one output, numbered output after output.
+  int64_t items = 0;
+  for (int64_t o = 0; o < num_outs; ++o) items += CeilDiv(CeilDiv(outs[o].n, kBlockRows), span);
   // Long outputs are written with streaming stores: each block writes two whole lines per row
   // of y, and a plain store would first read each line in (from DRAM: y is past L2).
-  const bool stream = m * n * 4 > kMaxL2XBytes && reinterpret_cast<uintptr_t>(y) % 64 == 0 &&
-                      n % 16 == 0;
+  auto streamed = [&](const Bf16Output& out) {
+    return m * out.n * 4 > kMaxL2XBytes && reinterpret_cast<uintptr_t>(out.y) % 64 == 0 &&
+           out.n % 16 == 0;
+  };
+  bool any_streamed = false;
+  for (int64_t o = 0; o < num_outs; ++o) any_streamed |= streamed(outs[o]);
 
-#pragma omp parallel if (WorthThreads(m, n, k))
+#pragma omp parallel if (WorthThreads(m, total_n, k))
   {
 #pragma omp for schedule(static)
     for (int64_t s = 0; s < groups * (kpad / 32); ++s) {
@@ -304,10 +313,16 @@ void AmxLinear(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t 
     auto* cbuf = static_cast<float*>(ThreadScratch(0, span * groups * 2 * kTileBytes));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t first = item * span, count = std::min(span, blocks - first);
+      int64_t o = 0, first = item * span;
+      while (first >= RoundUp(CeilDiv(outs[o].n, kBlockRows), span)) {
+        first -= RoundUp(CeilDiv(outs[o].n, kBlockRows), span);
+        ++o;
+      }
+      const Bf16Output& out = outs[o];
+      const int64_t n = out.n, count = std::min(span, CeilDiv(n, kBlockRows) - first);
       BlockOperand ops[kMaxSpan];
       for (int64_t s = 0; s < count; ++s) {
-        ops[s] = PrepareBlock(w, n, k, kpad, first + s, s);
+        ops[s] = PrepareBlock(out.w, n, k, kpad, first + s, s);
       }
       for (int64_t k_begin = 0; k_begin < kpad; k_begin += kKPass) {
         const int64_t k_end = std::min(kpad, k_begin + kKPass);
@@ -328,18 +343,19 @@ void AmxLinear(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t 
       }
       // cbuf holds yᵀ for each block: C[half][i][j] = y[16 g + j][n0 + 16 half + i]; a
       // gather down column j of each C tile yields 16 consecutive outputs of row 16 g + j.
+      const bool stream = streamed(out);
       for (int64_t s = 0; s < count; ++s) {
         const int64_t n0 = (first + s) * kBlockRows;
         const int64_t rows = std::min(kBlockRows, n - n0);
         for (int64_t row = 0; row < m; ++row) {
           const float* c = cbuf + (s * groups + row / 16) * 2 * 256 + (row % 16);
-          float* dst = y + row * n + n0;
+          float* dst = out.y + row * n + n0;
           for (int64_t half = 0; half * 16 < rows; ++half) {
             const int64_t cnt = std::min<int64_t>(16, rows - half * 16);
             const __mmask16 mask = cnt == 16 ? 0xffff : (1u << cnt) - 1;
             __m512 v = _mm512_i32gather_ps(column, c + half * 256, 4);
-            if (bias != nullptr) {
-              v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + n0 + half * 16));
+            if (out.bias != nullptr) {
+              v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, out.bias + n0 + half * 16));
             }
             if (stream && cnt == 16) {
               _mm512_stream_ps(dst + half * 16, v);
@@ -350,7 +366,7 @@ void AmxLinear(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t 
         }
       }
     }
-    if (stream) _mm_sfence();  // the streamed lines reach memory before the barrier
+    if (any_streamed) _mm_sfence();  // the streamed lines reach memory before the barrier
     Tiles::Release();
   }
 }
@@ -359,12 +375,19 @@ void AmxLinear(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t 
 
 void LinearBf16Amx(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
                    const float* bias, float* y) {
-  AmxLinear<HwTiles>(x, m, w, n, k, bias, y);
+  const Bf16Output out{w, n, bias, y};
+  AmxLinear<HwTiles>(x, m, k, &out, 1);
+}
+
+void LinearBf16AmxShared(const float* x, int64_t m, int64_t k, const Bf16Output* outs,
+                         int64_t count) {
+  AmxLinear<HwTiles>(x, m, k, outs, count);
 }
 
 void LinearBf16AmxEmulatedForTesting(const float* x, int64_t m, const uint16_t* w, int64_t n,
                                      int64_t k, const float* bias, float* y) {
-  AmxLinear<EmulatedTiles>(x, m, w, n, k, bias, y);
+  const Bf16Output out{w, n, bias, y};
+  AmxLinear<EmulatedTiles>(x, m, k, &out, 1);
 }
 
 }  // namespace preft::kernels::cpu

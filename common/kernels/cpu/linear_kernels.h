@@ -66,6 +66,19 @@ void ConvertRowsToBf16(const float* x, int64_t m, int64_t k, int64_t ldx, uint16
 void LinearBf16Amx(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
                    const float* bias, float* y);
 
+// One weight of LinearBf16AmxShared: y[m, n] = x · wᵀ (+ bias).
+struct Bf16Output {
+  const uint16_t* w;
+  int64_t n;
+  const float* bias;
+  float* y;
+};
+
+// LinearBf16Amx over several weights of one x (q, k, v; gate, up): x is packed once and the
+// w blocks of all outputs are spread over the threads in one parallel region.
+void LinearBf16AmxShared(const float* x, int64_t m, int64_t k, const Bf16Output* outs,
+                         int64_t count);
+
 // The AMX kernel's exact loop nest and packing with the tile instructions emulated in C++,
 // so its indexing is testable on CPUs without AMX. Needs AVX-512-BF16; slow.
 void LinearBf16AmxEmulatedForTesting(const float* x, int64_t m, const uint16_t* w, int64_t n,
