@@ -78,15 +78,18 @@ TEST(OpsTest, SiluMulMatchesDefinition) {
 }
 
 // Paged attention over shuffled blocks equals dense causal attention, for decode-sized and
-// prefill-sized query chunks (the two code paths), with GQA, with and without a sliding window.
+// prefill-sized query chunks (the two code paths; 150 queries span several row blocks of the
+// GEMM path), with GQA, with and without a sliding window.
 TEST(OpsTest, PagedAttentionMatchesDenseCausalAttention) {
-  const int64_t heads = 4, kv_heads = 2, num_blocks = 16;
+  const int64_t heads = 4, kv_heads = 2, num_blocks = 64;
+  std::vector<int32_t> table(num_blocks);
+  for (int32_t b = 0; b < num_blocks; ++b) table[b] = (b * 37 + 11) % num_blocks;  // scrambled
   // Head sizes below, at and past the direct path's 64-wide output slices; blocks past its
   // 64-token score slices.
   for (auto [hd, bt] : {std::pair<int64_t, int64_t>{16, 4}, {64, 16}, {96, 80}})
   for (int64_t window : {0, 5})
-  for (int64_t num_new : {1, 3, 8, 21}) {
-    const int64_t ctx = 25;
+  for (int64_t num_new : {1, 3, 8, 21, 150}) {
+    const int64_t ctx = num_new + 24;
     const int64_t group = heads / kv_heads;
     auto keys = Random(ctx * kv_heads * hd, 10 + num_new);
     auto values = Random(ctx * kv_heads * hd, 20 + num_new);
@@ -94,7 +97,6 @@ TEST(OpsTest, PagedAttentionMatchesDenseCausalAttention) {
     // Scatter into blocks in a scrambled order.
     const int64_t block_floats = 2 * kv_heads * bt * hd;
     std::vector<float> pool(num_blocks * block_floats, NAN);
-    std::vector<int32_t> table = {9, 2, 14, 0, 7, 11, 3};
     for (int64_t p = 0; p < ctx; ++p)
       for (int64_t h = 0; h < kv_heads; ++h)
         for (int64_t i = 0; i < hd; ++i) {

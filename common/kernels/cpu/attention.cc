@@ -30,6 +30,8 @@ int64_t FirstVisible(int64_t visible, int64_t window) {
 // Softmax of s[0..n) in place, scaled; returns nothing, s becomes probabilities.
 void Softmax(float* s, int64_t n) {
   float mx = -std::numeric_limits<float>::infinity();
+  // Vectorised max: as a scalar chain it took ~60% of the softmax.
+#pragma omp simd reduction(max : mx)
   for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -114,26 +116,37 @@ void GatherHead(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, floa
   }
 }
 
-// Same result as AttendDirect for one query head via the gathered K/V and two SGEMMs:
-// S = Q Kᵀ, causal softmax, O = P V.
+// Query rows per pair of SGEMMs in AttendGemm: each block of rows sees keys only up to its
+// last row's position, so a fresh prompt computes about half of the causal square.
+constexpr int64_t kGemmRowBlock = 64;
+
+// Same result as AttendDirect for one query head via the gathered K/V and two SGEMMs per
+// block of query rows: S = Q Kᵀ over the keys the block sees, causal softmax, O = P V.
 void AttendGemm(const AttentionSeq& seq, const PagedKvLayout& l, int64_t head, int64_t num_heads,
                 float scale, int64_t window, const float* keys_t, const float* values,
                 std::vector<float>& s) {
   const int64_t d = l.head_dim, ctx = seq.context_len, n = seq.num_new;
   const int64_t ld = num_heads * d;
-  s.resize(n * ctx);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, ctx, d, scale, seq.q + head * d, ld,
-              keys_t, ctx, 0.f, s.data(), ctx);
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t visible = ctx - n + t + 1;
-    const int64_t first = FirstVisible(visible, window);
-    float* row = s.data() + t * ctx;
-    std::fill(row, row + first, 0.f);
-    Softmax(row + first, visible - first);
-    std::fill(row + visible, row + ctx, 0.f);
+  s.resize(std::min(n, kGemmRowBlock) * ctx);
+  for (int64_t r0 = 0; r0 < n; r0 += kGemmRowBlock) {
+    const int64_t rows = std::min(kGemmRowBlock, n - r0);
+    // Keys [lo, hi) cover every position a row of the block sees.
+    const int64_t lo = FirstVisible(ctx - n + r0 + 1, window);
+    const int64_t hi = ctx - n + r0 + rows;
+    const int64_t width = hi - lo;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, width, d, scale,
+                seq.q + r0 * ld + head * d, ld, keys_t + lo, ctx, 0.f, s.data(), width);
+    for (int64_t t = 0; t < rows; ++t) {
+      const int64_t visible = ctx - n + r0 + t + 1;
+      const int64_t first = FirstVisible(visible, window);
+      float* row = s.data() + t * width - lo;  // indexed by key position
+      std::fill(row + lo, row + first, 0.f);
+      Softmax(row + first, visible - first);
+      std::fill(row + visible, row + hi, 0.f);
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, d, width, 1.f, s.data(), width,
+                values + lo * d, d, 0.f, seq.out + r0 * ld + head * d, ld);
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, ctx, 1.f, s.data(), ctx, values, d,
-              0.f, seq.out + head * d, ld);
 }
 
 }  // namespace
