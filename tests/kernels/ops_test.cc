@@ -81,11 +81,12 @@ TEST(OpsTest, SiluMulMatchesDefinition) {
 // prefill-sized query chunks (the two code paths; 150 queries span several row blocks of the
 // GEMM path), with GQA, with and without a sliding window.
 TEST(OpsTest, PagedAttentionMatchesDenseCausalAttention) {
-  const int64_t heads = 4, kv_heads = 2, num_blocks = 64;
+  const int64_t num_blocks = 64;
   std::vector<int32_t> table(num_blocks);
   for (int32_t b = 0; b < num_blocks; ++b) table[b] = (b * 37 + 11) % num_blocks;  // scrambled
-  // Head sizes below, at and past the direct path's 64-wide output slices; blocks past its
-  // 64-token score slices.
+  // Groups of 2 and 7 query heads per KV head; head sizes below, at and past the direct
+  // paths' 32- and 64-wide output slices; blocks past their 16- and 64-token score slices.
+  for (auto [heads, kv_heads] : {std::pair<int64_t, int64_t>{4, 2}, {7, 1}})
   for (auto [hd, bt] : {std::pair<int64_t, int64_t>{16, 4}, {64, 16}, {96, 80}})
   for (int64_t window : {0, 5})
   for (int64_t num_new : {1, 3, 8, 21, 150}) {
@@ -130,6 +131,7 @@ TEST(OpsTest, PagedAttentionMatchesDenseCausalAttention) {
             o += s[p] / z * values[(p * kv_heads + kh) * hd + i];
           ASSERT_NEAR(out[(t * heads + h) * hd + i], o, 1e-5) << "hd " << hd << " bt " << bt
               << " window " << window << " num_new " << num_new << " t " << t << " head " << h
+              << " of " << heads
               << " dim " << i;
         }
       }

@@ -3,12 +3,15 @@
 #include "common/kernels/cpu/ops.h"
 
 #include <cblas.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <utility>
 #include <vector>
+
+#include "common/kernels/cpu/cpu_features.h"
 
 namespace preft::kernels::cpu {
 namespace {
@@ -104,6 +107,94 @@ void AttendDirect(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, in
   }
 }
 
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq")
+
+// The largest head the AVX-512 path keeps its scaled queries for on the stack.
+constexpr int64_t kMaxDirectHeadDim = 256;
+
+// AttendDirect with AVX-512 and all G query heads of the KV head at once: each 16-token row
+// of a K tile and each 32-wide slice of a V row is loaded once for the G heads (G
+// accumulators each), where the portable loop reloads them per head from L1.
+template <int G>
+void AttendGroupAvx512(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h,
+                       int64_t num_heads, float scale, int64_t window,
+                       std::vector<float>& scores) {
+  const int64_t d = l.head_dim, bt = l.block_tokens;
+  const int64_t ctx = seq.context_len;
+  const int64_t stride = (ctx + bt - 1) / bt * bt;
+  scores.resize(G * stride);
+  float qs[G * kMaxDirectHeadDim];
+  for (int64_t t = 0; t < seq.num_new; ++t) {
+    const int64_t visible = ctx - seq.num_new + t + 1;
+    const int64_t first = FirstVisible(visible, window);
+    const float* q = seq.q + (t * num_heads + h * G) * d;
+    for (int64_t i = 0; i < G * d; ++i) qs[i] = q[i] * scale;
+    for (int64_t b = first / bt; b * bt < visible; ++b) {
+      const float* kt = KeyBlock(l, seq.block_table, b, h);
+      for (int64_t tok0 = 0; tok0 < bt; tok0 += 16) {
+        const __mmask16 mask = bt - tok0 >= 16 ? 0xffff : (1u << (bt - tok0)) - 1;
+        __m512 acc[G];
+        for (int j = 0; j < G; ++j) acc[j] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d; ++i) {
+          const __m512 k = _mm512_maskz_loadu_ps(mask, kt + i * bt + tok0);
+          for (int j = 0; j < G; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(qs[j * d + i]), k, acc[j]);
+        }
+        for (int j = 0; j < G; ++j)
+          _mm512_mask_storeu_ps(scores.data() + j * stride + b * bt + tok0, mask, acc[j]);
+      }
+    }
+    for (int j = 0; j < G; ++j) Softmax(scores.data() + j * stride + first, visible - first);
+    for (int64_t i0 = 0; i0 < d; i0 += 32) {
+      const int64_t left = d - i0;
+      const __mmask16 m0 = left >= 16 ? 0xffff : (1u << left) - 1;
+      const __mmask16 m1 = left >= 32 ? 0xffff : left > 16 ? (1u << (left - 16)) - 1 : 0;
+      __m512 o0[G], o1[G];
+      for (int j = 0; j < G; ++j) o0[j] = o1[j] = _mm512_setzero_ps();
+      for (int64_t p0 = first; p0 < visible;) {
+        const int64_t block_end = std::min(visible, (p0 / bt + 1) * bt);
+        const float* vb = KeyBlock(l, seq.block_table, p0 / bt, h) + l.v_offset + i0;
+        for (int64_t p = p0; p < block_end; ++p) {
+          const float* v = vb + (p % bt) * d;
+          const __m512 v0 = _mm512_maskz_loadu_ps(m0, v), v1 = _mm512_maskz_loadu_ps(m1, v + 16);
+          for (int j = 0; j < G; ++j) {
+            const __m512 w = _mm512_set1_ps(scores[j * stride + p]);
+            o0[j] = _mm512_fmadd_ps(w, v0, o0[j]);
+            o1[j] = _mm512_fmadd_ps(w, v1, o1[j]);
+          }
+        }
+        p0 = block_end;
+      }
+      float* out = seq.out + (t * num_heads + h * G) * d + i0;
+      for (int j = 0; j < G; ++j) {
+        _mm512_mask_storeu_ps(out + j * d, m0, o0[j]);
+        _mm512_mask_storeu_ps(out + j * d + 16, m1, o1[j]);
+      }
+    }
+  }
+}
+
+#pragma GCC pop_options
+
+using AttendFn = void (*)(const AttentionSeq&, const PagedKvLayout&, int64_t, int64_t, float,
+                          int64_t, std::vector<float>&);
+
+// The AVX-512 direct path for this shape, or null (then AttendDirect).
+AttendFn PickAttendAvx512(int64_t group, int64_t head_dim) {
+  if (!GetCpuFeatures().avx512 || head_dim > kMaxDirectHeadDim) return nullptr;
+  switch (group) {
+    case 1: return AttendGroupAvx512<1>;
+    case 2: return AttendGroupAvx512<2>;
+    case 3: return AttendGroupAvx512<3>;
+    case 4: return AttendGroupAvx512<4>;
+    case 5: return AttendGroupAvx512<5>;
+    case 6: return AttendGroupAvx512<6>;
+    case 7: return AttendGroupAvx512<7>;
+    case 8: return AttendGroupAvx512<8>;
+    default: return nullptr;
+  }
+}
+
 // Gathers one KV head's keys (as Kᵀ, [d, ctx]) and values ([ctx, d]) for positions [0, ctx).
 void GatherHead(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, float* keys_t,
                 float* values) {
@@ -163,6 +254,7 @@ void PagedAttention(const AttentionSeq* seqs, int64_t num_seqs, const PagedKvLay
       (long_chunk ? gemm : direct).emplace_back(i, h);
     work += seqs[i].num_new * seqs[i].context_len;
   }
+  const AttendFn attend = PickAttendAvx512(group, d);
   // Gathered K/V per (long sequence, kv head), shared by the query heads of its group.
   std::vector<std::vector<float>> gathered(gemm.size() / std::max<int64_t>(group, 1));
 #pragma omp parallel if (work * num_heads * d > (1 << 18))
@@ -184,8 +276,9 @@ void PagedAttention(const AttentionSeq* seqs, int64_t num_seqs, const PagedKvLay
     }
 #pragma omp for schedule(dynamic, 1)
     for (size_t w = 0; w < direct.size(); ++w)
-      AttendDirect(seqs[direct[w].first], layout, direct[w].second, num_heads, scale, window,
-                   scratch);
+      (attend != nullptr ? attend : AttendDirect)(seqs[direct[w].first], layout,
+                                                  direct[w].second, num_heads, scale, window,
+                                                  scratch);
   }
 }
 
