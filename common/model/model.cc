@@ -268,12 +268,15 @@ absl::Status Model::Forward(const ForwardBatch& batch, kv::KvCache* cache,
     cpu::AddInPlace(x_.data(), tmp_.data(), T * d);
 
     cpu::RmsNorm(x_.data(), l.post_attention_norm.data(), T, d, eps, h_.data());
-    cpu::LinearShared(h_.data(), T, {{l.gate, nullptr, gate_.data()}, {l.up, nullptr, up_.data()}});
-    if (!lora_rows_.empty()) {
+    if (lora_rows_.empty()) {
+      cpu::LinearSwiGlu(h_.data(), T, l.gate, l.up, gate_.data(), up_.data());
+    } else {  // LoRA updates gate and up before the SiLU
+      cpu::LinearShared(h_.data(), T,
+                        {{l.gate, nullptr, gate_.data()}, {l.up, nullptr, up_.data()}});
       ApplyLora(li, h_.data(), d,
                 {{Projection::kGate, gate_.data(), inter}, {Projection::kUp, up_.data(), inter}});
+      cpu::SiluMulSeparate(gate_.data(), up_.data(), T * inter, gate_.data());
     }
-    cpu::SiluMulSeparate(gate_.data(), up_.data(), T * inter, gate_.data());
     cpu::Linear(gate_.data(), T, l.down, nullptr, tmp_.data());
     if (!lora_rows_.empty())
       ApplyLora(li, gate_.data(), inter, {{Projection::kDown, tmp_.data(), d}});

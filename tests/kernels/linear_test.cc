@@ -6,11 +6,13 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/base/aligned_vector.h"
 #include "common/kernels/cpu/cpu_features.h"
 #include "common/kernels/cpu/linear_kernels.h"
+#include "common/kernels/cpu/ops.h"
 #include "common/kernels/dtype.h"
 #include "common/kernels/matrix.h"
 #include "tests/kernels/test_weights.h"
@@ -140,6 +142,27 @@ TEST_P(LinearIsaTest, SharedEqualsSeparateCalls) {
     EXPECT_EQ(ya, ra) << "m=" << m;
     EXPECT_EQ(yb, rb) << "m=" << m;
     EXPECT_EQ(yc, rc) << "m=" << m;
+  }
+}
+
+// LinearSwiGlu gives exactly LinearShared followed by SiluMulSeparate: n = 40 ends on a
+// partial block of both projections; m = 300 x 4096 is streamed on AMX; f16 weights and a
+// single row take the unfused path.
+TEST_P(LinearIsaTest, SwiGluEqualsSharedThenSilu) {
+  std::mt19937 rng(8);
+  for (auto [m, n, dtype] : {std::tuple<int64_t, int64_t, DType>{1, 40, DType::kBF16},
+                             {17, 40, DType::kBF16},
+                             {64, 200, DType::kF16},
+                             {300, 4096, DType::kBF16}}) {
+    const int64_t k = 96;
+    const Weight gate = MakeWeight(dtype, n, k, rng), up = MakeWeight(dtype, n, k, rng);
+    const std::vector<float> x = RandomVector(m * k, rng);
+    base::AlignedVector<float> out(m * n, NAN), scratch(m * n, NAN);
+    LinearSwiGlu(x.data(), m, gate.View(n, k), up.View(n, k), out.data(), scratch.data());
+    base::AlignedVector<float> g(m * n), u(m * n);
+    LinearShared(x.data(), m, {{gate.View(n, k), nullptr, g.data()}, {up.View(n, k), nullptr, u.data()}});
+    SiluMulSeparate(g.data(), u.data(), m * n, g.data());
+    EXPECT_EQ(out, g) << "m=" << m << " n=" << n;
   }
 }
 

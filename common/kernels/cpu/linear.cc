@@ -7,6 +7,7 @@
 
 #include "common/kernels/cpu/cpu_features.h"
 #include "common/kernels/cpu/linear_kernels.h"
+#include "common/kernels/cpu/ops.h"
 
 namespace preft::kernels::cpu {
 namespace {
@@ -120,6 +121,19 @@ void LinearShared(const float* x, int64_t m, std::initializer_list<LinearOutput>
     return;
   }
   for (const LinearOutput& o : outputs) Linear(x, m, o.w, o.bias, o.y);
+}
+
+void LinearSwiGlu(const float* x, int64_t m, const MatrixView& gate, const MatrixView& up,
+                  float* out, float* up_scratch) {
+  const int64_t n = gate.rows, k = gate.cols;
+  if (ActiveLinearIsa() == LinearIsa::kAmx && m > kMaxGemvRows && k > 0 && n > 0 &&
+      gate.dtype == DType::kBF16 && up.dtype == DType::kBF16 && up.rows == n && up.cols == k) {
+    LinearBf16AmxSwiGlu(x, m, static_cast<const uint16_t*>(gate.data),
+                        static_cast<const uint16_t*>(up.data), n, k, out);
+    return;
+  }
+  LinearShared(x, m, {{gate, nullptr, out}, {up, nullptr, up_scratch}});
+  SiluMulSeparate(out, up_scratch, m * n, out);
 }
 
 }  // namespace preft::kernels::cpu

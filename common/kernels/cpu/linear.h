@@ -26,4 +26,10 @@ struct LinearOutput {
 // one Linear per output. On AMX, x is packed once and all outputs share one parallel region.
 void LinearShared(const float* x, int64_t m, std::initializer_list<LinearOutput> outputs);
 
+// A SwiGLU MLP's first half: out[m, n] = silu(x · gateᵀ) * (x · upᵀ), the bits of LinearShared
+// followed by SiluMulSeparate. On AMX one fused kernel (neither projection is written out);
+// elsewhere up's product goes through up_scratch [m, n].
+void LinearSwiGlu(const float* x, int64_t m, const MatrixView& gate, const MatrixView& up,
+                  float* out, float* up_scratch);
+
 }  // namespace preft::kernels::cpu

@@ -12,6 +12,7 @@
 
 #include "common/kernels/cpu/linear_driver.h"
 #include "common/kernels/cpu/linear_kernels.h"
+#include "common/kernels/cpu/silu_avx2.h"
 
 // GCC 12's intrinsics headers build "undefined" vectors by self-initialisation, which -Wall
 // reports inside gathers.
@@ -231,7 +232,8 @@ void MultiplyGroup(const uint16_t* a_base, int64_t a_ld, const uint16_t* a_tail,
 
 // Where the tile loads of one 32-row block of w read: the matrix in place, except a
 // zero-padded copy of the last partial block and of the last k step when k is not a
-// multiple of 32 (so tile loads stay inside the mapping). `slot` picks the per-thread tail.
+// multiple of 32 (so tile loads stay inside the mapping). `slot` (the block's place in its
+// work item) picks the per-thread copy: a SwiGLU item holds the partial blocks of two weights.
 struct BlockOperand {
   const uint16_t* base;
   int64_t ld;
@@ -244,7 +246,8 @@ BlockOperand PrepareBlock(const uint16_t* w, int64_t n, int64_t k, int64_t kpad,
   const int64_t rows = std::min(kBlockRows, n - n0);
   BlockOperand op{w + n0 * k, k, nullptr};
   if (rows < kBlockRows) {
-    auto* panel = static_cast<uint16_t*>(ThreadScratch(2, kBlockRows * kpad * 2));
+    auto* panel = static_cast<uint16_t*>(ThreadScratch(2, kMaxSpan * kBlockRows * kpad * 2)) +
+                  slot * kBlockRows * kpad;
     for (int64_t r = 0; r < kBlockRows; ++r) {
       uint16_t* dst = panel + r * kpad;
       if (r < rows) {
@@ -269,8 +272,20 @@ BlockOperand PrepareBlock(const uint16_t* w, int64_t n, int64_t k, int64_t kpad,
   return op;
 }
 
+// silu(g) * u on 16 lanes, as two halves of the op's 8-lane form (the same bits).
+__m512 SiluMul16(__m512 g, __m512 u) {
+  const __m256 lo = SiluMul8(_mm512_castps512_ps256(g), _mm512_castps512_ps256(u));
+  const __m256 hi = SiluMul8(_mm512_extractf32x8_ps(g, 1), _mm512_extractf32x8_ps(u, 1));
+  return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+
+// What AmxLinear writes: each output's y, or (kSwiGlu) silu(x · gateᵀ) * (x · upᵀ) into the
+// first output's y, outs[0] being the gate and outs[1] the up projection, of one shape.
+enum class Epilogue { kSeparate, kSwiGlu };
+
 template <class Tiles>
-void AmxLinear(const float* x, int64_t m, int64_t k, const Bf16Output* outs, int64_t num_outs) {
+void AmxLinear(const float* x, int64_t m, int64_t k, const Bf16Output* outs, int64_t num_outs,
+               Epilogue epilogue) {
   const int64_t kpad = RoundUp(k, 32);
   const int64_t groups = CeilDiv(m, 16);
   const int64_t group_elems = kpad * 16;  // bf16 per packed 16-row group
@@ -289,9 +304,13 @@ void AmxLinear(const float* x, int64_t m, int64_t k, const Bf16Output* outs, int
   if (groups * group_elems * 2 > kMaxL2XBytes) {
     span = std::clamp<int64_t>(blocks / (4 * omp_get_max_threads()), 1, kMaxSpan);
   }
-  // Work items are spans of blocks of one output, numbered output after output.
+  // Work items are spans of blocks of one output, numbered output after output; with SwiGLU,
+  // spans of gate blocks that also take the same blocks of up.
+  const bool swiglu = epilogue == Epilogue::kSwiGlu;
+  const int64_t item_span = swiglu ? std::max<int64_t>(1, span / 2) : span;
+  const int64_t walked = swiglu ? 1 : num_outs;
   int64_t items = 0;
-  for (int64_t o = 0; o < num_outs; ++o) items += CeilDiv(CeilDiv(outs[o].n, kBlockRows), span);
+  for (int64_t o = 0; o < walked; ++o) items += CeilDiv(CeilDiv(outs[o].n, kBlockRows), item_span);
   // Long outputs are written with streaming stores: each block writes two whole lines per row
   // of y, and a plain store would first read each line in (from DRAM: y is past L2).
   auto streamed = [&](const Bf16Output& out) {
@@ -299,7 +318,7 @@ void AmxLinear(const float* x, int64_t m, int64_t k, const Bf16Output* outs, int
            out.n % 16 == 0;
   };
   bool any_streamed = false;
-  for (int64_t o = 0; o < num_outs; ++o) any_streamed |= streamed(outs[o]);
+  for (int64_t o = 0; o < walked; ++o) any_streamed |= streamed(outs[o]);
 
 #pragma omp parallel if (WorthThreads(m, total_n, k))
   {
@@ -310,19 +329,23 @@ void AmxLinear(const float* x, int64_t m, int64_t k, const Bf16Output* outs, int
     // The implicit barrier above publishes xp.
     Tiles::Configure();
     // C tiles of the item's w blocks: [block][group][half of the block][16 x 16], in f32.
-    auto* cbuf = static_cast<float*>(ThreadScratch(0, span * groups * 2 * kTileBytes));
+    auto* cbuf = static_cast<float*>(
+        ThreadScratch(0, (swiglu ? 2 : 1) * item_span * groups * 2 * kTileBytes));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      int64_t o = 0, first = item * span;
-      while (first >= RoundUp(CeilDiv(outs[o].n, kBlockRows), span)) {
-        first -= RoundUp(CeilDiv(outs[o].n, kBlockRows), span);
+      int64_t o = 0, first = item * item_span;
+      while (first >= RoundUp(CeilDiv(outs[o].n, kBlockRows), item_span)) {
+        first -= RoundUp(CeilDiv(outs[o].n, kBlockRows), item_span);
         ++o;
       }
       const Bf16Output& out = outs[o];
-      const int64_t n = out.n, count = std::min(span, CeilDiv(n, kBlockRows) - first);
+      const int64_t n = out.n, blocks_of_out = std::min(item_span, CeilDiv(n, kBlockRows) - first);
+      // Blocks [0, blocks_of_out) of the item come from `out`, the rest (SwiGLU) from up.
+      const int64_t count = swiglu ? 2 * blocks_of_out : blocks_of_out;
       BlockOperand ops[kMaxSpan];
       for (int64_t s = 0; s < count; ++s) {
-        ops[s] = PrepareBlock(out.w, n, k, kpad, first + s, s);
+        const uint16_t* w = s < blocks_of_out ? out.w : outs[1].w;
+        ops[s] = PrepareBlock(w, n, k, kpad, first + s % blocks_of_out, s);
       }
       for (int64_t k_begin = 0; k_begin < kpad; k_begin += kKPass) {
         const int64_t k_end = std::min(kpad, k_begin + kKPass);
@@ -344,11 +367,12 @@ void AmxLinear(const float* x, int64_t m, int64_t k, const Bf16Output* outs, int
       // cbuf holds yᵀ for each block: C[half][i][j] = y[16 g + j][n0 + 16 half + i]; a
       // gather down column j of each C tile yields 16 consecutive outputs of row 16 g + j.
       const bool stream = streamed(out);
-      for (int64_t s = 0; s < count; ++s) {
+      for (int64_t s = 0; s < blocks_of_out; ++s) {
         const int64_t n0 = (first + s) * kBlockRows;
         const int64_t rows = std::min(kBlockRows, n - n0);
         for (int64_t row = 0; row < m; ++row) {
           const float* c = cbuf + (s * groups + row / 16) * 2 * 256 + (row % 16);
+          const float* c_up = c + blocks_of_out * groups * 2 * 256;  // SwiGLU
           float* dst = out.y + row * n + n0;
           for (int64_t half = 0; half * 16 < rows; ++half) {
             const int64_t cnt = std::min<int64_t>(16, rows - half * 16);
@@ -356,6 +380,13 @@ void AmxLinear(const float* x, int64_t m, int64_t k, const Bf16Output* outs, int
             __m512 v = _mm512_i32gather_ps(column, c + half * 256, 4);
             if (out.bias != nullptr) {
               v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, out.bias + n0 + half * 16));
+            }
+            if (swiglu) {
+              __m512 u = _mm512_i32gather_ps(column, c_up + half * 256, 4);
+              if (outs[1].bias != nullptr) {
+                u = _mm512_add_ps(u, _mm512_maskz_loadu_ps(mask, outs[1].bias + n0 + half * 16));
+              }
+              v = SiluMul16(v, u);
             }
             if (stream && cnt == 16) {
               _mm512_stream_ps(dst + half * 16, v);
@@ -376,18 +407,24 @@ void AmxLinear(const float* x, int64_t m, int64_t k, const Bf16Output* outs, int
 void LinearBf16Amx(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
                    const float* bias, float* y) {
   const Bf16Output out{w, n, bias, y};
-  AmxLinear<HwTiles>(x, m, k, &out, 1);
+  AmxLinear<HwTiles>(x, m, k, &out, 1, Epilogue::kSeparate);
 }
 
 void LinearBf16AmxShared(const float* x, int64_t m, int64_t k, const Bf16Output* outs,
                          int64_t count) {
-  AmxLinear<HwTiles>(x, m, k, outs, count);
+  AmxLinear<HwTiles>(x, m, k, outs, count, Epilogue::kSeparate);
+}
+
+void LinearBf16AmxSwiGlu(const float* x, int64_t m, const uint16_t* gate, const uint16_t* up,
+                         int64_t n, int64_t k, float* out) {
+  const Bf16Output outs[2] = {{gate, n, nullptr, out}, {up, n, nullptr, nullptr}};
+  AmxLinear<HwTiles>(x, m, k, outs, 2, Epilogue::kSwiGlu);
 }
 
 void LinearBf16AmxEmulatedForTesting(const float* x, int64_t m, const uint16_t* w, int64_t n,
                                      int64_t k, const float* bias, float* y) {
   const Bf16Output out{w, n, bias, y};
-  AmxLinear<EmulatedTiles>(x, m, k, &out, 1);
+  AmxLinear<EmulatedTiles>(x, m, k, &out, 1, Epilogue::kSeparate);
 }
 
 }  // namespace preft::kernels::cpu

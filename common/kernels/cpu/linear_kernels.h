@@ -79,6 +79,12 @@ struct Bf16Output {
 void LinearBf16AmxShared(const float* x, int64_t m, int64_t k, const Bf16Output* outs,
                          int64_t count);
 
+// silu(x · gateᵀ) * (x · upᵀ) into out [m, n] (gate and up [n, k]): each work item takes the
+// same blocks of both, and the epilogue applies SiLU (the bits of SiluMulSeparate), so the
+// two projections are never written out.
+void LinearBf16AmxSwiGlu(const float* x, int64_t m, const uint16_t* gate, const uint16_t* up,
+                         int64_t n, int64_t k, float* out);
+
 // The AMX kernel's exact loop nest and packing with the tile instructions emulated in C++,
 // so its indexing is testable on CPUs without AMX. Needs AVX-512-BF16; slow.
 void LinearBf16AmxEmulatedForTesting(const float* x, int64_t m, const uint16_t* w, int64_t n,
