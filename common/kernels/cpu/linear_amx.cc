@@ -22,6 +22,7 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
 
+#include "common/kernels/cpu/amx_tiles.h"
 #include "common/kernels/cpu/transpose_avx512.h"
 
 namespace preft::kernels::cpu {
@@ -44,29 +45,11 @@ constexpr int64_t kPrefetchAhead = 64;
 constexpr int64_t kMaxL2XBytes = 1 << 20;
 constexpr int64_t kMaxSpan = 8;
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
-
 // The tile macros paste their register number into the asm text, hence the literal cases.
 // The asm has no memory operands the compiler can see, so loads and stores carry a memory
 // clobber to order them against plain stores to (and reads of) the same buffers.
 struct HwTiles {
-  static void Configure() {
-    TileConfig cfg;
-    std::memset(&cfg, 0, sizeof(cfg));
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; ++t) {
-      cfg.colsb[t] = 64;
-      cfg.rows[t] = kTileRows;
-    }
-    _tile_loadconfig(&cfg);
-  }
+  static void Configure() { ConfigureFullTiles(); }
   static void Release() { _tile_release(); }
 
   template <int T>
