@@ -160,7 +160,8 @@ TEST_P(LinearIsaTest, SwiGluEqualsSharedThenSilu) {
     base::AlignedVector<float> out(m * n, NAN), scratch(m * n, NAN);
     LinearSwiGlu(x.data(), m, gate.View(n, k), up.View(n, k), out.data(), scratch.data());
     base::AlignedVector<float> g(m * n), u(m * n);
-    LinearShared(x.data(), m, {{gate.View(n, k), nullptr, g.data()}, {up.View(n, k), nullptr, u.data()}});
+    LinearShared(x.data(), m,
+                 {{gate.View(n, k), nullptr, g.data()}, {up.View(n, k), nullptr, u.data()}});
     SiluMulSeparate(g.data(), u.data(), m * n, g.data());
     EXPECT_EQ(out, g) << "m=" << m << " n=" << n;
   }
@@ -198,6 +199,25 @@ TEST(LinearAmxEmulatedTest, MatchesReference) {
     ExpectMatchesReference(x, w, with_bias ? bias.data() : nullptr, s, y, true, 1e-4,
                            "amx-emulated");
     if (HasFailure()) return;
+  }
+}
+
+// The SwiGLU work items (blocks of gate and up together, partial blocks of both, spans for
+// long x) on emulated tiles: the same bits as separate emulated products and the SiLU op.
+TEST(LinearAmxEmulatedTest, SwiGluEqualsSeparateProductsThenSilu) {
+  if (!GetCpuFeatures().avx512_bf16) GTEST_SKIP() << "needs AVX-512-BF16";
+  std::mt19937 rng(100);
+  for (const Shape& s : {Shape{17, 40, 96}, Shape{33, 100, 70}, Shape{130, 520, 4100}}) {
+    const Weight gate = MakeWeight(DType::kBF16, s.n, s.k, rng);
+    const Weight up = MakeWeight(DType::kBF16, s.n, s.k, rng);
+    const std::vector<float> x = RandomVector(s.m * s.k, rng);
+    std::vector<float> out(s.m * s.n, NAN), g(s.m * s.n), u(s.m * s.n);
+    LinearBf16AmxSwiGluEmulatedForTesting(x.data(), s.m, gate.half.data(), up.half.data(), s.n,
+                                          s.k, out.data());
+    LinearBf16AmxEmulatedForTesting(x.data(), s.m, gate.half.data(), s.n, s.k, nullptr, g.data());
+    LinearBf16AmxEmulatedForTesting(x.data(), s.m, up.half.data(), s.n, s.k, nullptr, u.data());
+    SiluMulSeparate(g.data(), u.data(), s.m * s.n, g.data());
+    EXPECT_EQ(out, g) << "m=" << s.m << " n=" << s.n << " k=" << s.k;
   }
 }
 

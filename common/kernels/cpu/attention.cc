@@ -147,7 +147,8 @@ void AttendGroupAvx512(const AttentionSeq& seq, const PagedKvLayout& l, int64_t 
         for (int j = 0; j < G; ++j) acc[j] = _mm512_setzero_ps();
         for (int64_t i = 0; i < d; ++i) {
           const __m512 k = _mm512_maskz_loadu_ps(mask, kt + i * bt + tok0);
-          for (int j = 0; j < G; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(qs[j * d + i]), k, acc[j]);
+          for (int j = 0; j < G; ++j)
+            acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(qs[j * d + i]), k, acc[j]);
         }
         for (int j = 0; j < G; ++j)
           _mm512_mask_storeu_ps(scores.data() + j * stride + b * bt + tok0, mask, acc[j]);

@@ -293,7 +293,9 @@ void AmxLinear(const float* x, int64_t m, int64_t k, const Bf16Output* outs, int
   const int64_t item_span = swiglu ? std::max<int64_t>(1, span / 2) : span;
   const int64_t walked = swiglu ? 1 : num_outs;
   int64_t items = 0;
-  for (int64_t o = 0; o < walked; ++o) items += CeilDiv(CeilDiv(outs[o].n, kBlockRows), item_span);
+  for (int64_t o = 0; o < walked; ++o) {
+    items += CeilDiv(CeilDiv(outs[o].n, kBlockRows), item_span);
+  }
   // Long outputs are written with streaming stores: each block writes two whole lines per row
   // of y, and a plain store would first read each line in (from DRAM: y is past L2).
   auto streamed = [&](const Bf16Output& out) {
@@ -408,6 +410,13 @@ void LinearBf16AmxEmulatedForTesting(const float* x, int64_t m, const uint16_t* 
                                      int64_t k, const float* bias, float* y) {
   const Bf16Output out{w, n, bias, y};
   AmxLinear<EmulatedTiles>(x, m, k, &out, 1, Epilogue::kSeparate);
+}
+
+void LinearBf16AmxSwiGluEmulatedForTesting(const float* x, int64_t m, const uint16_t* gate,
+                                           const uint16_t* up, int64_t n, int64_t k,
+                                           float* out) {
+  const Bf16Output outs[2] = {{gate, n, nullptr, out}, {up, n, nullptr, nullptr}};
+  AmxLinear<EmulatedTiles>(x, m, k, outs, 2, Epilogue::kSwiGlu);
 }
 
 }  // namespace preft::kernels::cpu
