@@ -202,6 +202,33 @@ TEST(LinearAmxEmulatedTest, MatchesReference) {
   }
 }
 
+// Shared-x work items numbered over several outputs (one ending on a partial block, one with
+// a bias, spans for long x) on emulated tiles: the same bits as one emulated call per output.
+TEST(LinearAmxEmulatedTest, SharedEqualsSeparateCalls) {
+  if (!GetCpuFeatures().avx512_bf16) GTEST_SKIP() << "needs AVX-512-BF16";
+  std::mt19937 rng(101);
+  for (const Shape& s : {Shape{17, 100, 96}, Shape{130, 520, 4100}}) {
+    const int64_t widths[3] = {s.n, 40, 64};
+    std::vector<Weight> ws;
+    std::vector<std::vector<float>> got, want;
+    for (int64_t n : widths) {
+      ws.push_back(MakeWeight(DType::kBF16, n, s.k, rng));
+      got.emplace_back(s.m * n, NAN);
+      want.emplace_back(s.m * n);
+    }
+    const std::vector<float> x = RandomVector(s.m * s.k, rng), bias = RandomVector(40, rng);
+    Bf16Output outs[3];
+    for (int o = 0; o < 3; ++o)
+      outs[o] = {ws[o].half.data(), widths[o], o == 1 ? bias.data() : nullptr, got[o].data()};
+    LinearBf16AmxSharedEmulatedForTesting(x.data(), s.m, s.k, outs, 3);
+    for (int o = 0; o < 3; ++o) {
+      LinearBf16AmxEmulatedForTesting(x.data(), s.m, ws[o].half.data(), widths[o], s.k,
+                                      outs[o].bias, want[o].data());
+      EXPECT_EQ(got[o], want[o]) << "output " << o << " m=" << s.m << " k=" << s.k;
+    }
+  }
+}
+
 // The SwiGLU work items (blocks of gate and up together, partial blocks of both, spans for
 // long x) on emulated tiles: the same bits as separate emulated products and the SiLU op.
 TEST(LinearAmxEmulatedTest, SwiGluEqualsSeparateProductsThenSilu) {

@@ -412,6 +412,11 @@ void LinearBf16AmxEmulatedForTesting(const float* x, int64_t m, const uint16_t* 
   AmxLinear<EmulatedTiles>(x, m, k, &out, 1, Epilogue::kSeparate);
 }
 
+void LinearBf16AmxSharedEmulatedForTesting(const float* x, int64_t m, int64_t k,
+                                           const Bf16Output* outs, int64_t count) {
+  AmxLinear<EmulatedTiles>(x, m, k, outs, count, Epilogue::kSeparate);
+}
+
 void LinearBf16AmxSwiGluEmulatedForTesting(const float* x, int64_t m, const uint16_t* gate,
                                            const uint16_t* up, int64_t n, int64_t k,
                                            float* out) {

@@ -89,7 +89,10 @@ void LinearBf16AmxSwiGlu(const float* x, int64_t m, const uint16_t* gate, const 
 // so its indexing is testable on CPUs without AMX. Needs AVX-512-BF16; slow.
 void LinearBf16AmxEmulatedForTesting(const float* x, int64_t m, const uint16_t* w, int64_t n,
                                      int64_t k, const float* bias, float* y);
-// The same for LinearBf16AmxSwiGlu (items holding blocks of two weights).
+// The same for LinearBf16AmxShared (items numbered over several outputs) and
+// LinearBf16AmxSwiGlu (items holding blocks of two weights).
+void LinearBf16AmxSharedEmulatedForTesting(const float* x, int64_t m, int64_t k,
+                                           const Bf16Output* outs, int64_t count);
 void LinearBf16AmxSwiGluEmulatedForTesting(const float* x, int64_t m, const uint16_t* gate,
                                            const uint16_t* up, int64_t n, int64_t k, float* out);
 
