@@ -105,15 +105,24 @@ void Linear(const float* x, int64_t m, const MatrixView& w, const float* bias, f
   }
 }
 
+namespace {
+
+// Whether the AMX kernel takes w [rows, k] for m rows of x (what Linear picks for it).
+bool AmxTakes(const MatrixView& w, int64_t m, int64_t k) {
+  return ActiveLinearIsa() == LinearIsa::kAmx && m > kMaxGemvRows && k > 0 &&
+         w.dtype == DType::kBF16 && w.cols == k && w.rows > 0;
+}
+
+}  // namespace
+
 void LinearShared(const float* x, int64_t m, std::initializer_list<LinearOutput> outputs) {
   constexpr int64_t kMaxOutputs = 4;
   Bf16Output amx[kMaxOutputs];
   int64_t count = 0;
   const int64_t k = outputs.size() > 0 ? outputs.begin()->w.cols : 0;
-  bool shared = ActiveLinearIsa() == LinearIsa::kAmx && m > kMaxGemvRows && k > 0 &&
-                outputs.size() <= kMaxOutputs;
+  bool shared = outputs.size() <= kMaxOutputs;
   for (const LinearOutput& o : outputs) {
-    shared = shared && o.w.dtype == DType::kBF16 && o.w.cols == k && o.w.rows > 0;
+    shared = shared && AmxTakes(o.w, m, k);
     if (shared) amx[count++] = {static_cast<const uint16_t*>(o.w.data), o.w.rows, o.bias, o.y};
   }
   if (shared) {
@@ -126,8 +135,7 @@ void LinearShared(const float* x, int64_t m, std::initializer_list<LinearOutput>
 void LinearSwiGlu(const float* x, int64_t m, const MatrixView& gate, const MatrixView& up,
                   float* out, float* up_scratch) {
   const int64_t n = gate.rows, k = gate.cols;
-  if (ActiveLinearIsa() == LinearIsa::kAmx && m > kMaxGemvRows && k > 0 && n > 0 &&
-      gate.dtype == DType::kBF16 && up.dtype == DType::kBF16 && up.rows == n && up.cols == k) {
+  if (AmxTakes(gate, m, k) && AmxTakes(up, m, k) && up.rows == n) {
     LinearBf16AmxSwiGlu(x, m, static_cast<const uint16_t*>(gate.data),
                         static_cast<const uint16_t*>(up.data), n, k, out);
     return;
