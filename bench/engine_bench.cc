@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "bench/amx_peak.h"
+#include "bench/bf16_peak.h"
 #include "bench/bench_util.h"
 #include "common/engine/engine.h"
 #include "common/model/model.h"
@@ -135,14 +135,15 @@ int main(int argc, char** argv) {
   // Peak RSS before the bandwidth probe allocates its 3 GiB.
   const long peak = PeakRssMiB();
   const double triad = TriadGBps();
-  const double amx_tflops = preft::bench::AmxPeakTflops();
+  const preft::bench::Bf16Peak peak_bf16 = preft::bench::MeasureBf16Peak();
+  const double peak_tflops = peak_bf16.tflops;
   // Multiply-adds per token in the layers' linears, and in the LM head (decode rows only).
   const auto& c = model->config();
   const double layer_macs =
       c.num_layers * (c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim +
                       c.num_heads * c.head_dim * c.hidden_size + 3.0 * c.hidden_size * c.intermediate_size);
   const double head_macs = double(c.hidden_size) * c.vocab_size;
-  std::printf("AMX peak (register-resident tiles, all threads): %.2f TFLOP/s\n", amx_tflops);
+  std::printf("bf16 peak (register-resident %s, all threads): %.2f TFLOP/s\n", peak_bf16.unit, peak_tflops);
 
   std::printf("\n| figure | value | reference (same run) | ratio | target |\n|---|---|---|---|---|\n");
   const double gbps = one.decode_tokens_per_s * weight_gb;
@@ -150,8 +151,8 @@ int main(int argc, char** argv) {
   std::printf("| decode batch 1 | %.1f tok/s = %.1f GB/s of weights | triad %.1f GB/s (%.1f before, %.1f after) | %.2f | >= 0.70 |\n",
               one.decode_tokens_per_s, gbps, triad_one, triad_before, triad_after, gbps / triad_one);
   const double pre_tflops = pre.prefill_tokens_per_s * 2 * layer_macs / 1e12;
-  std::printf("| prefill 512 tokens | %.0f tok/s = %.2f TFLOP/s in linears | AMX peak %.2f TFLOP/s | %.2f | >= 1000 tok/s |\n",
-              pre.prefill_tokens_per_s, pre_tflops, amx_tflops, amx_tflops > 0 ? pre_tflops / amx_tflops : 0);
+  std::printf("| prefill 512 tokens | %.0f tok/s = %.2f TFLOP/s in linears | bf16 peak %.2f TFLOP/s | %.2f | >= 1000 tok/s |\n",
+              pre.prefill_tokens_per_s, pre_tflops, peak_tflops, peak_tflops > 0 ? pre_tflops / peak_tflops : 0);
   for (const auto& [conc, r] : batched) {
     const double bound = triad / weight_gb * conc;  // weights read once per step
     std::printf("| decode %d seqs (128+%d) | %.0f tok/s decode-only, %.0f tok/s end to end | weight-byte bound %.0f tok/s | %.2f | %s |\n",
@@ -159,8 +160,8 @@ int main(int argc, char** argv) {
                 r.decode_tokens_per_s / bound, conc == 64 ? ">= 400 tok/s" : "-");
   }
   const double dec_tflops = batched.back().second.decode_tokens_per_s * 2 * (layer_macs + head_macs) / 1e12;
-  std::printf("| decode 64 seqs, compute | %.2f TFLOP/s in linears and LM head | AMX peak %.2f TFLOP/s | %.2f | - |\n",
-              dec_tflops, amx_tflops, amx_tflops > 0 ? dec_tflops / amx_tflops : 0);
+  std::printf("| decode 64 seqs, compute | %.2f TFLOP/s in linears and LM head | bf16 peak %.2f TFLOP/s | %.2f | - |\n",
+              dec_tflops, peak_tflops, peak_tflops > 0 ? dec_tflops / peak_tflops : 0);
   const double weights_mib = weight_gb * 1e9 / (1 << 20);
   const double kv_mib = 64.0 * 256 * kv_bytes_per_token / (1 << 20);
   if (!rss_reset) std::printf("(peak RSS could not be reset: it includes the triad's arrays)\n");

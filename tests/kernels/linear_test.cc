@@ -124,8 +124,10 @@ TEST_P(LinearIsaTest, Bf16) {
 // an output that cannot share (f16 beside bf16) making the call fall back.
 TEST_P(LinearIsaTest, SharedEqualsSeparateCalls) {
   std::mt19937 rng(7);
-  for (int64_t m : {1, 5, 17, 64, 300}) {
-    const int64_t k = 96;
+  // m = 1 and 5 take the GEMV; from 8 the batched kernels. k = 1105 is odd and spans two k
+  // blocks of the w-broadcast kernel, m = 600 two of its row blocks.
+  for (auto [m, k] : {std::pair<int64_t, int64_t>{1, 96}, {5, 96}, {5, 1105}, {17, 96},
+                      {64, 96}, {300, 96}, {600, 1105}}) {
     const Weight a = MakeWeight(DType::kBF16, 4096, k, rng);
     const Weight b = MakeWeight(DType::kBF16, 40, k, rng);
     const Weight c = MakeWeight(m == 17 ? DType::kF16 : DType::kBF16, 128, k, rng);
@@ -139,22 +141,23 @@ TEST_P(LinearIsaTest, SharedEqualsSeparateCalls) {
     Linear(x.data(), m, a.View(4096, k), nullptr, ra.data());
     Linear(x.data(), m, b.View(40, k), bias.data(), rb.data());
     Linear(x.data(), m, c.View(128, k), nullptr, rc.data());
-    EXPECT_EQ(ya, ra) << "m=" << m;
-    EXPECT_EQ(yb, rb) << "m=" << m;
-    EXPECT_EQ(yc, rc) << "m=" << m;
+    EXPECT_EQ(ya, ra) << "m=" << m << " k=" << k;
+    EXPECT_EQ(yb, rb) << "m=" << m << " k=" << k;
+    EXPECT_EQ(yc, rc) << "m=" << m << " k=" << k;
   }
 }
 
 // LinearSwiGlu gives exactly LinearShared followed by SiluMulSeparate: n = 40 ends on a
-// partial block of both projections; m = 300 x 4096 is streamed on AMX; f16 weights and a
-// single row take the unfused path.
+// partial block of both projections; m = 300 x 4096 is streamed on AMX; f16 weights take the
+// unfused path; one row the fused GEMV; k = 1105 two k blocks of the w-broadcast kernel.
 TEST_P(LinearIsaTest, SwiGluEqualsSharedThenSilu) {
   std::mt19937 rng(8);
-  for (auto [m, n, dtype] : {std::tuple<int64_t, int64_t, DType>{1, 40, DType::kBF16},
-                             {17, 40, DType::kBF16},
-                             {64, 200, DType::kF16},
-                             {300, 4096, DType::kBF16}}) {
-    const int64_t k = 96;
+  for (auto [m, n, k, dtype] : {std::tuple<int64_t, int64_t, int64_t, DType>{1, 40, 96, DType::kBF16},
+                                {3, 1000, 1105, DType::kBF16},
+                                {17, 40, 96, DType::kBF16},
+                                {64, 200, 96, DType::kF16},
+                                {300, 4096, 96, DType::kBF16},
+                                {600, 300, 1105, DType::kBF16}}) {
     const Weight gate = MakeWeight(dtype, n, k, rng), up = MakeWeight(dtype, n, k, rng);
     const std::vector<float> x = RandomVector(m * k, rng);
     base::AlignedVector<float> out(m * n, NAN), scratch(m * n, NAN);
@@ -163,7 +166,7 @@ TEST_P(LinearIsaTest, SwiGluEqualsSharedThenSilu) {
     LinearShared(x.data(), m,
                  {{gate.View(n, k), nullptr, g.data()}, {up.View(n, k), nullptr, u.data()}});
     SiluMulSeparate(g.data(), u.data(), m * n, g.data());
-    EXPECT_EQ(out, g) << "m=" << m << " n=" << n;
+    EXPECT_EQ(out, g) << "m=" << m << " n=" << n << " k=" << k;
   }
 }
 

@@ -29,8 +29,21 @@ uint64_t ReadXcr0() {
 
 bool Bit(uint32_t reg, int bit) { return (reg >> bit) & 1u; }
 
+CpuFeatures::Vendor DetectVendor() {
+  uint32_t a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return CpuFeatures::Vendor::kOther;
+  char id[13] = {};
+  std::memcpy(id, &b, 4);
+  std::memcpy(id + 4, &d, 4);
+  std::memcpy(id + 8, &c, 4);
+  if (std::strcmp(id, "GenuineIntel") == 0) return CpuFeatures::Vendor::kIntel;
+  if (std::strcmp(id, "AuthenticAMD") == 0) return CpuFeatures::Vendor::kAmd;
+  return CpuFeatures::Vendor::kOther;
+}
+
 CpuFeatures Detect() {
   CpuFeatures f;
+  f.vendor = DetectVendor();
   uint32_t a, b, c, d;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
   const bool osxsave = Bit(c, 27), avx = Bit(c, 28), fma = Bit(c, 12), f16c = Bit(c, 29);

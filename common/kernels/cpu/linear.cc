@@ -107,35 +107,79 @@ void Linear(const float* x, int64_t m, const MatrixView& w, const float* bias, f
 
 namespace {
 
-// Whether the AMX kernel takes w [rows, k] for m rows of x (what Linear picks for it).
-bool AmxTakes(const MatrixView& w, int64_t m, int64_t k) {
-  return ActiveLinearIsa() == LinearIsa::kAmx && m > kMaxGemvRows && k > 0 &&
-         w.dtype == DType::kBF16 && w.cols == k && w.rows > 0;
+// Which bf16 kernel Linear would run for m rows of x against w [rows, k]; the shared calls
+// below run the same one over several weights. kNone: none of the bf16 kernels
+// (another dtype or ISA, or a shape they do not take); Linear then decides alone.
+enum class Bf16Kernel { kNone, kAmx, kBroadcast, kGemv };
+
+Bf16Kernel Bf16KernelFor(const MatrixView& w, int64_t m, int64_t k) {
+  if (w.dtype != DType::kBF16 || w.cols != k || w.rows <= 0 || k <= 0 || m <= 0) {
+    return Bf16Kernel::kNone;
+  }
+  const LinearIsa isa = ActiveLinearIsa();
+  if (isa == LinearIsa::kAmx && m > kMaxGemvRows) return Bf16Kernel::kAmx;
+  if (isa >= LinearIsa::kAvx512Bf16) {
+    return m >= kMinBroadcastRows ? Bf16Kernel::kBroadcast : Bf16Kernel::kGemv;
+  }
+  return Bf16Kernel::kNone;
+}
+
+// One kernel for all of `outputs` (the same Linear would pick for each), or kNone.
+Bf16Kernel SharedKernel(int64_t m, std::initializer_list<LinearOutput> outputs) {
+  const int64_t k = outputs.size() > 0 ? outputs.begin()->w.cols : 0;
+  Bf16Kernel kernel = Bf16Kernel::kNone;
+  for (const LinearOutput& o : outputs) {
+    const Bf16Kernel mine = Bf16KernelFor(o.w, m, k);
+    if (mine == Bf16Kernel::kNone || (kernel != Bf16Kernel::kNone && mine != kernel)) {
+      return Bf16Kernel::kNone;
+    }
+    kernel = mine;
+  }
+  return kernel;
+}
+
+void RunShared(Bf16Kernel kernel, const float* x, int64_t m, int64_t k, const Bf16Output* outs,
+               int64_t count) {
+  switch (kernel) {
+    case Bf16Kernel::kAmx:
+      LinearBf16AmxShared(x, m, k, outs, count);
+      return;
+    case Bf16Kernel::kBroadcast:
+      LinearBf16Avx512BroadcastShared(x, m, k, outs, count);
+      return;
+    case Bf16Kernel::kGemv:
+      LinearBf16Avx512Bf16Shared(x, m, k, outs, count);
+      return;
+    case Bf16Kernel::kNone:
+      return;
+  }
 }
 
 }  // namespace
 
 void LinearShared(const float* x, int64_t m, std::initializer_list<LinearOutput> outputs) {
   constexpr int64_t kMaxOutputs = 4;
-  Bf16Output amx[kMaxOutputs];
-  int64_t count = 0;
-  const int64_t k = outputs.size() > 0 ? outputs.begin()->w.cols : 0;
-  bool shared = outputs.size() <= kMaxOutputs;
-  for (const LinearOutput& o : outputs) {
-    shared = shared && AmxTakes(o.w, m, k);
-    if (shared) amx[count++] = {static_cast<const uint16_t*>(o.w.data), o.w.rows, o.bias, o.y};
-  }
-  if (shared) {
-    LinearBf16AmxShared(x, m, k, amx, count);
+  const Bf16Kernel kernel = outputs.size() <= kMaxOutputs ? SharedKernel(m, outputs)
+                                                          : Bf16Kernel::kNone;
+  if (kernel == Bf16Kernel::kNone) {
+    for (const LinearOutput& o : outputs) Linear(x, m, o.w, o.bias, o.y);
     return;
   }
-  for (const LinearOutput& o : outputs) Linear(x, m, o.w, o.bias, o.y);
+  Bf16Output outs[kMaxOutputs];
+  int64_t count = 0;
+  for (const LinearOutput& o : outputs) {
+    outs[count++] = {static_cast<const uint16_t*>(o.w.data), o.w.rows, o.bias, o.y};
+  }
+  RunShared(kernel, x, m, outputs.begin()->w.cols, outs, count);
 }
 
 void LinearSwiGlu(const float* x, int64_t m, const MatrixView& gate, const MatrixView& up,
                   float* out, float* up_scratch) {
   const int64_t n = gate.rows, k = gate.cols;
-  if (AmxTakes(gate, m, k) && AmxTakes(up, m, k) && up.rows == n) {
+  // Only the AMX kernel gains from the fused epilogue: on Zen 5 the w-broadcast and GEMV
+  // kernels measured level with LinearShared + SiluMulSeparate at every m (1 .. 512).
+  if (SharedKernel(m, {{gate, nullptr, out}, {up, nullptr, up_scratch}}) == Bf16Kernel::kAmx &&
+      up.rows == n) {
     LinearBf16AmxSwiGlu(x, m, static_cast<const uint16_t*>(gate.data),
                         static_cast<const uint16_t*>(up.data), n, k, out);
     return;

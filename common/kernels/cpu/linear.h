@@ -23,7 +23,8 @@ struct LinearOutput {
 };
 
 // Linear for several weights of the same x (q, k, v; gate, up), with the same results as
-// one Linear per output. On AMX, x is packed once and all outputs share one parallel region.
+// one Linear per output. With bf16 weights x is rounded (or packed) once and all outputs
+// share one parallel region (q/k/v: 1.1-1.2x on Zen 5 from m = 1, 1.2-1.4x on AMX).
 void LinearShared(const float* x, int64_t m, std::initializer_list<LinearOutput> outputs);
 
 // A SwiGLU MLP's first half: out[m, n] = silu(x · gateᵀ) * (x · upᵀ), the bits of LinearShared

@@ -198,10 +198,10 @@ using TileFn = void (*)(const uint32_t*, int64_t, const uint16_t* const*, int64_
 constexpr TileFn kTiles[kMaxMr + 1] = {nullptr, BroadcastTile<1>, BroadcastTile<2>,
                                        BroadcastTile<3>, BroadcastTile<4>};
 
-}  // namespace
-
-void LinearBf16Avx512Broadcast(const float* x, int64_t m, const uint16_t* w, int64_t n,
-                               int64_t k, const float* bias, float* y) {
+// LinearBf16Avx512Broadcast over the outputs of one x: x is packed once, and work items are
+// (super-block of rows, block of one output's rows of w).
+void BroadcastLinear(const float* x, int64_t m, int64_t k, const Bf16Output* outs,
+                     int64_t count) {
   const int64_t pairs = CeilDiv(k, 2);
   const int64_t m_pad = RoundUp(m, 16);
   auto* xp = static_cast<uint32_t*>(ThreadScratch(0, m_pad * pairs * sizeof(uint32_t)));
@@ -211,24 +211,27 @@ void LinearBf16Avx512Broadcast(const float* x, int64_t m, const uint16_t* w, int
   const int64_t kc = RoundUp(CeilDiv(k, k_blocks), 32);
   const int64_t chunks = CeilDiv(m_pad, kChunkLanes);
   // Work items: blocks of rows of w, a multiple of every tile height the chunks use.
+  int64_t total_n = 0;
+  for (int64_t o = 0; o < count; ++o) total_n += outs[o].n;
   const int mr_first = static_cast<int>(ChunkWidth(m_pad, 0) / 16);
   const int mr_last = static_cast<int>(ChunkWidth(m_pad, (chunks - 1) * kChunkLanes) / 16);
   const int64_t grain = std::lcm(NrFor(mr_first), NrFor(mr_last));
   const int64_t threads = omp_get_max_threads();
   int64_t block = std::max<int64_t>(1, kItemBlockBytes / (std::min(kc, k) * 2) / grain) * grain;
-  block = std::min(block, RoundUp(CeilDiv(n, 2 * threads), grain));
+  block = std::min(block, RoundUp(CeilDiv(total_n, 2 * threads), grain));
   // Even out the blocks, their count a multiple of the team when it is small.
   const int64_t m_supers = CeilDiv(m_pad, kMaxMc);
-  int64_t n_blocks = CeilDiv(n, block);
+  int64_t n_blocks = CeilDiv(total_n, block);
   if (n_blocks * m_supers < 8 * threads) {
     n_blocks = RoundUp(n_blocks * m_supers, threads) / m_supers;
   }
-  block = RoundUp(CeilDiv(n, n_blocks), grain);
-  n_blocks = CeilDiv(n, block);
+  block = RoundUp(CeilDiv(total_n, n_blocks), grain);
+  n_blocks = 0;
+  for (int64_t o = 0; o < count; ++o) n_blocks += CeilDiv(outs[o].n, block);
   const int64_t items = m_supers * n_blocks;
   const int64_t pack_items = m_pad / 16 * CeilDiv(pairs, 16);
   const int64_t pair_groups = CeilDiv(pairs, 16);
-#pragma omp parallel if (WorthThreads(m, n, k))
+#pragma omp parallel if (WorthThreads(m, total_n, k))
   {
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < pack_items; ++it) {
@@ -236,9 +239,15 @@ void LinearBf16Avx512Broadcast(const float* x, int64_t m, const uint16_t* w, int
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t j_begin = item % n_blocks * block, j_end = std::min(n, j_begin + block);
+      int64_t o = 0, b = item % n_blocks;
+      while (b >= CeilDiv(outs[o].n, block)) b -= CeilDiv(outs[o].n, block), ++o;
+      const int64_t n = outs[o].n;
+      const int64_t j_begin = b * block, j_end = std::min(n, j_begin + block);
       const int64_t i_begin = item / n_blocks * kMaxMc;
       const int64_t i_end = std::min(m_pad, i_begin + kMaxMc);
+      const uint16_t* w = outs[o].w;
+      const float* bias = outs[o].bias;
+      float* y = outs[o].y;
       for (int64_t c0 = 0; c0 < k; c0 += kc) {
         const int64_t len = std::min(kc, k - c0);
         const int64_t np = CeilDiv(len, 2);
@@ -260,6 +269,19 @@ void LinearBf16Avx512Broadcast(const float* x, int64_t m, const uint16_t* w, int
       }
     }
   }
+}
+
+}  // namespace
+
+void LinearBf16Avx512Broadcast(const float* x, int64_t m, const uint16_t* w, int64_t n,
+                               int64_t k, const float* bias, float* y) {
+  const Bf16Output out{w, n, bias, y};
+  BroadcastLinear(x, m, k, &out, 1);
+}
+
+void LinearBf16Avx512BroadcastShared(const float* x, int64_t m, int64_t k,
+                                     const Bf16Output* outs, int64_t count) {
+  BroadcastLinear(x, m, k, outs, count);
 }
 
 }  // namespace preft::kernels::cpu

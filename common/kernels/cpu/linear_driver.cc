@@ -47,24 +47,36 @@ void* ThreadScratch(int slot, size_t bytes) {
 }
 
 void RunDotKernel(const DotArgs& args, int64_t m, const DotKernelTable& table) {
-  const int64_t n = args.n, nr = table.nr, max_mr = table.max_mr;
-  // Work items are (row chunk, slice of n), handed out dynamically: a thread that loses its
-  // core to another process then delays the call by one slice, not by half of it. Slices
-  // hold ~kSliceBytes of w (whole nr-blocks), and at least two per thread when n allows.
-  const int64_t row_bytes = args.k * 2;
+  RunDotKernelShared(&args, 1, m, table);
+}
+
+void RunDotKernelShared(const DotArgs* outs, int64_t count, int64_t m,
+                        const DotKernelTable& table) {
+  const int64_t nr = table.nr, max_mr = table.max_mr, k = outs[0].k;
+  // Work items are (row chunk, slice of one output's n), handed out dynamically: a thread
+  // that loses its core to another process then delays the call by one slice, not by half
+  // of it. Slices hold ~kSliceBytes of w (whole nr-blocks), and at least two per thread
+  // when n allows.
+  int64_t total_n = 0;
+  for (int64_t o = 0; o < count; ++o) total_n += outs[o].n;
   const int64_t threads = omp_get_max_threads();
-  int64_t slice = std::max<int64_t>(1, kSliceBytes / row_bytes);
-  slice = std::min(slice, CeilDiv(n, 2 * threads));
+  int64_t slice = std::max<int64_t>(1, kSliceBytes / (k * 2));
+  slice = std::min(slice, CeilDiv(total_n, 2 * threads));
   slice = RoundUp(std::max<int64_t>(slice, 1), nr);
-  const int64_t slices = CeilDiv(n, slice);
+  int64_t slices = 0;
+  for (int64_t o = 0; o < count; ++o) slices += CeilDiv(outs[o].n, slice);
   const int64_t chunks = CeilDiv(m, kRowChunk);
-  const bool parallel = WorthThreads(m, n, args.k);
+  const bool parallel = WorthThreads(m, total_n, k);
 #pragma omp parallel for schedule(dynamic, 1) if (parallel)
   for (int64_t item = 0; item < chunks * slices; ++item) {
     const int64_t i_begin = item / slices * kRowChunk;
     const int64_t i_end = std::min(m, i_begin + kRowChunk);
-    const int64_t j_begin = item % slices * slice;
+    int64_t o = 0, s = item % slices;
+    while (s >= CeilDiv(outs[o].n, slice)) s -= CeilDiv(outs[o].n, slice), ++o;
+    const int64_t n = outs[o].n;
+    const int64_t j_begin = s * slice;
     const int64_t j_end = std::min(n, j_begin + slice);
+    const DotArgs& args = outs[o];
     for (int64_t j = j_begin; j < j_end; j += nr) {
       if (j + nr <= n) {
         for (int64_t i = i_begin; i < i_end; i += max_mr) {

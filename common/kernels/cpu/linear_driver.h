@@ -44,6 +44,11 @@ struct DotKernelTable {
 // GEMV case.
 void RunDotKernel(const DotArgs& args, int64_t m, const DotKernelTable& table);
 
+// RunDotKernel over several weights of the same x (their DotArgs differ only in w, n, bias
+// and y) in one parallel region: work items are slices of each output in turn.
+void RunDotKernelShared(const DotArgs* outs, int64_t count, int64_t m,
+                        const DotKernelTable& table);
+
 // Whether a call of this size gains from the OpenMP threads (see linear_driver.cc).
 bool WorthThreads(int64_t m, int64_t n, int64_t k);
 

@@ -24,6 +24,14 @@ LinearIsa ActiveLinearIsa();
 // concurrent Linear calls.
 void SetLinearIsaCapForTesting(LinearIsa cap);
 
+// One weight of the calls below that share x (q, k, v; gate, up): y[m, n] = x · wᵀ (+ bias).
+struct Bf16Output {
+  const uint16_t* w;
+  int64_t n;
+  const float* bias;
+  float* y;
+};
+
 // Plain C++ (no SIMD assumptions). w bf16 or f16.
 void LinearHalfScalar(const float* x, int64_t m, const uint16_t* w, DType w_dtype, int64_t n,
                       int64_t k, const float* bias, float* y);
@@ -40,6 +48,10 @@ void LinearHalfAvx512(const float* x, int64_t m, const uint16_t* w, DType w_dtyp
 // per 64-row block of x, so it is the bandwidth-bound GEMV for small m.
 void LinearBf16Avx512Bf16(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
                           const float* bias, float* y);
+// The same over several weights of one x (at most 4), in one parallel region: x is rounded
+// once and work items are slices of every output.
+void LinearBf16Avx512Bf16Shared(const float* x, int64_t m, int64_t k, const Bf16Output* outs,
+                                int64_t count);
 
 // AVX-512-BF16, packed GEMM for batched x: blocks of w (64 rows x up to 1024 of k) are
 // repacked per call into the vdpbf16ps pair layout in per-thread scratch and multiplied by
@@ -56,6 +68,9 @@ void LinearBf16Avx512Packed(const float* x, int64_t m, const uint16_t* w, int64_
 // Linear's bf16 kernel without AMX from 8 rows of x; each w element is read once per 512.
 void LinearBf16Avx512Broadcast(const float* x, int64_t m, const uint16_t* w, int64_t n,
                                int64_t k, const float* bias, float* y);
+// The same over several weights of one x, as LinearBf16Avx512Bf16Shared: x packed once.
+void LinearBf16Avx512BroadcastShared(const float* x, int64_t m, int64_t k,
+                                     const Bf16Output* outs, int64_t count);
 
 // Rounds rows of x [m, k] to bf16 (RNE, as vdpbf16ps would) into xb [m, ldx], ldx a multiple
 // of 32 at least k, zero-padded. Needs AVX-512-BF16; shared by the kernels above.
@@ -65,14 +80,6 @@ void ConvertRowsToBf16(const float* x, int64_t m, int64_t k, int64_t ldx, uint16
 // x packed per call into the VNNI layout. x rounded to bf16, f32 accumulation.
 void LinearBf16Amx(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
                    const float* bias, float* y);
-
-// One weight of LinearBf16AmxShared: y[m, n] = x · wᵀ (+ bias).
-struct Bf16Output {
-  const uint16_t* w;
-  int64_t n;
-  const float* bias;
-  float* y;
-};
 
 // LinearBf16Amx over several weights of one x (q, k, v; gate, up): x is packed once and the
 // w blocks of all outputs are spread over the threads in one parallel region.
