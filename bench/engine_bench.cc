@@ -106,7 +106,8 @@ int main(int argc, char** argv) {
   const double weight_gb = model->weight_bytes() / 1e9;
   const auto shape = model->CacheShape(1);
   const double kv_bytes_per_token = shape.bytes_per_block_all_layers() / 16.0;
-  std::printf("model: %s, %.3f GB of weights, KV %.1f KiB/token\n", model_dir.c_str(), weight_gb,
+  std::printf("model: %s, %.3f GB of weights (%.0f%% in huge pages), KV %.1f KiB/token\n",
+              model_dir.c_str(), weight_gb, 100.0 * model->weight_huge_page_bytes() / model->weight_bytes(),
               kv_bytes_per_token / 1024);
 
   if (only_batch > 0) {

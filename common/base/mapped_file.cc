@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -14,6 +15,33 @@
 #include "absl/strings/str_cat.h"
 
 namespace preft::base {
+namespace {
+
+// Files from this size (model weights; not adapters or configs) are mapped in huge pages.
+constexpr size_t kHugePageMinBytes = size_t{64} << 20;
+
+// Maps a whole file read-only, in 2 MiB pages where the kernel can (file-backed transparent
+// huge pages: Linux 6.x with large folios on ext4/xfs), else in 4 KiB pages as before.
+// Measured in this project's VM (Zen 5, nested paging), where a TLB miss costs a
+// two-dimensional page walk: qwen2.5-0.5b decode at batch 1 1.3-1.5x, 64 sequences 1.4x, a
+// 128-token prefill 2.4x over 4 KiB pages (NOTES step 9).
+void* MapInHugePages(int fd, size_t size) {
+  // Cached pages are mapped in the folios they already have, small ones when the file was
+  // just written; dropping those nobody maps lets readahead bring them back huge. Costs a
+  // re-read from disk at load when the file was cached.
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) return p;
+  ::madvise(p, size, MADV_HUGEPAGE);
+  // Populated up front, as MAP_POPULATE would, but after the advice.
+  if (::madvise(p, size, MADV_POPULATE_READ) != 0) {
+    volatile uint8_t sink = 0;
+    for (size_t i = 0; i < size; i += 4096) sink = sink + static_cast<const uint8_t*>(p)[i];
+  }
+  return p;
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<MappedFile>> MappedFile::Open(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -30,8 +58,9 @@ absl::StatusOr<std::unique_ptr<MappedFile>> MappedFile::Open(const std::string& 
   size_t size = static_cast<size_t>(st.st_size);
   const uint8_t* data = nullptr;
   if (size > 0) {
-    // Populated up front: the first forward would otherwise pay ~0.5 µs per page in faults.
-    void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
+    void* p = size >= kHugePageMinBytes ? MapInHugePages(fd, size)
+                                        : ::mmap(nullptr, size, PROT_READ,
+                                                 MAP_SHARED | MAP_POPULATE, fd, 0);
     if (p == MAP_FAILED) {
       int err = errno;
       ::close(fd);
@@ -41,6 +70,25 @@ absl::StatusOr<std::unique_ptr<MappedFile>> MappedFile::Open(const std::string& 
   }
   ::close(fd);  // The mapping keeps the file alive.
   return std::unique_ptr<MappedFile>(new MappedFile(path, data, size));
+}
+
+size_t MappedFile::HugePageBytes() const {
+  if (data_ == nullptr) return 0;
+  // /proc/self/smaps: a header line per mapping ("start-end perms ..."), then its fields.
+  std::ifstream smaps("/proc/self/smaps");
+  const auto start = reinterpret_cast<uintptr_t>(data_);
+  bool ours = false;
+  std::string line;
+  while (std::getline(smaps, line)) {
+    uintptr_t lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find(':') > line.find(' ')) {
+      ours = lo == start;
+      continue;
+    }
+    size_t kib = 0;
+    if (ours && std::sscanf(line.c_str(), "FilePmdMapped: %zu kB", &kib) == 1) return kib << 10;
+  }
+  return 0;
 }
 
 MappedFile::~MappedFile() {

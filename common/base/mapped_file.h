@@ -10,7 +10,8 @@
 namespace preft::base {
 
 // A read-only memory mapping of a whole file. Pages are shared with the page cache, so
-// weights read through it cost no second copy. Immutable after Open; thread-safe to read.
+// weights read through it cost no second copy; large files are mapped in huge pages where
+// the kernel supports it (see mapped_file.cc). Immutable after Open; thread-safe to read.
 class MappedFile {
  public:
   static absl::StatusOr<std::unique_ptr<MappedFile>> Open(const std::string& path);
@@ -21,6 +22,8 @@ class MappedFile {
   const uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
   const std::string& path() const { return path_; }
+  // Bytes of the mapping that sit in 2 MiB pages now (from /proc/self/smaps; 0 if unknown).
+  size_t HugePageBytes() const;
 
  private:
   MappedFile(std::string path, const uint8_t* data, size_t size)

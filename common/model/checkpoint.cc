@@ -169,4 +169,10 @@ size_t Checkpoint::total_bytes() const {
   return n;
 }
 
+size_t Checkpoint::huge_page_bytes() const {
+  size_t n = 0;
+  for (const auto& f : files_) n += f->huge_page_bytes();
+  return n;
+}
+
 }  // namespace preft::model

@@ -46,8 +46,9 @@ class Checkpoint {
   absl::Status CheckTensors(const ModelConfig& config) const;
   const std::map<std::string, const TensorInfo*, std::less<>>& tensors() const { return tensors_; }
   const std::string& dir() const { return dir_; }
-  // Bytes of all mapped shards.
+  // Bytes of all mapped shards, and how many of them sit in huge pages.
   size_t total_bytes() const;
+  size_t huge_page_bytes() const;
 
  private:
   Checkpoint() = default;

@@ -34,6 +34,8 @@ class Model {
   kernels::DType weight_dtype() const { return layers_.front().q.dtype; }
   // Bytes of weights read by one forward (the mapped checkpoint).
   size_t weight_bytes() const { return checkpoint_->total_bytes(); }
+  // Of those, the bytes mapped in huge pages (see base::MappedFile).
+  size_t weight_huge_page_bytes() const { return checkpoint_->huge_page_bytes(); }
 
   // A KV cache shape for this model with `num_blocks` blocks.
   kv::KvCacheShape CacheShape(int64_t num_blocks, int64_t block_tokens = 16) const;

@@ -51,6 +51,8 @@ class SafetensorsFile {
   const std::string& path() const { return path_; }
   // Size of the whole file image (header included).
   size_t size_bytes() const { return size_bytes_; }
+  // Bytes of the mapping in huge pages (base::MappedFile::HugePageBytes).
+  size_t huge_page_bytes() const { return file_ != nullptr ? file_->HugePageBytes() : 0; }
 
  private:
   SafetensorsFile() = default;
