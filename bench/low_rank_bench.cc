@@ -1,11 +1,15 @@
 // LowRankAdd alone (the multi-LoRA decode cost): 64 decode rows on 64 distinct rank-16 bf16
 // adapters over qwen2.5-0.5b's seven projection shapes, against the bytes those adapters hold
-// and the triad bandwidth of the same run.
+// and the triad bandwidth of the same run. Each adapter is one mapping, as the engine's
+// compute slots are (AdapterWeights::ConvertTo); the same step runs on a copy in 4 KiB pages
+// and one in 2 MiB pages, alternately, so the page size is compared within one run.
+//   low_rank_bench [adapters 64] [rows per adapter 1]
 
 #include <omp.h>
+#include <sys/mman.h>
 
 #include <cstdio>
-#include <random>
+#include <algorithm>
 #include <vector>
 
 #include "bench/bench_util.h"
@@ -32,47 +36,64 @@ int main(int argc, char** argv) {
   const int64_t rank = 16, layers = 24;
   const Proj projs[] = {{896, 896},  {896, 128},  {896, 128}, {896, 896},
                         {896, 4864}, {896, 4864}, {4864, 896}};
-  std::mt19937 rng(1);
-  // weights[layer][proj][adapter]: shrink then expand, bf16.
-  std::vector<std::vector<uint16_t>> store;
-  std::vector<std::vector<std::vector<LowRankGroup>>> groups(
-      layers, std::vector<std::vector<LowRankGroup>>(7));
+  // groups[pages][layer][proj]: one group per adapter; shrink then expand, bf16.
+  std::vector<std::vector<std::vector<std::vector<LowRankGroup>>>> groups(
+      2, std::vector<std::vector<std::vector<LowRankGroup>>>(
+             layers, std::vector<std::vector<LowRankGroup>>(7)));
   std::vector<std::vector<int32_t>> rows(adapters);
   for (int a = 0; a < adapters; ++a)
     for (int r = 0; r < rows_per_adapter; ++r) rows[a].push_back(a * rows_per_adapter + r);
-  size_t bytes = 0;
-  for (int64_t l = 0; l < layers; ++l)
-    for (int p = 0; p < 7; ++p)
-      for (int a = 0; a < adapters; ++a) {
-        store.emplace_back(rank * projs[p].in, preft::kernels::F32ToBf16(0.01f));
-        const void* s = store.back().data();
-        store.emplace_back(rank * projs[p].out, preft::kernels::F32ToBf16(0.01f));
-        const void* e = store.back().data();
-        bytes += 2 * rank * (projs[p].in + projs[p].out);
-        groups[l][p].push_back({rows[a].data(), rows_per_adapter,
-                                MatrixView{s, DType::kBF16, rank, projs[p].in},
-                                MatrixView{e, DType::kBF16, rank, projs[p].out}, nullptr, 2.0f});
+  size_t per_adapter = 0;  // bytes of one adapter, all layers
+  for (const Proj& p : projs) per_adapter += 2 * rank * (p.in + p.out) * layers;
+  const size_t bytes = per_adapter * adapters;
+  for (int huge = 0; huge < 2; ++huge) {
+    for (int a = 0; a < adapters; ++a) {
+      void* region = mmap(nullptr, per_adapter, PROT_READ | PROT_WRITE,
+                          MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (region == MAP_FAILED) return 1;
+      madvise(region, per_adapter, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+      auto* w = static_cast<uint16_t*>(region);
+      std::fill(w, w + per_adapter / 2, preft::kernels::F32ToBf16(0.01f));
+      for (int64_t l = 0; l < layers; ++l) {
+        for (int p = 0; p < 7; ++p) {
+          const uint16_t* s = w;
+          const uint16_t* e = w + rank * projs[p].in;
+          groups[huge][l][p].push_back({rows[a].data(), rows_per_adapter,
+                                        MatrixView{s, DType::kBF16, rank, projs[p].in},
+                                        MatrixView{e, DType::kBF16, rank, projs[p].out},
+                                        nullptr, 2.0f});
+          w += rank * (projs[p].in + projs[p].out);
+        }
       }
+    }
+  }
   const int64_t m = int64_t{adapters} * rows_per_adapter;
   std::vector<float> x(m * 4864, 0.5f), y(m * 4864, 0.f);
-  auto step = [&] {
+  auto step = [&](int huge) {
     for (int64_t l = 0; l < layers; ++l)
       for (int p = 0; p < 7; ++p)
         preft::kernels::cpu::LowRankAdd(x.data(), projs[p].in, y.data(), projs[p].out,
-                                        groups[l][p].data(), adapters);
+                                        groups[huge][l][p].data(), adapters);
   };
-  step();
-  double best = 1e9;
+  step(0);
+  step(1);
+  double best[2] = {1e9, 1e9};
   for (int rep = 0; rep < 5; ++rep) {
-    const auto t0 = preft::bench::Clock::now();
-    step();
-    best = std::min(best, preft::bench::Seconds(t0, preft::bench::Clock::now()));
+    for (int huge = 0; huge < 2; ++huge) {
+      const auto t0 = preft::bench::Clock::now();
+      step(huge);
+      best[huge] = std::min(best[huge], preft::bench::Seconds(t0, preft::bench::Clock::now()));
+    }
   }
   const double triad = preft::bench::TriadGBps();
-  std::printf(
-      "%d threads, %d adapters x %d rows: %.1f MB of adapters per step in %.2f ms = %.1f GB/s; "
-      "triad %.1f GB/s; time / byte bound = %.2f\n",
-      omp_get_max_threads(), adapters, rows_per_adapter, bytes / 1e6, best * 1e3,
-      bytes / best / 1e9, triad, best / (bytes / (triad * 1e9)));
+  for (int huge = 0; huge < 2; ++huge) {
+    std::printf(
+        "%d threads, %d adapters x %d rows, %s pages: %.1f MB of adapters per step in %.2f ms "
+        "= %.1f GB/s; triad %.1f GB/s; time / byte bound = %.2f\n",
+        omp_get_max_threads(), adapters, rows_per_adapter, huge ? "2 MiB" : "4 KiB",
+        bytes / 1e6, best[huge] * 1e3, bytes / best[huge] / 1e9, triad,
+        best[huge] / (bytes / (triad * 1e9)));
+  }
+  std::printf("2 MiB / 4 KiB pages: %.2fx\n", best[0] / best[1]);
   return 0;
 }

@@ -1,5 +1,7 @@
 #include "common/model/adapter_weights.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cstring>
 #include <regex>
@@ -80,16 +82,43 @@ kernels::MatrixView AdapterWeights::AllocateMatrix(kernels::DType dtype, int64_t
   has_matrix_ = true;
   PREFT_CHECK(dtype == dtype_);  // one dtype per adapter
   const size_t n = static_cast<size_t>(rows * cols) * kernels::DTypeSize(dtype);
-  buffers_.push_back(std::make_unique<uint8_t[]>(n));  // value-initialised: zeroed
-  bytes_ += n;
-  return {buffers_.back().get(), dtype, rows, cols};
+  return {AllocateZeroed(n), dtype, rows, cols};
 }
 
 float* AdapterWeights::AllocateFloats(int64_t n) {
-  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
-  buffers_.push_back(std::make_unique<uint8_t[]>(bytes));
+  return reinterpret_cast<float*>(AllocateZeroed(static_cast<size_t>(n) * sizeof(float)));
+}
+
+namespace {
+
+// Arena pieces start on a cache line, as the kernels' vector loads prefer.
+size_t ArenaPiece(size_t bytes) { return (bytes + 63) & ~size_t{63}; }
+
+}  // namespace
+
+AdapterWeights::Arena::~Arena() {
+  if (base != nullptr) ::munmap(base, size);
+}
+
+void AdapterWeights::ReserveArena(size_t bytes) {
+  if (bytes == 0 || arena_.base != nullptr) return;
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return;  // the buffers serve instead
+  ::madvise(p, bytes, MADV_HUGEPAGE);
+  arena_.base = static_cast<uint8_t*>(p);
+  arena_.size = bytes;
+}
+
+uint8_t* AdapterWeights::AllocateZeroed(size_t bytes) {
   bytes_ += bytes;
-  return reinterpret_cast<float*>(buffers_.back().get());
+  const size_t piece = ArenaPiece(bytes);
+  if (arena_.base != nullptr && arena_.used + piece <= arena_.size) {
+    uint8_t* p = arena_.base + arena_.used;  // fresh anonymous pages: zero
+    arena_.used += piece;
+    return p;
+  }
+  buffers_.push_back(std::make_unique<uint8_t[]>(bytes));  // value-initialised: zeroed
+  return buffers_.back().get();
 }
 
 int64_t AdapterWeights::max_rank() const {
@@ -130,6 +159,18 @@ LowRank CopyLowRank(const LowRank& src, kernels::DType dtype, AdapterWeights* ds
 
 std::unique_ptr<AdapterWeights> AdapterWeights::ConvertTo(kernels::DType dtype) const {
   auto out = std::make_unique<AdapterWeights>(kind_, num_layers_);
+  size_t arena = 0;
+  auto size_of = [&](const LowRank& lr) {
+    if (lr.empty()) return;
+    const size_t esize = kernels::DTypeSize(dtype);
+    arena += ArenaPiece(lr.shrink.rows * lr.shrink.cols * esize) +
+             ArenaPiece(lr.expand.rows * lr.expand.cols * esize);
+    if (lr.shrink_bias != nullptr) arena += ArenaPiece(lr.rank() * sizeof(float));
+  };
+  for (const auto& layer : lora_)
+    for (const LowRank& lr : layer) size_of(lr);
+  for (const LowRank& lr : direft_) size_of(lr);
+  out->ReserveArena(arena);
   out->default_positions = default_positions;
   out->prompt_selection = prompt_selection;
   out->dtype_ = dtype;

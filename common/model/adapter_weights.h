@@ -98,6 +98,22 @@ class AdapterWeights {
   std::vector<LowRank> direft_;
   std::deque<std::unique_ptr<uint8_t[]>> buffers_;
   size_t bytes_ = 0;
+
+  // One zeroed mapping that ConvertTo sizes exactly and advises into 2 MiB pages (a
+  // multi-LoRA decode step streams every slot's matrices; in a VM a TLB miss is a two-level
+  // walk). Storage is carved from it first, then from buffers_.
+  struct Arena {
+    Arena() = default;
+    Arena(const Arena&) = delete;
+    Arena& operator=(const Arena&) = delete;
+    ~Arena();
+    uint8_t* base = nullptr;
+    size_t size = 0;
+    size_t used = 0;
+  };
+  void ReserveArena(size_t bytes);
+  uint8_t* AllocateZeroed(size_t bytes);
+  Arena arena_;
 };
 
 }  // namespace preft::model
