@@ -138,7 +138,8 @@ std::vector<std::shared_ptr<const AdapterWeights>> LoadAdapters(const preft::mod
       std::fprintf(stderr, "adapter_bench: %s\n", std::string(a.status().message()).c_str());
       std::exit(1);
     }
-    out.emplace_back(std::move(a).value());
+    // The form a serving engine reads: the adapter store's compute-slot copy.
+    out.emplace_back((*a)->ConvertTo(load.dtype));
   }
   return out;
 }
