@@ -8,8 +8,8 @@
 #include <omp.h>
 #include <sys/mman.h>
 
-#include <cstdio>
 #include <algorithm>
+#include <cstdio>
 #include <vector>
 
 #include "bench/bench_util.h"

@@ -189,8 +189,8 @@ void Bf16Tile(const DotArgs& a, int64_t i0, int64_t j0) {
 // - Sapphire Rapids: 4 rows of w per tile with software prefetch; its hardware prefetcher
 //   alone left GEMVs at 12-14 GB/s (prefetch: lm_head 1.31x, gate/up 1.16x, k/v 1.24x).
 // - Zen 5: 8 rows per tile (more lines in flight) and no software prefetch, which only
-//   competes with a strong hardware prefetcher: 1.12-1.24x over the Intel shape on every
-//   projection (lm_head 42 -> 48 GB/s, down 48 -> 60).
+//   competes with a strong hardware prefetcher: 1.03-1.13x over the Intel shape on every
+//   projection (alternating calls, weights from DRAM).
 // Eight rows leave registers for three rows of x (24 accumulators).
 template <int NR, bool kPrefetch, int kMaxMr>
 constexpr DotKernelTable Bf16Table() {
@@ -246,15 +246,20 @@ void LinearBf16Avx512Bf16(const float* x, int64_t m, const uint16_t* w, int64_t 
 
 void LinearBf16Avx512Bf16Shared(const float* x, int64_t m, int64_t k, const Bf16Output* outs,
                                 int64_t count) {
-  constexpr int64_t kMaxOutputs = 4;
   const int64_t ldx = RoundUp(k, 32);
   auto* xb = static_cast<uint16_t*>(ThreadScratch(0, m * ldx * sizeof(uint16_t)));
   ConvertRowsToBf16(x, m, k, ldx, xb);
-  DotArgs args[kMaxOutputs];
-  for (int64_t o = 0; o < std::min(count, kMaxOutputs); ++o) {
-    args[o] = {xb, ldx, outs[o].w, DType::kBF16, outs[o].n, k, outs[o].bias, outs[o].y};
+  // One parallel region per group of outputs (q, k, v and gate, up are one group each).
+  constexpr int64_t kGroup = 4;
+  for (int64_t first = 0; first < count; first += kGroup) {
+    const int64_t n = std::min(kGroup, count - first);
+    DotArgs args[kGroup];
+    for (int64_t o = 0; o < n; ++o) {
+      const Bf16Output& out = outs[first + o];
+      args[o] = {xb, ldx, out.w, DType::kBF16, out.n, k, out.bias, out.y};
+    }
+    RunDotKernelShared(args, n, m, GemvTable());
   }
-  RunDotKernelShared(args, std::min(count, kMaxOutputs), m, GemvTable());
 }
 
 }  // namespace preft::kernels::cpu

@@ -226,8 +226,7 @@ void BroadcastLinear(const float* x, int64_t m, int64_t k, const Bf16Output* out
     n_blocks = RoundUp(n_blocks * m_supers, threads) / m_supers;
   }
   block = RoundUp(CeilDiv(total_n, n_blocks), grain);
-  n_blocks = 0;
-  for (int64_t o = 0; o < count; ++o) n_blocks += CeilDiv(outs[o].n, block);
+  n_blocks = CountBlocks(outs, count, block);
   const int64_t items = m_supers * n_blocks;
   const int64_t pack_items = m_pad / 16 * CeilDiv(pairs, 16);
   const int64_t pair_groups = CeilDiv(pairs, 16);
@@ -239,8 +238,8 @@ void BroadcastLinear(const float* x, int64_t m, int64_t k, const Bf16Output* out
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      int64_t o = 0, b = item % n_blocks;
-      while (b >= CeilDiv(outs[o].n, block)) b -= CeilDiv(outs[o].n, block), ++o;
+      int64_t b = item % n_blocks;
+      const int64_t o = OutputOfBlock(outs, block, &b);
       const int64_t n = outs[o].n;
       const int64_t j_begin = b * block, j_end = std::min(n, j_begin + block);
       const int64_t i_begin = item / n_blocks * kMaxMc;

@@ -63,16 +63,15 @@ void RunDotKernelShared(const DotArgs* outs, int64_t count, int64_t m,
   int64_t slice = std::max<int64_t>(1, kSliceBytes / (k * 2));
   slice = std::min(slice, CeilDiv(total_n, 2 * threads));
   slice = RoundUp(std::max<int64_t>(slice, 1), nr);
-  int64_t slices = 0;
-  for (int64_t o = 0; o < count; ++o) slices += CeilDiv(outs[o].n, slice);
+  const int64_t slices = CountBlocks(outs, count, slice);
   const int64_t chunks = CeilDiv(m, kRowChunk);
   const bool parallel = WorthThreads(m, total_n, k);
 #pragma omp parallel for schedule(dynamic, 1) if (parallel)
   for (int64_t item = 0; item < chunks * slices; ++item) {
     const int64_t i_begin = item / slices * kRowChunk;
     const int64_t i_end = std::min(m, i_begin + kRowChunk);
-    int64_t o = 0, s = item % slices;
-    while (s >= CeilDiv(outs[o].n, slice)) s -= CeilDiv(outs[o].n, slice), ++o;
+    int64_t s = item % slices;
+    const int64_t o = OutputOfBlock(outs, slice, &s);
     const int64_t n = outs[o].n;
     const int64_t j_begin = s * slice;
     const int64_t j_end = std::min(n, j_begin + slice);

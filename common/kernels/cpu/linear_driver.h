@@ -49,6 +49,22 @@ void RunDotKernel(const DotArgs& args, int64_t m, const DotKernelTable& table);
 void RunDotKernelShared(const DotArgs* outs, int64_t count, int64_t m,
                         const DotKernelTable& table);
 
+// Work items over several outputs (anything with a row count `n`), each cut into blocks of
+// `block` rows and numbered output after output: how many blocks there are in all, and which
+// output block number *b is (*b becomes the block's index within that output).
+template <class Output>
+int64_t CountBlocks(const Output* outs, int64_t count, int64_t block) {
+  int64_t blocks = 0;
+  for (int64_t o = 0; o < count; ++o) blocks += CeilDiv(outs[o].n, block);
+  return blocks;
+}
+template <class Output>
+int64_t OutputOfBlock(const Output* outs, int64_t block, int64_t* b) {
+  int64_t o = 0;
+  while (*b >= CeilDiv(outs[o].n, block)) *b -= CeilDiv(outs[o].n, block), ++o;
+  return o;
+}
+
 // Whether a call of this size gains from the OpenMP threads (see linear_driver.cc).
 bool WorthThreads(int64_t m, int64_t n, int64_t k);
 

@@ -48,7 +48,7 @@ void LinearHalfAvx512(const float* x, int64_t m, const uint16_t* w, DType w_dtyp
 // per 64-row block of x, so it is the bandwidth-bound GEMV for small m.
 void LinearBf16Avx512Bf16(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
                           const float* bias, float* y);
-// The same over several weights of one x (at most 4), in one parallel region: x is rounded
+// The same over several weights of one x, in one parallel region per four: x is rounded
 // once and work items are slices of every output.
 void LinearBf16Avx512Bf16Shared(const float* x, int64_t m, int64_t k, const Bf16Output* outs,
                                 int64_t count);
