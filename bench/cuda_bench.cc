@@ -138,21 +138,29 @@ int main() {
   auto* lw = static_cast<uint16_t*>(Alloc(per * adapters * 2));
   auto* lx = static_cast<float*>(Alloc(adapters * in * 4));
   auto* ly = static_cast<float*>(Alloc(adapters * out * 4));
-  std::vector<cuda::LowRankGroup> groups(adapters);
+  // One table of one pair per adapter; items (row g, adapter g).
+  std::vector<cuda::LowRankPair> pairs(adapters);
+  std::vector<const cuda::LowRankPair*> tables(adapters);
   std::vector<cuda::LowRankItem> items(adapters);
+  auto* dp = static_cast<cuda::LowRankPair*>(Alloc(pairs.size() * sizeof(pairs[0])));
   for (int64_t g = 0; g < adapters; ++g) {
-    groups[g] = {lw + g * per, lw + g * per + rank * in, preft::kernels::DType::kBF16, rank, in, out,
-                 nullptr, 1.f, nullptr, 0};
+    pairs[g] = {lw + g * per, lw + g * per + rank * in, preft::kernels::DType::kBF16, rank, in, out,
+                nullptr, 1.f};
+    tables[g] = dp + g;
     items[g] = {static_cast<int32_t>(g), static_cast<int32_t>(g)};
   }
-  void* dg = Alloc(groups.size() * sizeof(groups[0]));
+  void* dt = Alloc(tables.size() * sizeof(tables[0]));
   void* di = Alloc(items.size() * sizeof(items[0]));
-  Check(cuda::CopyToDevice(dg, groups.data(), groups.size() * sizeof(groups[0]), nullptr), "copy");
+  Check(cuda::CopyToDevice(dp, pairs.data(), pairs.size() * sizeof(pairs[0]), nullptr), "copy");
+  Check(cuda::CopyToDevice(dt, tables.data(), tables.size() * sizeof(tables[0]), nullptr), "copy");
   Check(cuda::CopyToDevice(di, items.data(), items.size() * sizeof(items[0]), nullptr), "copy");
+  cuda::LowRankTargets targets;
+  targets.target[0] = {0, ly, out};
+  targets.num_targets = 1;
   const double lr_s = Time(
       [&](int) {
-        Check(cuda::LowRankAdd(lx, in, ly, out, static_cast<cuda::LowRankGroup*>(dg),
-                               static_cast<cuda::LowRankItem*>(di), adapters, nullptr),
+        Check(cuda::LowRankAdd(lx, in, static_cast<const cuda::LowRankPair* const*>(dt),
+                               static_cast<cuda::LowRankItem*>(di), adapters, targets, nullptr),
               "LowRankAdd");
       },
       50);

@@ -59,7 +59,7 @@ absl::Status Model::LoadWeights() {
   layers_.resize(c.num_layers);
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const std::string p = absl::StrCat("model.layers.", i, ".");
-    Layer& l = layers_[i];
+    LayerWeights& l = layers_[i];
     struct {
       kernels::MatrixView* view;
       const char* name;
@@ -119,8 +119,7 @@ void Model::WriteKv(const ForwardBatch& batch, int64_t layer, kv::KvCache* cache
   }
 }
 
-absl::Status Model::CheckAdapter(const AdapterWeights& a) const {
-  const ModelConfig& c = config_;
+absl::Status CheckAdapterFits(const ModelConfig& c, const AdapterWeights& a) {
   if (a.num_layers() != c.num_layers) {
     return absl::InvalidArgumentError(
         absl::StrCat("adapter has ", a.num_layers(), " layers; the model has ", c.num_layers));
@@ -146,6 +145,25 @@ absl::Status Model::CheckAdapter(const AdapterWeights& a) const {
         return absl::InvalidArgumentError(absl::StrCat("LoRA on layer ", l, " ",
                                                        ProjectionName(static_cast<Projection>(p)),
                                                        " does not fit the model"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckBatchFits(const ModelConfig& c, const kv::KvCacheShape& cs,
+                            const ForwardBatch& batch) {
+  if (cs.num_layers != c.num_layers || cs.num_kv_heads != c.num_kv_heads ||
+      cs.head_dim != c.head_dim) {
+    return absl::InvalidArgumentError("KV cache shape does not match the model");
+  }
+  PREFT_RETURN_IF_ERROR(batch.Validate(c.vocab_size, cs.block_tokens));
+  for (const ForwardBatch::Sequence& s : batch.sequences) {
+    for (int64_t b = 0; b < s.num_blocks; ++b) {
+      if (s.block_table[b] < 0 || s.block_table[b] >= cs.num_blocks) {
+        return absl::InvalidArgumentError(absl::StrCat("forward batch: block ", s.block_table[b],
+                                                       " is outside the cache's ", cs.num_blocks,
+                                                       " blocks"));
       }
     }
   }
@@ -184,11 +202,7 @@ absl::Status Model::Forward(const ForwardBatch& batch, kv::KvCache* cache,
                             base::AlignedVector<float>* logits) {
   const ModelConfig& c = config_;
   const kv::KvCacheShape& cs = cache->shape();
-  if (cs.num_layers != c.num_layers || cs.num_kv_heads != c.num_kv_heads ||
-      cs.head_dim != c.head_dim) {
-    return absl::InvalidArgumentError("KV cache shape does not match the model");
-  }
-  PREFT_RETURN_IF_ERROR(batch.Validate(c.vocab_size, cs.block_tokens));
+  PREFT_RETURN_IF_ERROR(CheckBatchFits(c, cs, batch));
   const int64_t T = batch.num_tokens();
   const int64_t d = c.hidden_size, hd = c.head_dim, inter = c.intermediate_size;
   const int64_t q_out = c.num_heads * hd, kv_out = c.num_kv_heads * hd;
@@ -214,7 +228,7 @@ absl::Status Model::Forward(const ForwardBatch& batch, kv::KvCache* cache,
         auto it = std::find_if(rows.begin(), rows.end(),
                                [&](const AdapterRows& r) { return r.adapter == s.adapter; });
         if (it == rows.end()) {
-          PREFT_RETURN_IF_ERROR(CheckAdapter(*s.adapter));
+          PREFT_RETURN_IF_ERROR(CheckAdapterFits(c, *s.adapter));
           rows.push_back({s.adapter, {}});
           it = rows.end() - 1;
         }
@@ -244,7 +258,7 @@ absl::Status Model::Forward(const ForwardBatch& batch, kv::KvCache* cache,
   auto bias = [](const std::vector<float>& b) { return b.empty() ? nullptr : b.data(); };
 
   for (int64_t li = 0; li < c.num_layers; ++li) {
-    const Layer& l = layers_[li];
+    const LayerWeights& l = layers_[li];
     cpu::RmsNorm(x_.data(), l.input_norm.data(), T, d, eps, h_.data());
     cpu::LinearShared(h_.data(), T,
                       {{l.q, bias(l.q_bias), q_.data()},

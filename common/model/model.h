@@ -21,6 +21,14 @@
 
 namespace preft::model {
 
+// InvalidArgument unless every matrix of `a` fits the projections of a model with `config`.
+absl::Status CheckAdapterFits(const ModelConfig& config, const AdapterWeights& a);
+
+// InvalidArgument unless `batch` is consistent (ForwardBatch::Validate), its blocks lie in a
+// cache of `cache` shape, and that shape is this model's.
+absl::Status CheckBatchFits(const ModelConfig& config, const kv::KvCacheShape& cache,
+                            const ForwardBatch& batch);
+
 // Owned by the engine thread (Forward reuses scratch buffers; not thread-safe).
 class Model {
  public:
@@ -46,18 +54,24 @@ class Model {
   // intervened layers' outputs, grouped per adapter (one kernel call per projection).
   absl::Status Forward(const ForwardBatch& batch, kv::KvCache* cache, base::AlignedVector<float>* logits);
 
- private:
-  struct Layer {
+  // The weights, for other backends to copy (DeviceModel). Matrices are views into the
+  // mapping; norms and biases f32.
+  struct LayerWeights {
     kernels::MatrixView q, k, v, o, gate, up, down;
     std::vector<float> q_bias, k_bias, v_bias, o_bias;  // empty without attention bias
     std::vector<float> input_norm, post_attention_norm;
   };
+  const LayerWeights& layer(int64_t i) const { return layers_[i]; }
+  const kernels::MatrixView& embed() const { return embed_; }
+  const kernels::MatrixView& lm_head() const { return lm_head_; }
+  const std::vector<float>& final_norm() const { return final_norm_; }
+  // RoPE inverse frequencies [head_dim / 2], llama3 scaling applied.
+  const std::vector<float>& inv_freq() const { return inv_freq_; }
 
+ private:
   Model() = default;
   absl::Status LoadWeights();
   void WriteKv(const ForwardBatch& batch, int64_t layer, kv::KvCache* cache);
-  // InvalidArgument unless every matrix of `a` fits this model's projections.
-  absl::Status CheckAdapter(const AdapterWeights& a) const;
 
   // The masked rows of one adapter in the current batch.
   struct AdapterRows {
@@ -79,7 +93,7 @@ class Model {
   kernels::MatrixView embed_;
   kernels::MatrixView lm_head_;
   std::vector<float> final_norm_;
-  std::vector<Layer> layers_;
+  std::vector<LayerWeights> layers_;
   std::vector<float> inv_freq_;
 
   // Scratch, resized per batch.

@@ -177,67 +177,91 @@ TEST_F(CudaOpsTest, Bf16LinearMatchesCpuWithinBf16Rounding) {
   }
 }
 
-// Decode rows (one row per adapter), prompt groups, mixed ranks and widths, bias, and one call
-// that updates q and k (different widths) through per-group outputs.
-TEST_F(CudaOpsTest, LowRankAddMatchesCpuForMixedGroups) {
+// Decode rows (one row per adapter), prompt groups, mixed ranks, a bias, an adapter without a
+// k pair, and one call that updates q and k (different widths) from the same x.
+TEST_F(CudaOpsTest, LowRankAddMatchesCpuForMixedAdapters) {
   const int64_t rows = 40, in = 896, q_out = 896, k_out = 128;
   const std::vector<float> x = Random(rows * in);
   std::vector<float> yq = Random(rows * q_out), yk = Random(rows * k_out);
-  struct Host {
-    int64_t rank, out;
+  struct Pair {
+    int64_t rank = 0, out = 0;
     std::vector<uint16_t> s, e;
     std::vector<float> bias;
+  };
+  struct Adapter {
+    Pair pair[2];  // table entries 0 (q) and 1 (k)
     std::vector<int32_t> rows;
   };
-  std::vector<Host> host;
+  std::vector<Adapter> host(6);
   const int64_t ranks[] = {16, 1, 64, 6, 16, 8};
   int32_t next = 0;
-  for (int g = 0; g < 6; ++g) {
-    Host h{ranks[g], g % 2 == 0 ? q_out : k_out, RandomBf16(ranks[g] * in), {}, {}, {}};
-    h.e = RandomBf16(ranks[g] * h.out);
-    if (g == 3) h.bias = Random(ranks[g]);
-    const int count = g < 2 ? 1 : 9;  // two decode rows, then prompt groups
-    for (int i = 0; i < count && next < rows; ++i) h.rows.push_back(next++);
-    host.push_back(std::move(h));
+  for (int a = 0; a < 6; ++a) {
+    for (int e = 0; e < 2; ++e) {
+      if (a == 4 && e == 1) continue;  // no k pair
+      Pair& p = host[a].pair[e];
+      p.rank = ranks[(a + e) % 6];
+      p.out = e == 0 ? q_out : k_out;
+      p.s = RandomBf16(p.rank * in);
+      p.e = RandomBf16(p.rank * p.out);
+      if (a == 3 && e == 0) p.bias = Random(p.rank);
+    }
+    const int count = a < 2 ? 1 : 9;  // two decode rows, then prompt groups
+    for (int i = 0; i < count && next < rows; ++i) host[a].rows.push_back(next++);
   }
   std::vector<cpu::LowRankGroup> cpu_groups;
-  for (Host& h : host) {
-    float* y = h.out == q_out ? yq.data() : yk.data();
-    cpu_groups.push_back({h.rows.data(), static_cast<int64_t>(h.rows.size()),
-                          MatrixView{h.s.data(), DType::kBF16, h.rank, in},
-                          MatrixView{h.e.data(), DType::kBF16, h.rank, h.out},
-                          h.bias.empty() ? nullptr : h.bias.data(), 0.5f, y, h.out});
+  for (Adapter& a : host) {
+    for (Pair& p : a.pair) {
+      if (p.rank == 0) continue;
+      cpu_groups.push_back({a.rows.data(), static_cast<int64_t>(a.rows.size()),
+                            MatrixView{p.s.data(), DType::kBF16, p.rank, in},
+                            MatrixView{p.e.data(), DType::kBF16, p.rank, p.out},
+                            p.bias.empty() ? nullptr : p.bias.data(), 0.5f,
+                            p.out == q_out ? yq.data() : yk.data(), p.out});
+    }
   }
   DeviceVec<float> d_x(x), d_yq(yq), d_yk(yk);
   std::vector<std::unique_ptr<DeviceVec<uint16_t>>> weights;
   std::vector<std::unique_ptr<DeviceVec<float>>> biases;
-  std::vector<cuda::LowRankGroup> groups;
+  std::vector<std::unique_ptr<DeviceVec<uint8_t>>> tables;
+  std::vector<const cuda::LowRankPair*> table_ptrs;
   std::vector<cuda::LowRankItem> items;
-  for (size_t g = 0; g < host.size(); ++g) {
-    const Host& h = host[g];
-    weights.push_back(std::make_unique<DeviceVec<uint16_t>>(h.s));
-    weights.push_back(std::make_unique<DeviceVec<uint16_t>>(h.e));
-    const float* bias = nullptr;
-    if (!h.bias.empty()) {
-      biases.push_back(std::make_unique<DeviceVec<float>>(h.bias));
-      bias = biases.back()->get();
+  for (size_t a = 0; a < host.size(); ++a) {
+    cuda::LowRankPair table[2];
+    for (int e = 0; e < 2; ++e) {
+      const Pair& p = host[a].pair[e];
+      if (p.rank == 0) continue;
+      weights.push_back(std::make_unique<DeviceVec<uint16_t>>(p.s));
+      weights.push_back(std::make_unique<DeviceVec<uint16_t>>(p.e));
+      const float* bias = nullptr;
+      if (!p.bias.empty()) {
+        biases.push_back(std::make_unique<DeviceVec<float>>(p.bias));
+        bias = biases.back()->get();
+      }
+      table[e] = {weights[weights.size() - 2]->get(), weights.back()->get(), DType::kBF16,
+                  p.rank, in, p.out, bias, 0.5f};
     }
-    groups.push_back({weights[2 * g]->get(), weights[2 * g + 1]->get(), DType::kBF16, h.rank, in,
-                      h.out, bias, 0.5f, h.out == q_out ? d_yq.get() : d_yk.get(), h.out});
-    for (int32_t r : h.rows) items.push_back({r, static_cast<int32_t>(g)});
+    // Pair tables are PODs: copy their bytes.
+    std::vector<uint8_t> bytes(sizeof(table));
+    std::memcpy(bytes.data(), table, sizeof(table));
+    tables.push_back(std::make_unique<DeviceVec<uint8_t>>(bytes));
+    table_ptrs.push_back(reinterpret_cast<const cuda::LowRankPair*>(tables.back()->get()));
+    for (int32_t r : host[a].rows) items.push_back({r, static_cast<int32_t>(a)});
   }
   cpu::LowRankAdd(x.data(), in, nullptr, 0, cpu_groups.data(),
                   static_cast<int64_t>(cpu_groups.size()));
-  // Group descriptors are PODs: copy their bytes.
-  std::vector<uint8_t> gbytes(groups.size() * sizeof(cuda::LowRankGroup));
-  std::memcpy(gbytes.data(), groups.data(), gbytes.size());
+  std::vector<uint8_t> tbytes(table_ptrs.size() * sizeof(void*));
+  std::memcpy(tbytes.data(), table_ptrs.data(), tbytes.size());
   std::vector<uint8_t> ibytes(items.size() * sizeof(cuda::LowRankItem));
   std::memcpy(ibytes.data(), items.data(), ibytes.size());
-  DeviceVec<uint8_t> d_groups(gbytes), d_items(ibytes);
-  CUDA_OK(cuda::LowRankAdd(d_x.get(), in, nullptr, 0,
-                           reinterpret_cast<const cuda::LowRankGroup*>(d_groups.get()),
+  DeviceVec<uint8_t> d_tables(tbytes), d_items(ibytes);
+  cuda::LowRankTargets targets;
+  targets.target[0] = {0, d_yq.get(), q_out};
+  targets.target[1] = {1, d_yk.get(), k_out};
+  targets.num_targets = 2;
+  CUDA_OK(cuda::LowRankAdd(d_x.get(), in,
+                           reinterpret_cast<const cuda::LowRankPair* const*>(d_tables.get()),
                            reinterpret_cast<const cuda::LowRankItem*>(d_items.get()),
-                           static_cast<int64_t>(items.size()), nullptr));
+                           static_cast<int64_t>(items.size()), targets, nullptr));
   ExpectNear(d_yq.ToHost(), yq, 1e-4);
   ExpectNear(d_yk.ToHost(), yk, 1e-4);
 }

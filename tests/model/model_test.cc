@@ -57,6 +57,39 @@ TEST(ModelTest, ReproducesFixtureBaseCases) {
   std::printf("fixture base cases: max |logprob diff| = %.3g\n", max_diff);
 }
 
+// A batch that names blocks outside the cache, a cache of another model's shape, or fewer
+// blocks than its context: InvalidArgument naming the problem, never a write out of bounds.
+TEST(ModelTest, ForwardRefusesBatchesThatDoNotFitTheCache) {
+  auto model = Model::Load(testing::TinyLlamaFixture());
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto cache = kv::KvCache::Create((*model)->CacheShape(4));
+  ASSERT_TRUE(cache.ok());
+  base::AlignedVector<float> logits;
+  const std::vector<int32_t> tokens = {1, 2, 3};
+  struct Case {
+    std::vector<int32_t> blocks;
+    int64_t context_len;
+    const char* message;
+  };
+  for (const Case& c : {Case{{4}, 3, "outside the cache"}, Case{{-1}, 3, "outside the cache"},
+                        Case{{0}, 20, "cannot hold"}}) {
+    ForwardBatch batch;
+    batch.AddSequence(c.blocks.data(), 1, tokens.data(), 3, c.context_len, true);
+    const absl::Status s = (*model)->Forward(batch, cache->get(), &logits);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find(c.message), std::string::npos) << s;
+  }
+  const kv::KvCacheShape shape = (*model)->CacheShape(4);
+  auto other = kv::KvCache::Create({shape.num_layers + 1, 4, 16, shape.num_kv_heads, shape.head_dim});
+  ASSERT_TRUE(other.ok());
+  const std::vector<int32_t> block = {0};
+  ForwardBatch batch;
+  batch.AddSequence(block.data(), 1, tokens.data(), 3, 3, true);
+  const absl::Status s = (*model)->Forward(batch, other->get(), &logits);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("does not match the model"), std::string::npos) << s;
+}
+
 TEST(ModelTest, MissingFolderIsNotFound) {
   auto model = Model::Load("/nonexistent/model");
   EXPECT_FALSE(model.ok());

@@ -82,7 +82,30 @@ __global__ void AttentionKernel(const AttentionSeq* seqs, PagedKvLayout kv, int6
   }
 }
 
+// One block per token; thread i of the token's kv_heads * head_dim values stores K (transposed
+// tile) and V.
+__global__ void WriteKvKernel(const float* k, const float* v, const int64_t* slots, float* base,
+                              PagedKvLayout kv) {
+  const int64_t t = blockIdx.x, slot = slots[t];
+  const int64_t hd = kv.head_dim, bt = kv.block_tokens, width = kv.num_kv_heads * hd;
+  float* block = base + (slot / bt) * kv.block_stride;
+  const int64_t off = slot % bt;
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
+    const int64_t h = i / hd, d = i % hd;
+    block[(h * hd + d) * bt + off] = k[t * width + i];
+    block[kv.v_offset + (h * bt + off) * hd + d] = v[t * width + i];
+  }
+}
+
 }  // namespace
+
+int WriteKv(const float* k, const float* v, const int64_t* slots, int64_t num_tokens,
+            float* layer_base, const PagedKvLayout& layout, void* stream) {
+  if (num_tokens == 0) return 0;
+  WriteKvKernel<<<static_cast<unsigned>(num_tokens), kThreads, 0, AsStream(stream)>>>(
+      k, v, slots, layer_base, layout);
+  return LaunchStatus();
+}
 
 int PagedAttention(const AttentionSeq* seqs, int64_t num_seqs, int64_t max_new,
                    const PagedKvLayout& layout, int64_t num_heads, float scale, int64_t window,

@@ -17,6 +17,12 @@ using kernels::PagedKvLayout;  // head_dim <= kMaxHeadDim
 // seqs is a device array of num_seqs; max_new bounds their num_new. A query at position i sees
 // keys j <= i, and with window > 0 only i - window < j (Mistral's sliding window). One block
 // per (sequence, head, query) with an online softmax over tiles of keys.
+// Stores the K and V of num_tokens new tokens ([T, num_kv_heads, head_dim] each) into one
+// layer's blocks at layer_base, in the geometry of `layout` (its k_base is not read): token t
+// goes to block slots[t] / block_tokens, at offset slots[t] % block_tokens.
+int WriteKv(const float* k, const float* v, const int64_t* slots, int64_t num_tokens,
+            float* layer_base, const PagedKvLayout& layout, void* stream);
+
 int PagedAttention(const AttentionSeq* seqs, int64_t num_seqs, int64_t max_new,
                    const PagedKvLayout& layout, int64_t num_heads, float scale, int64_t window,
                    void* stream);

@@ -1,9 +1,13 @@
 #pragma once
 
 // Grouped low-rank updates on the GPU (LoRA and DiReFT in heterogeneous batches): the
-// contract of common/kernels/cpu/low_rank.h, with the groups and their rows in device arrays.
+// contract of common/kernels/cpu/low_rank.h, shaped like Punica's BGMV/SGMV. Each adapter
+// keeps a table of its (layer, projection) matrix pairs in device memory, built once when it
+// is uploaded; a call names its rows by (row, adapter) and its outputs by table entry, so a
+// forward step copies only those small row lists, whatever the number of layers.
 //
-//   for each item (row r of group g):  y_g[r] += g.scale * ((x[r] S_gᵀ + b_g) E_g)
+//   for each item (row r, adapter a) and target t with pair P = tables[a][t.entry]:
+//     t.y[r] += P.scale * ((x[r] P.shrinkᵀ + P.bias) P.expand)
 
 #include <cstdint>
 
@@ -12,29 +16,42 @@
 namespace preft::kernels::cuda {
 
 inline constexpr int64_t kMaxLowRank = 1024;
+inline constexpr int kMaxLowRankTargets = 3;
 
-struct LowRankGroup {
-  const void* shrink = nullptr;  // [rank, in], device
-  const void* expand = nullptr;  // [rank, out], device
+// One matrix pair, in device memory. shrink == nullptr: no update (the projection is not
+// adapted in that layer).
+struct LowRankPair {
+  const void* shrink = nullptr;  // [rank, in]
+  const void* expand = nullptr;  // [rank, out]
   DType dtype = DType::kBF16;    // of shrink and expand
   int64_t rank = 0;              // <= kMaxLowRank
   int64_t in = 0;
   int64_t out = 0;
-  const float* shrink_bias = nullptr;  // [rank] or null, device
+  const float* shrink_bias = nullptr;  // [rank] or null
   float scale = 1.f;
-  float* y = nullptr;  // this group's output rows; null: the call's y
-  int64_t y_stride = 0;
 };
 
 struct LowRankItem {
-  int32_t row;    // into x and y
-  int32_t group;  // into the groups array
+  int32_t row;      // into x and every target's y
+  int32_t adapter;  // into the call's tables
 };
 
-// x: rows of stride x_stride; y: rows of stride y_stride. x and y may be one buffer (DiReFT
-// in place): a row is read in full before it is written. Rows are distinct across items.
-int LowRankAdd(const float* x, int64_t x_stride, float* y, int64_t y_stride,
-               const LowRankGroup* groups, const LowRankItem* items, int64_t num_items,
+// Outputs that share the call's input (q, k and v read the same x): each reads its own entry
+// of every adapter's table and adds to its own rows.
+struct LowRankTargets {
+  struct Target {
+    int32_t entry = 0;  // index into an adapter's table
+    float* y = nullptr;
+    int64_t y_stride = 0;
+  } target[kMaxLowRankTargets];
+  int num_targets = 0;
+};
+
+// x: rows of stride x_stride. tables: device array of device pointers, one table per adapter.
+// A target's y may be x (DiReFT in place; then it must be the only target): a row is read in
+// full before it is written. Rows are distinct across items.
+int LowRankAdd(const float* x, int64_t x_stride, const LowRankPair* const* tables,
+               const LowRankItem* items, int64_t num_items, const LowRankTargets& targets,
                void* stream);
 
 }  // namespace preft::kernels::cuda

@@ -80,6 +80,17 @@ __global__ void AddBiasKernel(float* y, const float* bias, int64_t total, int64_
   if (i < total) y[i] += bias[i % n];
 }
 
+__global__ void FillRandomKernel(__nv_bfloat16* dst, int64_t n, uint64_t seed, float bound) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  uint64_t z = seed + 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(i + 1);  // SplitMix64
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  const float u = static_cast<float>(z >> 40) * 0x1.0p-24f;  // [0, 1)
+  dst[i] = __float2bfloat16_rn((2.f * u - 1.f) * bound);
+}
+
 }  // namespace
 
 int GatherRows(const void* table, DType dtype, int64_t cols, const int32_t* ids,
@@ -129,6 +140,13 @@ int RoundToBf16(const float* x, int64_t n, uint16_t* xb, void* stream) {
 int AddBias(float* y, const float* bias, int64_t m, int64_t n, void* stream) {
   if (m * n == 0) return 0;
   AddBiasKernel<<<Blocks(m * n), kThreads, 0, AsStream(stream)>>>(y, bias, m * n, n);
+  return LaunchStatus();
+}
+
+int FillRandomBf16(uint16_t* dst, int64_t n, uint64_t seed, float bound, void* stream) {
+  if (n == 0) return 0;
+  FillRandomKernel<<<Blocks(n), kThreads, 0, AsStream(stream)>>>(
+      reinterpret_cast<__nv_bfloat16*>(dst), n, seed, bound);
   return LaunchStatus();
 }
 

@@ -37,4 +37,8 @@ int RoundToBf16(const float* x, int64_t n, uint16_t* xb, void* stream);
 // y[r, :] += bias for m rows of n.
 int AddBias(float* y, const float* bias, int64_t m, int64_t n, void* stream);
 
+// dst[i] = bf16 of a uniform value in [-bound, bound), a pure function of (seed, i): random
+// weights made on the device (benchmarks of checkpoints too large to write).
+int FillRandomBf16(uint16_t* dst, int64_t n, uint64_t seed, float bound, void* stream);
+
 }  // namespace preft::kernels::cuda

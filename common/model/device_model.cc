@@ -1,0 +1,703 @@
+#include "common/model/device_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <tuple>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/status_macros.h"
+#include "common/kernels/cuda/attention.cuh"
+#include "common/kernels/cuda/linear.cuh"
+#include "common/kernels/cuda/ops.cuh"
+#include "common/kernels/cuda/runtime.cuh"
+#include "common/kernels/cuda/sampling.cuh"
+#include "common/kernels/dtype.h"
+#include "common/model/rope.h"
+
+namespace preft::model {
+namespace {
+
+namespace cuda = kernels::cuda;
+using kernels::DType;
+
+absl::Status Cuda(int code, const char* what) {
+  if (code == 0) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("CUDA ", what, ": ", cuda::ErrorString(code)));
+}
+
+absl::Status NeedDevice() {
+  if (cuda::DeviceCount() > 0) return absl::OkStatus();
+  return absl::FailedPreconditionError("no CUDA device is visible");
+}
+
+constexpr size_t kAlign = 256;
+size_t AlignUp(size_t n, size_t a = kAlign) { return (n + a - 1) / a * a; }
+
+// Byte offsets handed out in order, each aligned: the plan of one allocation.
+class Placer {
+ public:
+  size_t Place(size_t bytes) {
+    const size_t at = AlignUp(size_);
+    size_ = at + bytes;
+    return at;
+  }
+  size_t size() const { return size_; }
+
+ private:
+  size_t size_ = 0;
+};
+
+// The (in, out) widths of a projection for `c`.
+std::pair<int64_t, int64_t> ProjectionDims(const ModelConfig& c, int p) {
+  const int64_t d = c.hidden_size, q_out = c.num_heads * c.head_dim;
+  const int64_t kv_out = c.num_kv_heads * c.head_dim, inter = c.intermediate_size;
+  switch (static_cast<Projection>(p)) {
+    case Projection::kQ: return {d, q_out};
+    case Projection::kK:
+    case Projection::kV: return {d, kv_out};
+    case Projection::kO: return {q_out, d};
+    case Projection::kGate:
+    case Projection::kUp: return {d, inter};
+    case Projection::kDown: return {inter, d};
+  }
+  return {0, 0};
+}
+
+// Uniform bound with standard deviation `std`.
+float UniformBound(double std) { return static_cast<float>(std * std::sqrt(3.0)); }
+
+}  // namespace
+
+// ---- DeviceBuffer ----
+
+DeviceBuffer::~DeviceBuffer() {
+  if (ptr_ != nullptr) cuda::Free(ptr_);
+}
+
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
+    : ptr_(std::exchange(other.ptr_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    if (ptr_ != nullptr) cuda::Free(ptr_);
+    ptr_ = std::exchange(other.ptr_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(size_t bytes) {
+  DeviceBuffer b;
+  if (bytes == 0) return b;
+  if (const int e = cuda::Malloc(&b.ptr_, bytes); e != 0) {
+    b.ptr_ = nullptr;
+    size_t free_b = 0, total_b = 0;
+    cuda::MemoryInfo(&free_b, &total_b);
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes,
+                                                     " bytes of device memory (", free_b,
+                                                     " free): ", cuda::ErrorString(e)));
+  }
+  b.size_ = bytes;
+  return b;
+}
+
+// ---- DeviceKvCache ----
+
+absl::StatusOr<std::unique_ptr<DeviceKvCache>> DeviceKvCache::Create(
+    const kv::KvCacheShape& shape) {
+  PREFT_RETURN_IF_ERROR(NeedDevice());
+  if (shape.num_layers <= 0 || shape.num_blocks <= 0 || shape.block_tokens <= 0 ||
+      shape.num_kv_heads <= 0 || shape.head_dim <= 0) {
+    return absl::InvalidArgumentError("KV cache shape must be positive in every dimension");
+  }
+  const size_t bytes = static_cast<size_t>(shape.num_blocks) * shape.bytes_per_block_all_layers();
+  PREFT_ASSIGN_OR_RETURN(DeviceBuffer data, DeviceBuffer::Allocate(bytes));
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::Memset(data.get(), 0, bytes, nullptr), "memset"));
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::StreamSynchronize(nullptr), "synchronize"));
+  return std::unique_ptr<DeviceKvCache>(new DeviceKvCache(shape, std::move(data)));
+}
+
+absl::StatusOr<int64_t> DeviceKvCache::BlocksThatFit(const kv::KvCacheShape& shape,
+                                                     double fraction) {
+  PREFT_RETURN_IF_ERROR(NeedDevice());
+  if (!(fraction > 0 && fraction <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("fraction must be in (0, 1], got ", fraction));
+  }
+  size_t free_b = 0, total_b = 0;
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::MemoryInfo(&free_b, &total_b), "memory info"));
+  return static_cast<int64_t>(static_cast<double>(free_b) * fraction /
+                              static_cast<double>(shape.bytes_per_block_all_layers()));
+}
+
+absl::Status DeviceKvCache::CopyToHost(std::vector<float>* host) const {
+  host->resize(data_.size() / sizeof(float));
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::CopyToHost(host->data(), data_.get(), data_.size(), nullptr),
+                             "copy to host"));
+  return Cuda(cuda::StreamSynchronize(nullptr), "synchronize");
+}
+
+absl::Status DeviceKvCache::PoisonForTesting() {
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::Memset(data_.get(), 0xff, data_.size(), nullptr), "memset"));
+  return Cuda(cuda::StreamSynchronize(nullptr), "synchronize");
+}
+
+// ---- DeviceAdapter ----
+
+absl::StatusOr<std::unique_ptr<DeviceAdapter>> DeviceAdapter::Upload(const AdapterWeights& a) {
+  PREFT_RETURN_IF_ERROR(NeedDevice());
+  const int64_t layers = a.num_layers();
+  auto pair_of = [&](int64_t l, int slot) -> const LowRank* {
+    if (a.kind() == AdapterKind::kDireft) return slot == kDireftSlot ? &a.direft(l) : nullptr;
+    return slot < kNumProjections ? &a.lora(l, static_cast<Projection>(slot)) : nullptr;
+  };
+  // Pass 1: place every matrix and bias, then the table.
+  struct Placed {
+    size_t shrink = 0, expand = 0, bias = 0;
+  };
+  std::vector<Placed> placed(layers * kEntriesPerLayer);
+  Placer plan;
+  for (int64_t l = 0; l < layers; ++l) {
+    for (int slot = 0; slot < kEntriesPerLayer; ++slot) {
+      const LowRank* lr = pair_of(l, slot);
+      if (lr == nullptr || lr->empty()) continue;
+      if (lr->rank() > cuda::kMaxLowRank) {
+        return absl::InvalidArgumentError(absl::StrCat("adapter rank ", lr->rank(),
+                                                       " exceeds the CUDA kernels' limit of ",
+                                                       cuda::kMaxLowRank));
+      }
+      Placed& p = placed[Entry(l, slot)];
+      p.shrink = plan.Place(lr->shrink.rows * lr->shrink.cols * kernels::DTypeSize(lr->shrink.dtype));
+      p.expand = plan.Place(lr->expand.rows * lr->expand.cols * kernels::DTypeSize(lr->expand.dtype));
+      if (lr->shrink_bias != nullptr) p.bias = plan.Place(lr->rank() * sizeof(float));
+    }
+  }
+  const size_t table_at = plan.Place(placed.size() * sizeof(cuda::LowRankPair));
+  std::unique_ptr<DeviceAdapter> out(new DeviceAdapter());
+  out->kind_ = a.kind();
+  PREFT_ASSIGN_OR_RETURN(out->data_, DeviceBuffer::Allocate(plan.size()));
+  // Pass 2: stage everything on the host with device addresses in the table; one copy.
+  std::vector<uint8_t> staging(plan.size(), 0);
+  auto* table = reinterpret_cast<cuda::LowRankPair*>(staging.data() + table_at);
+  for (int64_t l = 0; l < layers; ++l) {
+    for (int slot = 0; slot < kEntriesPerLayer; ++slot) {
+      const LowRank* lr = pair_of(l, slot);
+      cuda::LowRankPair& pair = table[Entry(l, slot)];
+      pair = cuda::LowRankPair{};
+      if (lr == nullptr || lr->empty()) continue;
+      if (lr->shrink.dtype != lr->expand.dtype) {
+        return absl::InvalidArgumentError("adapter shrink and expand matrices differ in dtype");
+      }
+      const Placed& p = placed[Entry(l, slot)];
+      const size_t es = kernels::DTypeSize(lr->shrink.dtype);
+      std::memcpy(&staging[p.shrink], lr->shrink.data, lr->shrink.rows * lr->shrink.cols * es);
+      std::memcpy(&staging[p.expand], lr->expand.data, lr->expand.rows * lr->expand.cols * es);
+      if (lr->shrink_bias != nullptr) {
+        std::memcpy(&staging[p.bias], lr->shrink_bias, lr->rank() * sizeof(float));
+      }
+      pair = {out->data_.as<uint8_t>(p.shrink), out->data_.as<uint8_t>(p.expand),
+              lr->shrink.dtype, lr->rank(), lr->shrink.cols, lr->expand.cols,
+              lr->shrink_bias != nullptr ? out->data_.as<float>(p.bias) : nullptr, lr->scale};
+    }
+  }
+  PREFT_RETURN_IF_ERROR(Cuda(
+      cuda::CopyToDevice(out->data_.get(), staging.data(), staging.size(), nullptr), "copy"));
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::StreamSynchronize(nullptr), "synchronize"));
+  out->table_ = out->data_.as<cuda::LowRankPair>(table_at);
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<DeviceAdapter>> DeviceAdapter::Random(const ModelConfig& c,
+                                                                    AdapterKind kind,
+                                                                    int64_t rank, uint64_t seed) {
+  PREFT_RETURN_IF_ERROR(NeedDevice());
+  if (rank < 1 || rank > cuda::kMaxLowRank) {
+    return absl::InvalidArgumentError(absl::StrCat("rank must be in [1, ", cuda::kMaxLowRank,
+                                                   "], got ", rank));
+  }
+  const int64_t layers = c.num_layers;
+  std::vector<cuda::LowRankPair> table(layers * kEntriesPerLayer);
+  std::vector<size_t> shrink_at(table.size()), expand_at(table.size());
+  Placer plan;
+  for (int64_t l = 0; l < layers; ++l) {
+    for (int slot = 0; slot < kEntriesPerLayer; ++slot) {
+      const bool used = kind == AdapterKind::kDireft ? slot == kDireftSlot : slot < kNumProjections;
+      if (!used) continue;
+      const auto [in, out] = slot == kDireftSlot ? std::make_pair(c.hidden_size, c.hidden_size)
+                                                 : ProjectionDims(c, slot);
+      const int64_t e = Entry(l, slot);
+      shrink_at[e] = plan.Place(rank * in * sizeof(uint16_t));
+      expand_at[e] = plan.Place(rank * out * sizeof(uint16_t));
+      table[e] = {nullptr, nullptr, DType::kBF16, rank, in, out, nullptr, 1.f};
+    }
+  }
+  const size_t table_at = plan.Place(table.size() * sizeof(cuda::LowRankPair));
+  std::unique_ptr<DeviceAdapter> out(new DeviceAdapter());
+  out->kind_ = kind;
+  PREFT_ASSIGN_OR_RETURN(out->data_, DeviceBuffer::Allocate(plan.size()));
+  for (size_t e = 0; e < table.size(); ++e) {
+    cuda::LowRankPair& p = table[e];
+    if (p.rank == 0) continue;
+    auto* s = out->data_.as<uint16_t>(shrink_at[e]);
+    auto* x = out->data_.as<uint16_t>(expand_at[e]);
+    // Shrink fan-in scaled; the update about 0.3x what it is added to (as make-adapter).
+    PREFT_RETURN_IF_ERROR(Cuda(cuda::FillRandomBf16(s, p.rank * p.in, seed * 1315423911u + 2 * e,
+                                                    UniformBound(1.0 / std::sqrt(p.in)), nullptr),
+                               "fill"));
+    PREFT_RETURN_IF_ERROR(Cuda(cuda::FillRandomBf16(x, p.rank * p.out, seed * 1315423911u + 2 * e + 1,
+                                                    UniformBound(0.3 / std::sqrt(p.rank)), nullptr),
+                               "fill"));
+    p.shrink = s;
+    p.expand = x;
+  }
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::CopyToDevice(out->data_.as<uint8_t>(table_at), table.data(),
+                                                table.size() * sizeof(table[0]), nullptr),
+                             "copy"));
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::StreamSynchronize(nullptr), "synchronize"));
+  out->table_ = out->data_.as<cuda::LowRankPair>(table_at);
+  return out;
+}
+
+// ---- DeviceAdapterSlots ----
+
+absl::StatusOr<const DeviceAdapter*> DeviceAdapterSlots::Get(const AdapterWeights* host) {
+  auto it = slots_.find(host);
+  if (it != slots_.end()) return it->second.get();
+  PREFT_ASSIGN_OR_RETURN(std::unique_ptr<DeviceAdapter> a, DeviceAdapter::Upload(*host));
+  const DeviceAdapter* raw = a.get();
+  slots_.emplace(host, std::move(a));
+  return raw;
+}
+
+void DeviceAdapterSlots::Put(const AdapterWeights* key, std::unique_ptr<DeviceAdapter> adapter) {
+  slots_[key] = std::move(adapter);
+}
+
+size_t DeviceAdapterSlots::bytes() const {
+  size_t n = 0;
+  for (const auto& [key, a] : slots_) n += a->bytes();
+  return n;
+}
+
+// ---- DeviceModel ----
+
+struct DeviceModel::Meta {
+  size_t tokens = 0, positions = 0, slots = 0, logit_rows = 0, block_tables = 0, seqs = 0;
+  size_t lora_items = 0, lora_tables = 0, direft_items = 0, direft_tables = 0;
+};
+
+DeviceModel::~DeviceModel() {
+  delete blas_;
+  if (stream_ != nullptr) {
+    cuda::StreamSynchronize(stream_);
+    cuda::StreamDestroy(stream_);
+  }
+}
+
+kv::KvCacheShape DeviceModel::CacheShape(int64_t num_blocks, int64_t block_tokens) const {
+  return {config_.num_layers, num_blocks, block_tokens, config_.num_kv_heads, config_.head_dim};
+}
+
+// Plans and allocates the weights (the layout Upload copies into and Random fills), the
+// stream and the cuBLAS handle. lm_head shares the embedding when tied.
+absl::Status DeviceModel::Init(const ModelConfig& c) {
+  PREFT_RETURN_IF_ERROR(NeedDevice());
+  config_ = c;
+  const int64_t d = c.hidden_size, q_out = c.num_heads * c.head_dim;
+  const int64_t kv_out = c.num_kv_heads * c.head_dim;
+  Placer plan;
+  const size_t bf = sizeof(uint16_t), f = sizeof(float);
+  const size_t embed_at = plan.Place(c.vocab_size * d * bf);
+  const size_t head_at = c.tie_word_embeddings ? embed_at : plan.Place(c.vocab_size * d * bf);
+  struct LayerAt {
+    size_t m[kNumProjections];
+    size_t qb = 0, kb = 0, vb = 0, ob = 0, n1 = 0, n2 = 0;
+  };
+  std::vector<LayerAt> at(c.num_layers);
+  for (LayerAt& l : at) {
+    for (int p = 0; p < kNumProjections; ++p) {
+      const auto [in, out] = ProjectionDims(c, p);
+      l.m[p] = plan.Place(in * out * bf);
+    }
+  }
+  const bool o_bias = c.attention_bias && c.architecture == Architecture::kLlama;
+  for (LayerAt& l : at) {
+    if (c.attention_bias) {
+      l.qb = plan.Place(q_out * f);
+      l.kb = plan.Place(kv_out * f);
+      l.vb = plan.Place(kv_out * f);
+      if (o_bias) l.ob = plan.Place(d * f);
+    }
+    l.n1 = plan.Place(d * f);
+    l.n2 = plan.Place(d * f);
+  }
+  const size_t norm_at = plan.Place(d * f);
+  const size_t freq_at = plan.Place(c.head_dim / 2 * f);
+  PREFT_ASSIGN_OR_RETURN(weights_, DeviceBuffer::Allocate(plan.size()));
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::Memset(weights_.get(), 0, weights_.size(), nullptr), "memset"));
+  embed_ = weights_.as<uint16_t>(embed_at);
+  lm_head_ = weights_.as<uint16_t>(head_at);
+  final_norm_ = weights_.as<float>(norm_at);
+  inv_freq_ = weights_.as<float>(freq_at);
+  layers_.resize(c.num_layers);
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const LayerAt& l = at[i];
+    DeviceLayer& dl = layers_[i];
+    const uint16_t** m[kNumProjections] = {&dl.q, &dl.k, &dl.v, &dl.o, &dl.gate, &dl.up, &dl.down};
+    for (int p = 0; p < kNumProjections; ++p) *m[p] = weights_.as<uint16_t>(l.m[p]);
+    dl.q_bias = c.attention_bias ? weights_.as<float>(l.qb) : nullptr;
+    dl.k_bias = c.attention_bias ? weights_.as<float>(l.kb) : nullptr;
+    dl.v_bias = c.attention_bias ? weights_.as<float>(l.vb) : nullptr;
+    dl.o_bias = o_bias ? weights_.as<float>(l.ob) : nullptr;
+    dl.input_norm = weights_.as<float>(l.n1);
+    dl.post_attention_norm = weights_.as<float>(l.n2);
+  }
+  const std::vector<float> inv_freq = RopeInverseFrequencies(c);
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::CopyToDevice(const_cast<float*>(inv_freq_), inv_freq.data(),
+                                                inv_freq.size() * f, nullptr),
+                             "copy"));
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::StreamSynchronize(nullptr), "synchronize"));
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::StreamCreate(&stream_), "stream"));
+  return Cuda(cuda::Blas::Create(stream_, &blas_), "cuBLAS handle");
+}
+
+absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Upload(const Model& host) {
+  std::unique_ptr<DeviceModel> m(new DeviceModel());
+  ModelConfig c = host.config();
+  c.tie_word_embeddings = host.lm_head().data == host.embed().data;
+  PREFT_RETURN_IF_ERROR(m->Init(c));
+  // Matrices go as bf16: straight from the mapping, or converted in chunks.
+  std::vector<uint16_t> chunk;
+  auto matrix = [&](const uint16_t* dst, const kernels::MatrixView& v) -> absl::Status {
+    const size_t n = v.rows * v.cols;
+    auto* out = const_cast<uint16_t*>(dst);
+    if (v.dtype == DType::kBF16) {
+      PREFT_RETURN_IF_ERROR(Cuda(cuda::CopyToDevice(out, v.data, n * 2, nullptr), "copy"));
+      return Cuda(cuda::StreamSynchronize(nullptr), "synchronize");
+    }
+    constexpr size_t kChunk = size_t{1} << 22;
+    chunk.resize(std::min(n, kChunk));
+    for (size_t at = 0; at < n; at += kChunk) {
+      const size_t len = std::min(kChunk, n - at);
+      for (size_t i = 0; i < len; ++i) chunk[i] = kernels::F32ToBf16(kernels::LoadAsF32(v.data, v.dtype, at + i));
+      PREFT_RETURN_IF_ERROR(Cuda(cuda::CopyToDevice(out + at, chunk.data(), len * 2, nullptr), "copy"));
+      PREFT_RETURN_IF_ERROR(Cuda(cuda::StreamSynchronize(nullptr), "synchronize"));
+    }
+    return absl::OkStatus();
+  };
+  auto floats = [&](const float* dst, const std::vector<float>& v) -> absl::Status {
+    if (dst == nullptr || v.empty()) return absl::OkStatus();
+    return Cuda(cuda::CopyToDevice(const_cast<float*>(dst), v.data(), v.size() * sizeof(float),
+                                   nullptr),
+                "copy");
+  };
+  PREFT_RETURN_IF_ERROR(matrix(m->embed_, host.embed()));
+  if (!c.tie_word_embeddings) PREFT_RETURN_IF_ERROR(matrix(m->lm_head_, host.lm_head()));
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const Model::LayerWeights& hl = host.layer(i);
+    const DeviceLayer& dl = m->layers_[i];
+    const std::pair<const uint16_t*, const kernels::MatrixView*> mats[] = {
+        {dl.q, &hl.q},       {dl.k, &hl.k},   {dl.v, &hl.v},      {dl.o, &hl.o},
+        {dl.gate, &hl.gate}, {dl.up, &hl.up}, {dl.down, &hl.down}};
+    for (const auto& [dst, src] : mats) PREFT_RETURN_IF_ERROR(matrix(dst, *src));
+    PREFT_RETURN_IF_ERROR(floats(dl.q_bias, hl.q_bias));
+    PREFT_RETURN_IF_ERROR(floats(dl.k_bias, hl.k_bias));
+    PREFT_RETURN_IF_ERROR(floats(dl.v_bias, hl.v_bias));
+    PREFT_RETURN_IF_ERROR(floats(dl.o_bias, hl.o_bias));
+    PREFT_RETURN_IF_ERROR(floats(dl.input_norm, hl.input_norm));
+    PREFT_RETURN_IF_ERROR(floats(dl.post_attention_norm, hl.post_attention_norm));
+  }
+  PREFT_RETURN_IF_ERROR(floats(m->final_norm_, host.final_norm()));
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::StreamSynchronize(nullptr), "synchronize"));
+  return m;
+}
+
+absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Random(const ModelConfig& c,
+                                                                uint64_t seed) {
+  std::unique_ptr<DeviceModel> m(new DeviceModel());
+  PREFT_RETURN_IF_ERROR(m->Init(c));
+  uint64_t stream_id = seed * 0x9e3779b97f4a7c15ull;
+  auto fill = [&](const uint16_t* dst, int64_t in, int64_t out, double std) {
+    return Cuda(cuda::FillRandomBf16(const_cast<uint16_t*>(dst), in * out, ++stream_id,
+                                     UniformBound(std), nullptr),
+                "fill");
+  };
+  const int64_t d = c.hidden_size;
+  PREFT_RETURN_IF_ERROR(fill(m->embed_, c.vocab_size, d, 2.5 / std::sqrt(d)));
+  if (!c.tie_word_embeddings) PREFT_RETURN_IF_ERROR(fill(m->lm_head_, c.vocab_size, d, 2.5 / std::sqrt(d)));
+  const std::vector<float> ones(std::max(d, int64_t{1}), 1.f);
+  for (const DeviceLayer& l : m->layers_) {
+    const uint16_t* mats[kNumProjections] = {l.q, l.k, l.v, l.o, l.gate, l.up, l.down};
+    for (int p = 0; p < kNumProjections; ++p) {
+      const auto [in, out] = ProjectionDims(c, p);
+      PREFT_RETURN_IF_ERROR(fill(mats[p], in, out, 1.0 / std::sqrt(in)));
+    }
+    for (const float* norm : {l.input_norm, l.post_attention_norm}) {
+      PREFT_RETURN_IF_ERROR(Cuda(cuda::CopyToDevice(const_cast<float*>(norm), ones.data(),
+                                                    d * sizeof(float), nullptr),
+                                 "copy"));
+    }
+  }
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::CopyToDevice(const_cast<float*>(m->final_norm_), ones.data(),
+                                                d * sizeof(float), nullptr),
+                             "copy"));
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::StreamSynchronize(nullptr), "synchronize"));
+  return m;
+}
+
+absl::Status DeviceModel::EnsureScratch(int64_t tokens, int64_t rows) {
+  if (tokens <= scratch_tokens_ && rows <= scratch_rows_) return absl::OkStatus();
+  const ModelConfig& c = config_;
+  tokens = std::max(tokens, scratch_tokens_);
+  rows = std::max(rows, scratch_rows_);
+  const int64_t d = c.hidden_size, q_out = c.num_heads * c.head_dim;
+  const int64_t kv_out = c.num_kv_heads * c.head_dim, inter = c.intermediate_size;
+  Placer plan;
+  const size_t f = sizeof(float);
+  const size_t x = plan.Place(tokens * d * f), h = plan.Place(tokens * d * f);
+  const size_t tmp = plan.Place(tokens * d * f);
+  const size_t q = plan.Place(tokens * q_out * f), attn = plan.Place(tokens * q_out * f);
+  const size_t k = plan.Place(tokens * kv_out * f), v = plan.Place(tokens * kv_out * f);
+  const size_t gate = plan.Place(tokens * inter * f), up = plan.Place(tokens * inter * f);
+  const size_t last = plan.Place(rows * d * f), logits = plan.Place(rows * c.vocab_size * f);
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::StreamSynchronize(stream_), "synchronize"));
+  scratch_ = DeviceBuffer();
+  PREFT_ASSIGN_OR_RETURN(scratch_, DeviceBuffer::Allocate(plan.size()));
+  x_ = scratch_.as<float>(x);
+  h_ = scratch_.as<float>(h);
+  tmp_ = scratch_.as<float>(tmp);
+  q_ = scratch_.as<float>(q);
+  attn_ = scratch_.as<float>(attn);
+  k_ = scratch_.as<float>(k);
+  v_ = scratch_.as<float>(v);
+  gate_ = scratch_.as<float>(gate);
+  up_ = scratch_.as<float>(up);
+  last_ = scratch_.as<float>(last);
+  logits_ = scratch_.as<float>(logits);
+  scratch_tokens_ = tokens;
+  scratch_rows_ = rows;
+  return absl::OkStatus();
+}
+
+absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
+                              DeviceAdapterSlots* adapters) {
+  const ModelConfig& c = config_;
+  const kv::KvCacheShape& cs = cache->shape();
+  PREFT_RETURN_IF_ERROR(CheckBatchFits(c, cs, batch));
+  const int64_t T = batch.num_tokens(), R = static_cast<int64_t>(batch.logit_rows.size());
+  const int64_t S = static_cast<int64_t>(batch.sequences.size());
+  const int64_t d = c.hidden_size, hd = c.head_dim, inter = c.intermediate_size;
+  const int64_t q_out = c.num_heads * hd, kv_out = c.num_kv_heads * hd, bt = cs.block_tokens;
+  PREFT_RETURN_IF_ERROR(EnsureScratch(T, R));
+  if (poison_scratch_) {
+    PREFT_RETURN_IF_ERROR(
+        Cuda(cuda::Memset(scratch_.get(), 0xff, scratch_.size(), stream_), "memset"));
+  }
+
+  // Adapters: one table per distinct adapter, one item per masked row.
+  std::vector<cuda::LowRankItem> lora_items, direft_items;
+  std::vector<const cuda::LowRankPair*> lora_tables, direft_tables;
+  absl::flat_hash_map<const AdapterWeights*, int32_t> index;
+  int64_t total_blocks = 0;
+  {
+    int64_t t = 0;
+    for (const ForwardBatch::Sequence& s : batch.sequences) {
+      total_blocks += s.num_blocks;
+      if (s.adapter != nullptr) {
+        const bool is_lora = s.adapter->kind() == AdapterKind::kLora;
+        auto& tables = is_lora ? lora_tables : direft_tables;
+        auto [it, added] = index.try_emplace(s.adapter, static_cast<int32_t>(tables.size()));
+        if (added) {
+          PREFT_RETURN_IF_ERROR(CheckAdapterFits(c, *s.adapter));
+          PREFT_ASSIGN_OR_RETURN(const DeviceAdapter* da, adapters->Get(s.adapter));
+          tables.push_back(da->table());
+        }
+        auto& items = is_lora ? lora_items : direft_items;
+        for (int64_t i = t; i < t + s.num_new; ++i) {
+          if (batch.adapter_mask[i]) items.push_back({static_cast<int32_t>(i), it->second});
+        }
+      }
+      t += s.num_new;
+    }
+  }
+
+  // Metadata: plan, size the device copy, then fill the host image with device addresses.
+  Meta at;
+  Placer plan;
+  at.tokens = plan.Place(T * sizeof(int32_t));
+  at.positions = plan.Place(T * sizeof(int32_t));
+  at.slots = plan.Place(T * sizeof(int64_t));
+  at.logit_rows = plan.Place(R * sizeof(int32_t));
+  at.block_tables = plan.Place(total_blocks * sizeof(int32_t));
+  at.seqs = plan.Place(S * sizeof(kernels::AttentionSeq));
+  at.lora_items = plan.Place(lora_items.size() * sizeof(cuda::LowRankItem));
+  at.lora_tables = plan.Place(lora_tables.size() * sizeof(void*));
+  at.direft_items = plan.Place(direft_items.size() * sizeof(cuda::LowRankItem));
+  at.direft_tables = plan.Place(direft_tables.size() * sizeof(void*));
+  if (plan.size() > meta_.size()) {
+    PREFT_RETURN_IF_ERROR(Cuda(cuda::StreamSynchronize(stream_), "synchronize"));
+    meta_ = DeviceBuffer();
+    PREFT_ASSIGN_OR_RETURN(meta_, DeviceBuffer::Allocate(std::max(plan.size() * 2, size_t{1} << 16)));
+  }
+  meta_host_.assign(plan.size(), 0);
+  auto host = [&](size_t off) { return meta_host_.data() + off; };
+  auto copy_in = [&](size_t off, const void* src, size_t bytes) {
+    if (bytes > 0) std::memcpy(host(off), src, bytes);
+  };
+  copy_in(at.tokens, batch.token_ids.data(), T * sizeof(int32_t));
+  copy_in(at.positions, batch.positions.data(), T * sizeof(int32_t));
+  copy_in(at.logit_rows, batch.logit_rows.data(), R * sizeof(int32_t));
+  copy_in(at.lora_items, lora_items.data(), lora_items.size() * sizeof(cuda::LowRankItem));
+  copy_in(at.lora_tables, lora_tables.data(), lora_tables.size() * sizeof(void*));
+  copy_in(at.direft_items, direft_items.data(), direft_items.size() * sizeof(cuda::LowRankItem));
+  copy_in(at.direft_tables, direft_tables.data(), direft_tables.size() * sizeof(void*));
+  int64_t max_new = 0;
+  {
+    auto* slots = reinterpret_cast<int64_t*>(host(at.slots));
+    auto* tables = reinterpret_cast<int32_t*>(host(at.block_tables));
+    auto* seqs = reinterpret_cast<kernels::AttentionSeq*>(host(at.seqs));
+    int64_t t = 0, table_pos = 0;
+    for (int64_t si = 0; si < S; ++si) {
+      const ForwardBatch::Sequence& s = batch.sequences[si];
+      if (s.num_blocks > 0) {
+        std::memcpy(tables + table_pos, s.block_table, s.num_blocks * sizeof(int32_t));
+      }
+      for (int64_t i = 0; i < s.num_new; ++i) {
+        const int64_t pos = batch.positions[t + i];
+        slots[t + i] = static_cast<int64_t>(s.block_table[pos / bt]) * bt + pos % bt;
+      }
+      seqs[si] = {q_ + t * q_out, attn_ + t * q_out,
+                  meta_.as<int32_t>(at.block_tables) + table_pos, s.num_new, s.context_len};
+      max_new = std::max(max_new, s.num_new);
+      t += s.num_new;
+      table_pos += s.num_blocks;
+    }
+  }
+  PREFT_RETURN_IF_ERROR(
+      Cuda(cuda::CopyToDevice(meta_.get(), meta_host_.data(), plan.size(), stream_), "copy"));
+  const auto* tokens = meta_.as<int32_t>(at.tokens);
+  const auto* positions = meta_.as<int32_t>(at.positions);
+  const auto* slots = meta_.as<int64_t>(at.slots);
+  const auto* logit_rows = meta_.as<int32_t>(at.logit_rows);
+  const auto* seqs = meta_.as<kernels::AttentionSeq>(at.seqs);
+  const auto* lora = meta_.as<const cuda::LowRankPair*>(at.lora_tables);
+  const auto* lora_dev_items = meta_.as<cuda::LowRankItem>(at.lora_items);
+  const auto* direft = meta_.as<const cuda::LowRankPair*>(at.direft_tables);
+  const auto* direft_dev_items = meta_.as<cuda::LowRankItem>(at.direft_items);
+
+  // One LoRA call: every adapter's update of projections reading x ([T, in]).
+  auto apply_lora = [&](int64_t li, const float* x, int64_t in,
+                        std::initializer_list<std::tuple<Projection, float*, int64_t>> outs) {
+    if (lora_items.empty()) return absl::OkStatus();
+    cuda::LowRankTargets targets;
+    for (const auto& [p, y, stride] : outs) {
+      targets.target[targets.num_targets++] = {
+          static_cast<int32_t>(DeviceAdapter::Entry(li, static_cast<int>(p))), y, stride};
+    }
+    return Cuda(cuda::LowRankAdd(x, in, lora, lora_dev_items,
+                                 static_cast<int64_t>(lora_items.size()), targets, stream_),
+                "LoRA");
+  };
+  auto linear = [&](const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
+                    const float* bias, float* y) {
+    return Cuda(blas_->Linear(x, m, w, n, k, bias, y), "linear");
+  };
+
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::GatherRows(embed_, DType::kBF16, d, tokens, T, x_, stream_),
+                             "embedding"));
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+  const int64_t window = c.architecture == Architecture::kMistral ? c.sliding_window : 0;
+  for (int64_t li = 0; li < c.num_layers; ++li) {
+    const DeviceLayer& l = layers_[li];
+    PREFT_RETURN_IF_ERROR(Cuda(cuda::RmsNorm(x_, l.input_norm, T, d, eps, h_, stream_), "norm"));
+    PREFT_RETURN_IF_ERROR(linear(h_, T, l.q, q_out, d, l.q_bias, q_));
+    PREFT_RETURN_IF_ERROR(linear(h_, T, l.k, kv_out, d, l.k_bias, k_));
+    PREFT_RETURN_IF_ERROR(linear(h_, T, l.v, kv_out, d, l.v_bias, v_));
+    PREFT_RETURN_IF_ERROR(apply_lora(li, h_, d,
+                                     {{Projection::kQ, q_, q_out},
+                                      {Projection::kK, k_, kv_out},
+                                      {Projection::kV, v_, kv_out}}));
+    PREFT_RETURN_IF_ERROR(Cuda(cuda::ApplyRope(positions, T, inv_freq_, hd, q_, c.num_heads, k_,
+                                               c.num_kv_heads, stream_),
+                               "rope"));
+    const kernels::PagedKvLayout layout{cache->layer_base(li), cs.block_floats(),
+                                        cache->v_offset(),     bt,
+                                        c.num_kv_heads,        hd};
+    PREFT_RETURN_IF_ERROR(
+        Cuda(cuda::WriteKv(k_, v_, slots, T, cache->layer_base(li), layout, stream_), "KV write"));
+    PREFT_RETURN_IF_ERROR(Cuda(cuda::PagedAttention(seqs, S, max_new, layout, c.num_heads, scale,
+                                                    window, stream_),
+                               "attention"));
+    PREFT_RETURN_IF_ERROR(linear(attn_, T, l.o, d, q_out, l.o_bias, tmp_));
+    PREFT_RETURN_IF_ERROR(apply_lora(li, attn_, q_out, {{Projection::kO, tmp_, d}}));
+    PREFT_RETURN_IF_ERROR(Cuda(cuda::AddInPlace(x_, tmp_, T * d, stream_), "add"));
+
+    PREFT_RETURN_IF_ERROR(
+        Cuda(cuda::RmsNorm(x_, l.post_attention_norm, T, d, eps, h_, stream_), "norm"));
+    PREFT_RETURN_IF_ERROR(linear(h_, T, l.gate, inter, d, nullptr, gate_));
+    PREFT_RETURN_IF_ERROR(linear(h_, T, l.up, inter, d, nullptr, up_));
+    PREFT_RETURN_IF_ERROR(apply_lora(li, h_, d,
+                                     {{Projection::kGate, gate_, inter},
+                                      {Projection::kUp, up_, inter}}));
+    PREFT_RETURN_IF_ERROR(
+        Cuda(cuda::SiluMulSeparate(gate_, up_, T * inter, gate_, stream_), "SwiGLU"));
+    PREFT_RETURN_IF_ERROR(linear(gate_, T, l.down, d, inter, nullptr, tmp_));
+    PREFT_RETURN_IF_ERROR(apply_lora(li, gate_, inter, {{Projection::kDown, tmp_, d}}));
+    PREFT_RETURN_IF_ERROR(Cuda(cuda::AddInPlace(x_, tmp_, T * d, stream_), "add"));
+    if (!direft_items.empty()) {
+      cuda::LowRankTargets targets;
+      targets.target[0] = {static_cast<int32_t>(DeviceAdapter::Entry(li, DeviceAdapter::kDireftSlot)),
+                           x_, d};
+      targets.num_targets = 1;
+      PREFT_RETURN_IF_ERROR(Cuda(cuda::LowRankAdd(x_, d, direft, direft_dev_items,
+                                                  static_cast<int64_t>(direft_items.size()),
+                                                  targets, stream_),
+                                 "DiReFT"));
+    }
+  }
+  // Only the rows that will be sampled go through the final norm and the LM head.
+  PREFT_RETURN_IF_ERROR(
+      Cuda(cuda::GatherRows(x_, DType::kF32, d, logit_rows, R, last_, stream_), "gather"));
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::RmsNorm(last_, final_norm_, R, d, eps, last_, stream_), "norm"));
+  return linear(last_, R, lm_head_, c.vocab_size, d, nullptr, logits_);
+}
+
+absl::Status DeviceModel::Forward(const ForwardBatch& batch, DeviceKvCache* cache,
+                                  DeviceAdapterSlots* adapters, std::vector<float>* logits) {
+  PREFT_RETURN_IF_ERROR(Run(batch, cache, adapters));
+  const size_t n = batch.logit_rows.size() * config_.vocab_size;
+  logits->resize(n);
+  PREFT_RETURN_IF_ERROR(
+      Cuda(cuda::CopyToHost(logits->data(), logits_, n * sizeof(float), stream_), "copy"));
+  return Cuda(cuda::StreamSynchronize(stream_), "forward");
+}
+
+absl::Status DeviceModel::ForwardGreedy(const ForwardBatch& batch, DeviceKvCache* cache,
+                                        DeviceAdapterSlots* adapters,
+                                        std::vector<int32_t>* tokens,
+                                        std::vector<float>* logprobs) {
+  PREFT_RETURN_IF_ERROR(Run(batch, cache, adapters));
+  const int64_t R = static_cast<int64_t>(batch.logit_rows.size());
+  const size_t need = R * (sizeof(int32_t) + sizeof(float));
+  if (picks_.size() < need) {
+    PREFT_RETURN_IF_ERROR(Cuda(cuda::StreamSynchronize(stream_), "synchronize"));
+    picks_ = DeviceBuffer();
+    PREFT_ASSIGN_OR_RETURN(picks_, DeviceBuffer::Allocate(std::max(need * 2, size_t{4096})));
+  }
+  auto* d_tokens = picks_.as<int32_t>();
+  auto* d_logprobs = picks_.as<float>(R * sizeof(int32_t));
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::GreedyLogprob(logits_, R, config_.vocab_size, d_tokens,
+                                                 d_logprobs, stream_),
+                             "greedy"));
+  tokens->resize(R);
+  logprobs->resize(R);
+  PREFT_RETURN_IF_ERROR(
+      Cuda(cuda::CopyToHost(tokens->data(), d_tokens, R * sizeof(int32_t), stream_), "copy"));
+  PREFT_RETURN_IF_ERROR(
+      Cuda(cuda::CopyToHost(logprobs->data(), d_logprobs, R * sizeof(float), stream_), "copy"));
+  return Cuda(cuda::StreamSynchronize(stream_), "forward");
+}
+
+}  // namespace preft::model

@@ -1,0 +1,188 @@
+#pragma once
+
+// The model forward on an NVIDIA GPU: the same ForwardBatch as Model::Forward, over weights
+// copied to device memory (bf16), a paged KV cache in device memory with the CPU cache's
+// layout (common/kernels/attention_types.h), and adapters uploaded to device slots. Built only
+// with PREFT_ENABLE_CUDA; CUDA itself stays behind common/kernels/cuda (streams are void*).
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "common/kernels/cuda/linear.cuh"
+#include "common/kernels/cuda/low_rank.cuh"
+#include "common/kv/kv_cache.h"
+#include "common/model/adapter_weights.h"
+#include "common/model/config.h"
+#include "common/model/forward_batch.h"
+#include "common/model/model.h"
+
+namespace preft::model {
+
+// One device allocation, freed on destruction.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  ~DeviceBuffer();
+  DeviceBuffer(DeviceBuffer&& other) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  // ResourceExhausted (with the device's free memory) when cudaMalloc fails.
+  static absl::StatusOr<DeviceBuffer> Allocate(size_t bytes);
+
+  void* get() const { return ptr_; }
+  template <class T>
+  T* as(size_t byte_offset = 0) const {
+    return reinterpret_cast<T*>(static_cast<uint8_t*>(ptr_) + byte_offset);
+  }
+  size_t size() const { return size_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t size_ = 0;
+};
+
+// A paged KV cache in device memory: kv::KvCache's layout ([layer][block][K|V]...), f32.
+class DeviceKvCache {
+ public:
+  static absl::StatusOr<std::unique_ptr<DeviceKvCache>> Create(const kv::KvCacheShape& shape);
+  // The number of blocks of `shape` (its num_blocks ignored) that fit in `fraction` of the
+  // device's free memory now: how a serving process sizes its pool after loading weights.
+  static absl::StatusOr<int64_t> BlocksThatFit(const kv::KvCacheShape& shape, double fraction);
+
+  const kv::KvCacheShape& shape() const { return shape_; }
+  float* layer_base(int64_t layer) const {
+    return data_.as<float>() + layer * shape_.num_blocks * shape_.block_floats();
+  }
+  int64_t v_offset() const { return shape_.num_kv_heads * shape_.block_tokens * shape_.head_dim; }
+  // Copies the whole cache to `host` (resized): tests compare it with the CPU cache.
+  absl::Status CopyToHost(std::vector<float>* host) const;
+  // Sets every byte to 0xff (NaN), so a test sees any value the forward should have written.
+  absl::Status PoisonForTesting();
+
+ private:
+  DeviceKvCache(const kv::KvCacheShape& shape, DeviceBuffer data)
+      : shape_(shape), data_(std::move(data)) {}
+  kv::KvCacheShape shape_;
+  DeviceBuffer data_;
+};
+
+// One adapter in device memory: its matrices and a table of pairs, kEntriesPerLayer per layer
+// (the seven LoRA projections, then the DiReFT update), that the low-rank kernel indexes.
+class DeviceAdapter {
+ public:
+  static constexpr int kEntriesPerLayer = kNumProjections + 1;
+  static constexpr int64_t Entry(int64_t layer, int slot) { return layer * kEntriesPerLayer + slot; }
+  static constexpr int kDireftSlot = kNumProjections;
+
+  // Copies `a` (matrices in their dtype, biases f32). InvalidArgument for a rank over
+  // kernels::cuda::kMaxLowRank.
+  static absl::StatusOr<std::unique_ptr<DeviceAdapter>> Upload(const AdapterWeights& a);
+  // Random bf16 matrices made on the device (benchmarks: 512 adapters of an 8B model without
+  // writing them): LoRA of `rank` on all seven projections of every layer, scale 1, or DiReFT
+  // of `rank` on every layer.
+  static absl::StatusOr<std::unique_ptr<DeviceAdapter>> Random(const ModelConfig& config,
+                                                              AdapterKind kind, int64_t rank,
+                                                              uint64_t seed);
+
+  AdapterKind kind() const { return kind_; }
+  const kernels::cuda::LowRankPair* table() const { return table_; }  // device
+  size_t bytes() const { return data_.size(); }
+
+ private:
+  DeviceAdapter() = default;
+  AdapterKind kind_ = AdapterKind::kLora;
+  DeviceBuffer data_;  // matrices, biases, then the table
+  const kernels::cuda::LowRankPair* table_ = nullptr;
+};
+
+// The device copies of the adapters batches name, keyed by their host weights: uploaded on
+// first use, kept until evicted. The caller evicts an adapter before its host copy goes.
+class DeviceAdapterSlots {
+ public:
+  absl::StatusOr<const DeviceAdapter*> Get(const AdapterWeights* host);
+  // Makes `key` resolve to an adapter built on the device (benchmarks).
+  void Put(const AdapterWeights* key, std::unique_ptr<DeviceAdapter> adapter);
+  void Evict(const AdapterWeights* host) { slots_.erase(host); }
+  size_t size() const { return slots_.size(); }
+  size_t bytes() const;
+
+ private:
+  absl::flat_hash_map<const AdapterWeights*, std::unique_ptr<DeviceAdapter>> slots_;
+};
+
+// Owned by one thread (Forward reuses device scratch; not thread-safe). Runs on its own
+// stream; every call returns after its results are on the host.
+class DeviceModel {
+ public:
+  // Copies the host model's weights (matrices as bf16, converting f32/f16 ones; norms and
+  // biases f32). FailedPrecondition without a CUDA device.
+  static absl::StatusOr<std::unique_ptr<DeviceModel>> Upload(const Model& host);
+  // Random bf16 weights in `config`'s shapes and make-model's scales, made on the device.
+  static absl::StatusOr<std::unique_ptr<DeviceModel>> Random(const ModelConfig& config,
+                                                            uint64_t seed);
+  ~DeviceModel();
+  DeviceModel(const DeviceModel&) = delete;
+  DeviceModel& operator=(const DeviceModel&) = delete;
+
+  const ModelConfig& config() const { return config_; }
+  size_t weight_bytes() const { return weights_.size(); }
+  kv::KvCacheShape CacheShape(int64_t num_blocks, int64_t block_tokens = 16) const;
+
+  // As Model::Forward: K/V of the new tokens into `cache`, the logits of batch.logit_rows
+  // into `logits` ([rows, vocab]); adapters resolved through `adapters`.
+  absl::Status Forward(const ForwardBatch& batch, DeviceKvCache* cache,
+                       DeviceAdapterSlots* adapters, std::vector<float>* logits);
+  // The same forward, but only the greedy token of each logit row and its logprob come back.
+  absl::Status ForwardGreedy(const ForwardBatch& batch, DeviceKvCache* cache,
+                             DeviceAdapterSlots* adapters, std::vector<int32_t>* tokens,
+                             std::vector<float>* logprobs);
+
+  // From now on every forward first fills its device scratch with 0xff (NaN), so a test sees
+  // any value a kernel should have written and did not.
+  void PoisonScratchForTesting() { poison_scratch_ = true; }
+
+ private:
+  struct DeviceLayer {
+    const uint16_t *q, *k, *v, *o, *gate, *up, *down;
+    const float *q_bias, *k_bias, *v_bias, *o_bias;  // null without attention bias
+    const float *input_norm, *post_attention_norm;
+  };
+  // The metadata of one forward, in one host buffer copied to the device at once.
+  struct Meta;
+
+  DeviceModel() = default;
+  absl::Status Init(const ModelConfig& config);
+  // Runs the layers and the LM head; leaves [rows, vocab] logits in logits_ on the device.
+  absl::Status Run(const ForwardBatch& batch, DeviceKvCache* cache,
+                   DeviceAdapterSlots* adapters);
+  absl::Status EnsureScratch(int64_t tokens, int64_t rows);
+
+  ModelConfig config_;
+  void* stream_ = nullptr;
+  kernels::cuda::Blas* blas_ = nullptr;
+  DeviceBuffer weights_;  // every matrix (bf16), then norms, biases and inv_freq (f32)
+  const uint16_t* embed_ = nullptr;
+  const uint16_t* lm_head_ = nullptr;
+  const float* final_norm_ = nullptr;
+  const float* inv_freq_ = nullptr;
+  std::vector<DeviceLayer> layers_;
+
+  // Scratch, grown on demand.
+  DeviceBuffer scratch_;
+  int64_t scratch_tokens_ = 0, scratch_rows_ = 0;
+  float *x_ = nullptr, *h_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr,
+        *attn_ = nullptr, *tmp_ = nullptr, *gate_ = nullptr, *up_ = nullptr, *last_ = nullptr,
+        *logits_ = nullptr;
+  DeviceBuffer meta_;
+  std::vector<uint8_t> meta_host_;
+  DeviceBuffer picks_;  // greedy tokens and logprobs
+  bool poison_scratch_ = false;
+};
+
+}  // namespace preft::model
