@@ -6,6 +6,7 @@
 #include <tuple>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/base/status_macros.h"
 #include "common/kernels/cuda/attention.cuh"
@@ -69,6 +70,85 @@ std::pair<int64_t, int64_t> ProjectionDims(const ModelConfig& c, int p) {
 float UniformBound(double std) { return static_cast<float>(std * std::sqrt(3.0)); }
 
 }  // namespace
+
+// The masked rows of one adapter kind (LoRA or DiReFT) in a batch, laid out for the kernels:
+// items sorted by adapter, first the rows for the per-row kernel (decode rows: BGMV), then
+// the rows of adapters with kMinTileRows or more, which go in tiles (prompt chunks: SGMV).
+class DeviceModel::LowRankWork {
+ public:
+  static constexpr size_t kMinTileRows = 4;
+
+  // Returns the adapter's index, adding it on first sight.
+  int32_t Adapter(const DeviceAdapter* a) {
+    auto [it, added] = index_.try_emplace(a, static_cast<int32_t>(tables_.size()));
+    if (added) {
+      tables_.push_back(a->table());
+      tileable_.push_back(a->max_rank() <= cuda::kMaxTileRank);
+      rows_.emplace_back();
+    }
+    return it->second;
+  }
+  void AddRow(int32_t adapter, int32_t row) { rows_[adapter].push_back(row); }
+  bool empty() const { return items_.empty(); }
+
+  // Orders the items and cuts the tiles; then plans their place in the metadata.
+  void Plan(Placer* plan) {
+    auto tiled = [&](size_t a) { return tileable_[a] && rows_[a].size() >= kMinTileRows; };
+    for (size_t a = 0; a < rows_.size(); ++a) {
+      if (!tiled(a)) {
+        for (int32_t r : rows_[a]) items_.push_back({r, static_cast<int32_t>(a)});
+      }
+    }
+    num_rows_ = static_cast<int64_t>(items_.size());
+    for (size_t a = 0; a < rows_.size(); ++a) {
+      if (!tiled(a)) continue;
+      for (size_t i = 0; i < rows_[a].size(); i += cuda::kTileRows) {
+        const size_t count = std::min<size_t>(cuda::kTileRows, rows_[a].size() - i);
+        tiles_.push_back({static_cast<int32_t>(items_.size()), static_cast<int32_t>(count)});
+        for (size_t j = i; j < i + count; ++j) items_.push_back({rows_[a][j], static_cast<int32_t>(a)});
+      }
+    }
+    items_at_ = plan->Place(items_.size() * sizeof(cuda::LowRankItem));
+    tables_at_ = plan->Place(tables_.size() * sizeof(void*));
+    tiles_at_ = plan->Place(tiles_.size() * sizeof(cuda::LowRankTile));
+  }
+  // Copies them into the host image of the metadata whose device copy starts at `device`.
+  void Fill(uint8_t* host, const DeviceBuffer& device) {
+    auto put = [&](size_t at, const auto& v) {
+      if (!v.empty()) std::memcpy(host + at, v.data(), v.size() * sizeof(v[0]));
+    };
+    put(items_at_, items_);
+    put(tables_at_, tables_);
+    put(tiles_at_, tiles_);
+    items_dev_ = device.as<cuda::LowRankItem>(items_at_);
+    tables_dev_ = device.as<const cuda::LowRankPair*>(tables_at_);
+    tiles_dev_ = device.as<cuda::LowRankTile>(tiles_at_);
+  }
+  // Adds every row's update for `targets` (both kernels; in place when a target's y is x).
+  absl::Status Launch(const float* x, int64_t x_stride, const cuda::LowRankTargets& targets,
+                      void* stream) const {
+    if (items_.empty()) return absl::OkStatus();
+    PREFT_RETURN_IF_ERROR(Cuda(cuda::LowRankAdd(x, x_stride, tables_dev_, items_dev_, num_rows_,
+                                                targets, stream),
+                               "low-rank rows"));
+    return Cuda(cuda::LowRankAddTiles(x, x_stride, tables_dev_, items_dev_, tiles_dev_,
+                                      static_cast<int64_t>(tiles_.size()), targets, stream),
+                "low-rank tiles");
+  }
+
+ private:
+  absl::flat_hash_map<const DeviceAdapter*, int32_t> index_;
+  std::vector<const cuda::LowRankPair*> tables_;
+  std::vector<bool> tileable_;
+  std::vector<std::vector<int32_t>> rows_;
+  std::vector<cuda::LowRankItem> items_;
+  std::vector<cuda::LowRankTile> tiles_;
+  int64_t num_rows_ = 0;
+  size_t items_at_ = 0, tables_at_ = 0, tiles_at_ = 0;
+  const cuda::LowRankItem* items_dev_ = nullptr;
+  const cuda::LowRankPair* const* tables_dev_ = nullptr;
+  const cuda::LowRankTile* tiles_dev_ = nullptr;
+};
 
 // ---- DeviceBuffer ----
 
@@ -176,6 +256,7 @@ absl::StatusOr<std::unique_ptr<DeviceAdapter>> DeviceAdapter::Upload(const Adapt
   const size_t table_at = plan.Place(placed.size() * sizeof(cuda::LowRankPair));
   std::unique_ptr<DeviceAdapter> out(new DeviceAdapter());
   out->kind_ = a.kind();
+  out->max_rank_ = a.max_rank();
   PREFT_ASSIGN_OR_RETURN(out->data_, DeviceBuffer::Allocate(plan.size()));
   // Pass 2: stage everything on the host with device addresses in the table; one copy.
   std::vector<uint8_t> staging(plan.size(), 0);
@@ -235,6 +316,7 @@ absl::StatusOr<std::unique_ptr<DeviceAdapter>> DeviceAdapter::Random(const Model
   const size_t table_at = plan.Place(table.size() * sizeof(cuda::LowRankPair));
   std::unique_ptr<DeviceAdapter> out(new DeviceAdapter());
   out->kind_ = kind;
+  out->max_rank_ = rank;
   PREFT_ASSIGN_OR_RETURN(out->data_, DeviceBuffer::Allocate(plan.size()));
   for (size_t e = 0; e < table.size(); ++e) {
     cuda::LowRankPair& p = table[e];
@@ -284,7 +366,6 @@ size_t DeviceAdapterSlots::bytes() const {
 
 struct DeviceModel::Meta {
   size_t tokens = 0, positions = 0, slots = 0, logit_rows = 0, block_tables = 0, seqs = 0;
-  size_t lora_items = 0, lora_tables = 0, direft_items = 0, direft_tables = 0;
 };
 
 DeviceModel::~DeviceModel() {
@@ -496,26 +577,22 @@ absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
   }
 
   // Adapters: one table per distinct adapter, one item per masked row.
-  std::vector<cuda::LowRankItem> lora_items, direft_items;
-  std::vector<const cuda::LowRankPair*> lora_tables, direft_tables;
-  absl::flat_hash_map<const AdapterWeights*, int32_t> index;
+  LowRankWork lora, direft;
+  absl::flat_hash_set<const AdapterWeights*> checked;
   int64_t total_blocks = 0;
   {
     int64_t t = 0;
     for (const ForwardBatch::Sequence& s : batch.sequences) {
       total_blocks += s.num_blocks;
       if (s.adapter != nullptr) {
-        const bool is_lora = s.adapter->kind() == AdapterKind::kLora;
-        auto& tables = is_lora ? lora_tables : direft_tables;
-        auto [it, added] = index.try_emplace(s.adapter, static_cast<int32_t>(tables.size()));
-        if (added) {
+        if (checked.insert(s.adapter).second) {
           PREFT_RETURN_IF_ERROR(CheckAdapterFits(c, *s.adapter));
-          PREFT_ASSIGN_OR_RETURN(const DeviceAdapter* da, adapters->Get(s.adapter));
-          tables.push_back(da->table());
         }
-        auto& items = is_lora ? lora_items : direft_items;
+        PREFT_ASSIGN_OR_RETURN(const DeviceAdapter* da, adapters->Get(s.adapter));
+        LowRankWork& work = s.adapter->kind() == AdapterKind::kLora ? lora : direft;
+        const int32_t a = work.Adapter(da);
         for (int64_t i = t; i < t + s.num_new; ++i) {
-          if (batch.adapter_mask[i]) items.push_back({static_cast<int32_t>(i), it->second});
+          if (batch.adapter_mask[i]) work.AddRow(a, static_cast<int32_t>(i));
         }
       }
       t += s.num_new;
@@ -531,10 +608,8 @@ absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
   at.logit_rows = plan.Place(R * sizeof(int32_t));
   at.block_tables = plan.Place(total_blocks * sizeof(int32_t));
   at.seqs = plan.Place(S * sizeof(kernels::AttentionSeq));
-  at.lora_items = plan.Place(lora_items.size() * sizeof(cuda::LowRankItem));
-  at.lora_tables = plan.Place(lora_tables.size() * sizeof(void*));
-  at.direft_items = plan.Place(direft_items.size() * sizeof(cuda::LowRankItem));
-  at.direft_tables = plan.Place(direft_tables.size() * sizeof(void*));
+  lora.Plan(&plan);
+  direft.Plan(&plan);
   if (plan.size() > meta_.size()) {
     PREFT_RETURN_IF_ERROR(Cuda(cuda::StreamSynchronize(stream_), "synchronize"));
     meta_ = DeviceBuffer();
@@ -548,10 +623,8 @@ absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
   copy_in(at.tokens, batch.token_ids.data(), T * sizeof(int32_t));
   copy_in(at.positions, batch.positions.data(), T * sizeof(int32_t));
   copy_in(at.logit_rows, batch.logit_rows.data(), R * sizeof(int32_t));
-  copy_in(at.lora_items, lora_items.data(), lora_items.size() * sizeof(cuda::LowRankItem));
-  copy_in(at.lora_tables, lora_tables.data(), lora_tables.size() * sizeof(void*));
-  copy_in(at.direft_items, direft_items.data(), direft_items.size() * sizeof(cuda::LowRankItem));
-  copy_in(at.direft_tables, direft_tables.data(), direft_tables.size() * sizeof(void*));
+  lora.Fill(meta_host_.data(), meta_);
+  direft.Fill(meta_host_.data(), meta_);
   int64_t max_new = 0;
   {
     auto* slots = reinterpret_cast<int64_t*>(host(at.slots));
@@ -581,23 +654,16 @@ absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
   const auto* slots = meta_.as<int64_t>(at.slots);
   const auto* logit_rows = meta_.as<int32_t>(at.logit_rows);
   const auto* seqs = meta_.as<kernels::AttentionSeq>(at.seqs);
-  const auto* lora = meta_.as<const cuda::LowRankPair*>(at.lora_tables);
-  const auto* lora_dev_items = meta_.as<cuda::LowRankItem>(at.lora_items);
-  const auto* direft = meta_.as<const cuda::LowRankPair*>(at.direft_tables);
-  const auto* direft_dev_items = meta_.as<cuda::LowRankItem>(at.direft_items);
 
   // One LoRA call: every adapter's update of projections reading x ([T, in]).
   auto apply_lora = [&](int64_t li, const float* x, int64_t in,
                         std::initializer_list<std::tuple<Projection, float*, int64_t>> outs) {
-    if (lora_items.empty()) return absl::OkStatus();
     cuda::LowRankTargets targets;
     for (const auto& [p, y, stride] : outs) {
       targets.target[targets.num_targets++] = {
           static_cast<int32_t>(DeviceAdapter::Entry(li, static_cast<int>(p))), y, stride};
     }
-    return Cuda(cuda::LowRankAdd(x, in, lora, lora_dev_items,
-                                 static_cast<int64_t>(lora_items.size()), targets, stream_),
-                "LoRA");
+    return lora.Launch(x, in, targets, stream_);
   };
   auto linear = [&](const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
                     const float* bias, float* y) {
@@ -646,15 +712,12 @@ absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
     PREFT_RETURN_IF_ERROR(linear(gate_, T, l.down, d, inter, nullptr, tmp_));
     PREFT_RETURN_IF_ERROR(apply_lora(li, gate_, inter, {{Projection::kDown, tmp_, d}}));
     PREFT_RETURN_IF_ERROR(Cuda(cuda::AddInPlace(x_, tmp_, T * d, stream_), "add"));
-    if (!direft_items.empty()) {
+    if (!direft.empty()) {
       cuda::LowRankTargets targets;
       targets.target[0] = {static_cast<int32_t>(DeviceAdapter::Entry(li, DeviceAdapter::kDireftSlot)),
                            x_, d};
       targets.num_targets = 1;
-      PREFT_RETURN_IF_ERROR(Cuda(cuda::LowRankAdd(x_, d, direft, direft_dev_items,
-                                                  static_cast<int64_t>(direft_items.size()),
-                                                  targets, stream_),
-                                 "DiReFT"));
+      PREFT_RETURN_IF_ERROR(direft.Launch(x_, d, targets, stream_));
     }
   }
   // Only the rows that will be sampled go through the final norm and the LM head.

@@ -93,12 +93,14 @@ class DeviceAdapter {
   AdapterKind kind() const { return kind_; }
   const kernels::cuda::LowRankPair* table() const { return table_; }  // device
   size_t bytes() const { return data_.size(); }
+  int64_t max_rank() const { return max_rank_; }
 
  private:
   DeviceAdapter() = default;
   AdapterKind kind_ = AdapterKind::kLora;
   DeviceBuffer data_;  // matrices, biases, then the table
   const kernels::cuda::LowRankPair* table_ = nullptr;
+  int64_t max_rank_ = 0;
 };
 
 // The device copies of the adapters batches name, keyed by their host weights: uploaded on
@@ -155,6 +157,7 @@ class DeviceModel {
   };
   // The metadata of one forward, in one host buffer copied to the device at once.
   struct Meta;
+  class LowRankWork;
 
   DeviceModel() = default;
   absl::Status Init(const ModelConfig& config);

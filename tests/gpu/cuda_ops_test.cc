@@ -266,6 +266,87 @@ TEST_F(CudaOpsTest, LowRankAddMatchesCpuForMixedAdapters) {
   ExpectNear(d_yk.ToHost(), yk, 1e-4);
 }
 
+// SGMV tiles, in place as DiReFT runs: adapters with 1 to 70 rows (tiles of 32 and a
+// remainder), ranks up to kMaxTileRank, a bias, a width that is not a multiple of the chunk.
+TEST_F(CudaOpsTest, LowRankAddTilesMatchesCpuInPlace) {
+  const int64_t d = 900;
+  const int row_counts[] = {1, 5, 32, 33, 70};
+  const int64_t ranks[] = {16, 64, 4, 64, 16};
+  int64_t rows = 0;
+  for (int n : row_counts) rows += n;
+  std::vector<float> x = Random(rows * d);
+  DeviceVec<float> d_x(x);
+  struct Adapter {
+    std::vector<uint16_t> s, e;
+    std::vector<float> bias;
+    std::vector<int32_t> rows;
+  };
+  std::vector<Adapter> host(5);
+  std::vector<int32_t> order(rows);
+  for (int64_t i = 0; i < rows; ++i) order[i] = static_cast<int32_t>(i);
+  std::shuffle(order.begin(), order.end(), rng_);  // an adapter's rows need not be adjacent
+  int64_t next = 0;
+  for (int a = 0; a < 5; ++a) {
+    host[a].s = RandomBf16(ranks[a] * d);
+    host[a].e = RandomBf16(ranks[a] * d);
+    if (a == 1) host[a].bias = Random(ranks[a]);
+    for (int i = 0; i < row_counts[a]; ++i) host[a].rows.push_back(order[next++]);
+  }
+  std::vector<cpu::LowRankGroup> cpu_groups;
+  for (Adapter& a : host) {
+    const int64_t r = static_cast<int64_t>(a.s.size()) / d;
+    cpu_groups.push_back({a.rows.data(), static_cast<int64_t>(a.rows.size()),
+                          MatrixView{a.s.data(), DType::kBF16, r, d},
+                          MatrixView{a.e.data(), DType::kBF16, r, d},
+                          a.bias.empty() ? nullptr : a.bias.data(), 0.25f});
+  }
+  std::vector<std::unique_ptr<DeviceVec<uint16_t>>> weights;
+  std::vector<std::unique_ptr<DeviceVec<float>>> biases;
+  std::vector<std::unique_ptr<DeviceVec<uint8_t>>> tables;
+  std::vector<const cuda::LowRankPair*> table_ptrs;
+  std::vector<cuda::LowRankItem> items;
+  std::vector<cuda::LowRankTile> tiles;
+  for (size_t a = 0; a < host.size(); ++a) {
+    const Adapter& h = host[a];
+    weights.push_back(std::make_unique<DeviceVec<uint16_t>>(h.s));
+    weights.push_back(std::make_unique<DeviceVec<uint16_t>>(h.e));
+    const float* bias = nullptr;
+    if (!h.bias.empty()) {
+      biases.push_back(std::make_unique<DeviceVec<float>>(h.bias));
+      bias = biases.back()->get();
+    }
+    const cuda::LowRankPair pair{weights[2 * a]->get(), weights[2 * a + 1]->get(), DType::kBF16,
+                                 ranks[a], d, d, bias, 0.25f};
+    std::vector<uint8_t> bytes(sizeof(pair));
+    std::memcpy(bytes.data(), &pair, sizeof(pair));
+    tables.push_back(std::make_unique<DeviceVec<uint8_t>>(bytes));
+    table_ptrs.push_back(reinterpret_cast<const cuda::LowRankPair*>(tables.back()->get()));
+    for (size_t i = 0; i < h.rows.size(); i += cuda::kTileRows) {
+      const size_t count = std::min<size_t>(cuda::kTileRows, h.rows.size() - i);
+      tiles.push_back({static_cast<int32_t>(items.size()), static_cast<int32_t>(count)});
+      for (size_t j = i; j < i + count; ++j) items.push_back({h.rows[j], static_cast<int32_t>(a)});
+    }
+  }
+  cpu::LowRankAdd(x.data(), d, x.data(), d, cpu_groups.data(),
+                  static_cast<int64_t>(cpu_groups.size()));
+  auto bytes_of = [](const auto& v) {
+    std::vector<uint8_t> b(v.size() * sizeof(v[0]));
+    std::memcpy(b.data(), v.data(), b.size());
+    return b;
+  };
+  DeviceVec<uint8_t> d_tables(bytes_of(table_ptrs)), d_items(bytes_of(items)),
+      d_tiles(bytes_of(tiles));
+  cuda::LowRankTargets targets;
+  targets.target[0] = {0, d_x.get(), d};
+  targets.num_targets = 1;
+  CUDA_OK(cuda::LowRankAddTiles(d_x.get(), d,
+                                reinterpret_cast<const cuda::LowRankPair* const*>(d_tables.get()),
+                                reinterpret_cast<const cuda::LowRankItem*>(d_items.get()),
+                                reinterpret_cast<const cuda::LowRankTile*>(d_tiles.get()),
+                                static_cast<int64_t>(tiles.size()), targets, nullptr));
+  ExpectNear(d_x.ToHost(), x, 1e-4);
+}
+
 // Decode rows and prompt chunks over a shared paged cache, GQA, with and without a window.
 TEST_F(CudaOpsTest, PagedAttentionMatchesCpu) {
   const int64_t heads = 14, kv_heads = 2, hd = 64, bt = 16, blocks = 40;

@@ -50,8 +50,22 @@ struct LowRankTargets {
 // x: rows of stride x_stride. tables: device array of device pointers, one table per adapter.
 // A target's y may be x (DiReFT in place; then it must be the only target): a row is read in
 // full before it is written. Rows are distinct across items.
+// BGMV: one block per (item, target), reading its pair for that row alone (decode rows).
 int LowRankAdd(const float* x, int64_t x_stride, const LowRankPair* const* tables,
                const LowRankItem* items, int64_t num_items, const LowRankTargets& targets,
                void* stream);
+
+// SGMV for prompt chunks: the same update, but a tile of up to kTileRows items of one adapter
+// shares every load of its pair, so a 128-token prompt reads each matrix 4 times, not 128.
+// Pairs of rank over kMaxTileRank are skipped: send their rows to LowRankAdd.
+inline constexpr int kTileRows = 32;
+inline constexpr int64_t kMaxTileRank = 64;
+struct LowRankTile {
+  int32_t first;  // items[first, first + count) share one adapter
+  int32_t count;  // 1..kTileRows
+};
+int LowRankAddTiles(const float* x, int64_t x_stride, const LowRankPair* const* tables,
+                    const LowRankItem* items, const LowRankTile* tiles, int64_t num_tiles,
+                    const LowRankTargets& targets, void* stream);
 
 }  // namespace preft::kernels::cuda
