@@ -1,0 +1,276 @@
+// The CUDA backend at model level (issue 8's GPU figures), on random bf16 weights made on the
+// device in a preset's exact shapes, against the device's copy bandwidth measured in the same
+// run:
+//  - decode at batch 1: weight bytes per step / step time against the copy bandwidth (>= 0.70);
+//  - decode throughput at 64 and 256 sequences (prompt 128, base model);
+//  - the paper's setting: R requests, each with its own adapter (LoRA rank 16 on all seven
+//    projections; DiReFT rank 4 on every layer), prompt P, G new tokens, in lockstep: prompts
+//    prefilled in chunks, then decode steps over every sequence. End-to-end tokens/s of base,
+//    LoRAP, DiReFTP (adapter on the prompt only; decode on the base model), LoRA (multi-LoRA,
+//    every position) and DiReFT, and PreFT / multi-LoRA.
+//
+//   cuda_model_bench [--preset llama3.1-8b] [--requests 512] [--prompt 128] [--new 128]
+//                    [--chunk 8192] [--lora-rank 16] [--direft-rank 4] [--quick]
+// Prints one markdown table; exit 2 without a CUDA device.
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "common/kernels/cuda/runtime.cuh"
+#include "common/model/device_model.h"
+#include "common/model/make_model.h"
+
+namespace {
+
+namespace cuda = preft::kernels::cuda;
+using preft::model::AdapterKind;
+using preft::model::AdapterWeights;
+using preft::model::DeviceAdapter;
+using preft::model::DeviceAdapterSlots;
+using preft::model::DeviceKvCache;
+using preft::model::DeviceModel;
+using preft::model::ForwardBatch;
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+template <class T>
+T Check(absl::StatusOr<T> v, const char* what) {
+  if (!v.ok()) {
+    std::fprintf(stderr, "cuda_model_bench: %s: %s\n", what, v.status().ToString().c_str());
+    std::exit(1);
+  }
+  return std::move(*v);
+}
+
+void Check(const absl::Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "cuda_model_bench: %s: %s\n", what, s.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+// Device-to-device copy rate in GB/s (bytes read + written), the ceiling a weight stream meets.
+double CopyBandwidth() {
+  const size_t bytes = size_t{2} << 30;
+  auto a = Check(preft::model::DeviceBuffer::Allocate(bytes), "allocate");
+  auto b = Check(preft::model::DeviceBuffer::Allocate(bytes), "allocate");
+  for (int i = 0; i < 3; ++i) cuda::CopyOnDevice(b.get(), a.get(), bytes, nullptr);
+  cuda::StreamSynchronize(nullptr);
+  const double t0 = Now();
+  for (int i = 0; i < 10; ++i) cuda::CopyOnDevice(b.get(), a.get(), bytes, nullptr);
+  cuda::StreamSynchronize(nullptr);
+  return 2.0 * bytes * 10 / (Now() - t0) / 1e9;
+}
+
+struct Seq {
+  std::vector<int32_t> blocks;
+  std::vector<int32_t> tokens;
+  const AdapterWeights* adapter = nullptr;
+  bool prompt_only = false;
+};
+
+// Sequences in lockstep over one cache: prompts first (in chunks), then decode steps.
+class Lockstep {
+ public:
+  Lockstep(DeviceModel* model, DeviceKvCache* cache, DeviceAdapterSlots* slots)
+      : model_(model), cache_(cache), slots_(slots) {}
+
+  // `count` sequences of `prompt` random tokens and room for `total` tokens each.
+  std::vector<Seq> Make(int64_t count, int64_t prompt, int64_t total) {
+    const int64_t bt = cache_->shape().block_tokens, per = (total + bt - 1) / bt;
+    std::vector<Seq> seqs(count);
+    uint64_t rng = 12345;
+    for (int64_t i = 0; i < count; ++i) {
+      for (int64_t b = 0; b < per; ++b) seqs[i].blocks.push_back(static_cast<int32_t>(i * per + b));
+      for (int64_t t = 0; t < prompt; ++t) {
+        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+        seqs[i].tokens.push_back(static_cast<int32_t>((rng >> 33) % model_->config().vocab_size));
+      }
+    }
+    return seqs;
+  }
+
+  // Runs every prompt (whole prompts, up to `chunk` tokens per forward); each sequence gets
+  // its first token. Returns seconds.
+  double Prefill(std::vector<Seq>& seqs, int64_t chunk) {
+    double total = 0;
+    for (size_t i = 0; i < seqs.size();) {
+      ForwardBatch batch;
+      std::vector<Seq*> in;
+      int64_t tokens = 0;
+      while (i < seqs.size() && (in.empty() || tokens + static_cast<int64_t>(seqs[i].tokens.size()) <= chunk)) {
+        Seq& s = seqs[i++];
+        const int64_t n = static_cast<int64_t>(s.tokens.size());
+        batch.AddSequence(s.blocks.data(), static_cast<int64_t>(s.blocks.size()), s.tokens.data(),
+                          n, n, true, s.adapter);
+        in.push_back(&s);
+        tokens += n;
+      }
+      total += Run(batch, in);
+    }
+    return total;
+  }
+
+  // One decode step over every sequence; PreFT sequences run on the base model. Seconds.
+  double Step(std::vector<Seq>& seqs) {
+    ForwardBatch batch;
+    std::vector<Seq*> in;
+    for (Seq& s : seqs) {
+      const int64_t ctx = static_cast<int64_t>(s.tokens.size());
+      batch.AddSequence(s.blocks.data(), static_cast<int64_t>(s.blocks.size()),
+                        s.tokens.data() + ctx - 1, 1, ctx, true,
+                        s.prompt_only ? nullptr : s.adapter);
+      in.push_back(&s);
+    }
+    return Run(batch, in);
+  }
+
+ private:
+  double Run(const ForwardBatch& batch, const std::vector<Seq*>& in) {
+    const double t0 = Now();
+    Check(model_->ForwardGreedy(batch, cache_, slots_, &picks_, &logprobs_), "forward");
+    const double dt = Now() - t0;
+    for (size_t i = 0; i < in.size(); ++i) in[i]->tokens.push_back(picks_[i]);
+    return dt;
+  }
+
+  DeviceModel* model_;
+  DeviceKvCache* cache_;
+  DeviceAdapterSlots* slots_;
+  std::vector<int32_t> picks_;
+  std::vector<float> logprobs_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  CLI::App app{"CUDA model benchmark"};
+  std::string preset = "llama3.1-8b";
+  int64_t requests = 512, prompt = 128, new_tokens = 128, chunk = 8192, lora_rank = 16,
+          direft_rank = 4;
+  bool quick = false;
+  app.add_option("--preset", preset, "model shape (make-model preset)");
+  app.add_option("--requests", requests, "requests in the adapter comparison, one adapter each");
+  app.add_option("--prompt", prompt, "prompt tokens per request");
+  app.add_option("--new", new_tokens, "generated tokens per request");
+  app.add_option("--chunk", chunk, "prompt tokens per prefill forward");
+  app.add_option("--lora-rank", lora_rank);
+  app.add_option("--direft-rank", direft_rank);
+  app.add_flag("--quick", quick, "64 requests, 16 new tokens");
+  CLI11_PARSE(app, argc, argv);
+  if (quick) {
+    requests = std::min<int64_t>(requests, 64);
+    new_tokens = std::min<int64_t>(new_tokens, 16);
+  }
+  if (cuda::DeviceCount() == 0) {
+    std::fprintf(stderr, "cuda_model_bench: no CUDA device\n");
+    return 2;
+  }
+  const auto config = Check(preft::model::PresetConfig(preset), "preset");
+  const double bw = CopyBandwidth();
+  auto model = Check(DeviceModel::Random(config, 1), "random model");
+  const int64_t total = prompt + new_tokens;
+  const int64_t per_seq = (total + 15) / 16;
+  const int64_t need_blocks = std::max<int64_t>(requests, 256) * per_seq;
+  const int64_t fit = Check(DeviceKvCache::BlocksThatFit(model->CacheShape(1), 0.5), "free memory");
+  if (fit < need_blocks) {
+    std::fprintf(stderr, "cuda_model_bench: %ld KV blocks needed, %ld fit in half the free memory\n",
+                 static_cast<long>(need_blocks), static_cast<long>(fit));
+    return 1;
+  }
+  auto cache = Check(DeviceKvCache::Create(model->CacheShape(need_blocks)), "KV cache");
+  const size_t embed_bytes = static_cast<size_t>(config.vocab_size) * config.hidden_size * 2;
+  const double step_bytes =
+      static_cast<double>(model->weight_bytes() - (config.tie_word_embeddings ? 0 : embed_bytes));
+  std::printf("%s: %.2f GB of weights (%.2f GB read per decode step), %ld KV blocks\n\n",
+              preset.c_str(), model->weight_bytes() / 1e9, step_bytes / 1e9,
+              static_cast<long>(need_blocks));
+  std::printf("| figure | value | reference (same run) | ratio | target |\n|---|---|---|---|---|\n");
+  std::printf("| copy bandwidth | %.0f GB/s (read + write) | - | - | - |\n", bw);
+
+  // Decode on the base model at 1, 64 and 256 sequences.
+  for (const int64_t n : {int64_t{1}, int64_t{64}, int64_t{256}}) {
+    DeviceAdapterSlots none;
+    Lockstep run(model.get(), cache.get(), &none);
+    std::vector<Seq> seqs = run.Make(n, prompt, total);
+    run.Prefill(seqs, chunk);
+    std::vector<double> steps;
+    for (int i = 0; i < (n == 1 ? 32 : 16) && static_cast<int64_t>(seqs[0].tokens.size()) < total; ++i) {
+      steps.push_back(run.Step(seqs));
+    }
+    const double step = Median(steps);
+    if (n == 1) {
+      const double gbps = step_bytes / step / 1e9;
+      std::printf("| decode batch 1 | %.2f ms/step = %.0f GB/s of weights | copy %.0f GB/s | %.2f | >= 0.70 |\n",
+                  step * 1e3, gbps, bw, gbps / bw);
+    } else {
+      std::printf("| decode %ld sequences | %.0f tok/s (%.2f ms/step) | - | - | - |\n",
+                  static_cast<long>(n), n / step, step * 1e3);
+    }
+  }
+
+  // The paper's setting.
+  struct Mode {
+    const char* name;
+    bool adapter;
+    AdapterKind kind;
+    bool prompt_only;
+  };
+  const Mode modes[] = {{"base", false, AdapterKind::kLora, false},
+                        {"LoRAP", true, AdapterKind::kLora, true},
+                        {"DiReFTP", true, AdapterKind::kDireft, true},
+                        {"LoRA (multi-LoRA)", true, AdapterKind::kLora, false},
+                        {"DiReFT", true, AdapterKind::kDireft, false}};
+  std::vector<double> e2e(5), decode(5);
+  for (int mi = 0; mi < 5; ++mi) {
+    const Mode& mode = modes[mi];
+    DeviceAdapterSlots slots;
+    std::vector<std::unique_ptr<AdapterWeights>> keys;
+    if (mode.adapter) {
+      for (int64_t i = 0; i < requests; ++i) {
+        keys.push_back(std::make_unique<AdapterWeights>(mode.kind, config.num_layers));
+        slots.Put(keys.back().get(),
+                  Check(DeviceAdapter::Random(config, mode.kind,
+                                              mode.kind == AdapterKind::kLora ? lora_rank : direft_rank,
+                                              1000 + i),
+                        "random adapter"));
+      }
+    }
+    Lockstep run(model.get(), cache.get(), &slots);
+    std::vector<Seq> seqs = run.Make(requests, prompt, total);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      seqs[i].adapter = mode.adapter ? keys[i].get() : nullptr;
+      seqs[i].prompt_only = mode.prompt_only;
+    }
+    double seconds = run.Prefill(seqs, chunk);
+    std::vector<double> steps;
+    while (static_cast<int64_t>(seqs[0].tokens.size()) < total) steps.push_back(run.Step(seqs));
+    for (double s : steps) seconds += s;
+    e2e[mi] = requests * new_tokens / seconds;
+    decode[mi] = Median(steps);
+    std::printf("| %s, %ld requests x %ld adapters (%ld+%ld tokens) | %.0f tok/s end to end; decode step %.2f ms | - | - | - |\n",
+                mode.name, static_cast<long>(requests), static_cast<long>(mode.adapter ? requests : 0),
+                static_cast<long>(prompt), static_cast<long>(new_tokens), e2e[mi], decode[mi] * 1e3);
+  }
+  std::printf("| LoRAP / multi-LoRA | %.2fx end to end (decode step %.2fx) | - | - | paper: 1.83 (8B), 1.63 (0.5B) |\n",
+              e2e[1] / e2e[3], decode[3] / decode[1]);
+  std::printf("| DiReFTP / multi-LoRA | %.2fx end to end (decode step %.2fx) | - | - | paper: 2.21 (8B), 2.39 (0.5B) |\n",
+              e2e[2] / e2e[3], decode[3] / decode[2]);
+  std::printf("| LoRAP / base, DiReFTP / base | %.2f, %.2f | - | - | - |\n", e2e[1] / e2e[0],
+              e2e[2] / e2e[0]);
+  return 0;
+}
