@@ -610,11 +610,7 @@ absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
   at.seqs = plan.Place(S * sizeof(kernels::AttentionSeq));
   lora.Plan(&plan);
   direft.Plan(&plan);
-  if (plan.size() > meta_.size()) {
-    PREFT_RETURN_IF_ERROR(Cuda(cuda::StreamSynchronize(stream_), "synchronize"));
-    meta_ = DeviceBuffer();
-    PREFT_ASSIGN_OR_RETURN(meta_, DeviceBuffer::Allocate(std::max(plan.size() * 2, size_t{1} << 16)));
-  }
+  PREFT_RETURN_IF_ERROR(Reserve(&meta_, plan.size()));
   meta_host_.assign(plan.size(), 0);
   auto host = [&](size_t off) { return meta_host_.data() + off; };
   auto copy_in = [&](size_t off, const void* src, size_t bytes) {
@@ -737,18 +733,50 @@ absl::Status DeviceModel::Forward(const ForwardBatch& batch, DeviceKvCache* cach
   return Cuda(cuda::StreamSynchronize(stream_), "forward");
 }
 
+absl::Status DeviceModel::Reserve(DeviceBuffer* buffer, size_t bytes) {
+  if (buffer->size() >= bytes) return absl::OkStatus();
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::StreamSynchronize(stream_), "synchronize"));
+  *buffer = DeviceBuffer();
+  PREFT_ASSIGN_OR_RETURN(*buffer, DeviceBuffer::Allocate(std::max(bytes * 2, size_t{4096})));
+  return absl::OkStatus();
+}
+
+absl::Status DeviceModel::ForwardSample(const ForwardBatch& batch, DeviceKvCache* cache,
+                                        DeviceAdapterSlots* adapters,
+                                        const std::vector<cuda::SampleSpec>& specs,
+                                        std::vector<int32_t>* tokens) {
+  const int64_t R = static_cast<int64_t>(batch.logit_rows.size());
+  if (static_cast<int64_t>(specs.size()) != R) {
+    return absl::InvalidArgumentError(absl::StrCat(specs.size(), " sampling specs for ", R,
+                                                   " logit rows"));
+  }
+  PREFT_RETURN_IF_ERROR(Run(batch, cache, adapters));
+  const size_t specs_bytes = AlignUp(R * sizeof(cuda::SampleSpec));
+  PREFT_RETURN_IF_ERROR(Reserve(&picks_, specs_bytes + R * sizeof(int32_t)));
+  const size_t ws = cuda::SampleWorkspaceBytes(R, config_.vocab_size);
+  PREFT_RETURN_IF_ERROR(Reserve(&sample_workspace_, ws));
+  auto* d_specs = picks_.as<cuda::SampleSpec>();
+  auto* d_tokens = picks_.as<int32_t>(specs_bytes);
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::CopyToDevice(d_specs, specs.data(),
+                                                R * sizeof(cuda::SampleSpec), stream_),
+                             "copy"));
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::SampleRows(logits_, R, config_.vocab_size, d_specs, d_tokens,
+                                               sample_workspace_.get(), sample_workspace_.size(),
+                                               stream_),
+                             "sampling"));
+  tokens->resize(R);
+  PREFT_RETURN_IF_ERROR(
+      Cuda(cuda::CopyToHost(tokens->data(), d_tokens, R * sizeof(int32_t), stream_), "copy"));
+  return Cuda(cuda::StreamSynchronize(stream_), "forward");
+}
+
 absl::Status DeviceModel::ForwardGreedy(const ForwardBatch& batch, DeviceKvCache* cache,
                                         DeviceAdapterSlots* adapters,
                                         std::vector<int32_t>* tokens,
                                         std::vector<float>* logprobs) {
   PREFT_RETURN_IF_ERROR(Run(batch, cache, adapters));
   const int64_t R = static_cast<int64_t>(batch.logit_rows.size());
-  const size_t need = R * (sizeof(int32_t) + sizeof(float));
-  if (picks_.size() < need) {
-    PREFT_RETURN_IF_ERROR(Cuda(cuda::StreamSynchronize(stream_), "synchronize"));
-    picks_ = DeviceBuffer();
-    PREFT_ASSIGN_OR_RETURN(picks_, DeviceBuffer::Allocate(std::max(need * 2, size_t{4096})));
-  }
+  PREFT_RETURN_IF_ERROR(Reserve(&picks_, R * (sizeof(int32_t) + sizeof(float))));
   auto* d_tokens = picks_.as<int32_t>();
   auto* d_logprobs = picks_.as<float>(R * sizeof(int32_t));
   PREFT_RETURN_IF_ERROR(Cuda(cuda::GreedyLogprob(logits_, R, config_.vocab_size, d_tokens,

@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "common/kernels/cuda/linear.cuh"
 #include "common/kernels/cuda/low_rank.cuh"
+#include "common/kernels/cuda/sampling.cuh"
 #include "common/kv/kv_cache.h"
 #include "common/model/adapter_weights.h"
 #include "common/model/config.h"
@@ -145,6 +146,13 @@ class DeviceModel {
                              DeviceAdapterSlots* adapters, std::vector<int32_t>* tokens,
                              std::vector<float>* logprobs);
 
+  // The same forward, then each logit row sampled on the device with specs[row] (the CPU
+  // sampler's choice for the same seed and step); only the tokens come back.
+  absl::Status ForwardSample(const ForwardBatch& batch, DeviceKvCache* cache,
+                             DeviceAdapterSlots* adapters,
+                             const std::vector<kernels::cuda::SampleSpec>& specs,
+                             std::vector<int32_t>* tokens);
+
   // From now on every forward first fills its device scratch with 0xff (NaN), so a test sees
   // any value a kernel should have written and did not.
   void PoisonScratchForTesting() { poison_scratch_ = true; }
@@ -165,6 +173,8 @@ class DeviceModel {
   absl::Status Run(const ForwardBatch& batch, DeviceKvCache* cache,
                    DeviceAdapterSlots* adapters);
   absl::Status EnsureScratch(int64_t tokens, int64_t rows);
+  // Grows `buffer` to at least `bytes` (after the stream's work that may still read it).
+  absl::Status Reserve(DeviceBuffer* buffer, size_t bytes);
 
   ModelConfig config_;
   void* stream_ = nullptr;
@@ -184,7 +194,8 @@ class DeviceModel {
         *logits_ = nullptr;
   DeviceBuffer meta_;
   std::vector<uint8_t> meta_host_;
-  DeviceBuffer picks_;  // greedy tokens and logprobs
+  DeviceBuffer picks_;  // greedy tokens and logprobs; or sample specs and tokens
+  DeviceBuffer sample_workspace_;
   bool poison_scratch_ = false;
 };
 

@@ -15,6 +15,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/engine/sampler.h"
 #include "common/kernels/cpu/attention.h"
 #include "common/kernels/cpu/linear.h"
 #include "common/kernels/cpu/low_rank.h"
@@ -24,6 +25,7 @@
 #include "common/kernels/cuda/low_rank.cuh"
 #include "common/kernels/cuda/ops.cuh"
 #include "common/kernels/cuda/runtime.cuh"
+#include "common/kernels/cuda/sampling.cuh"
 #include "common/kernels/dtype.h"
 
 namespace preft::kernels {
@@ -394,6 +396,52 @@ TEST_F(CudaOpsTest, PagedAttentionMatchesCpu) {
       ExpectNear(dout[i]->ToHost(), out[i], 1e-4);
     }
   }
+}
+
+// Seeded sampling on the device picks the CPU sampler's token for every mix of temperature,
+// top-k, top-p and min-p (and greedy), over logits with ties.
+TEST_F(CudaOpsTest, SampleRowsMatchesCpuSampler) {
+  const int64_t vocab = 5003;
+  struct Params {
+    float temperature, top_p, min_p;
+    int32_t top_k;
+  };
+  const Params params[] = {{0.f, 1.f, 0.f, 0},      {0.7f, 1.f, 0.f, 0},   {1.f, 1.f, 0.f, 5},
+                           {1.3f, 0.9f, 0.f, 0},    {0.8f, 0.8f, 0.05f, 50}, {1.f, 1.f, 0.1f, 0},
+                           {1.f, 1.f, 0.f, 100000}, {1.f, 1e-6f, 0.f, 0},  {2.f, 0.5f, 0.f, 1}};
+  const int64_t rows = 9 * 8;
+  std::vector<float> logits = Random(rows * vocab, -6.f, 6.f);
+  for (int64_t r = 0; r < rows; ++r) {  // ties: a few copies of the row's best value
+    float* row = &logits[r * vocab];
+    const float best = *std::max_element(row, row + vocab);
+    for (int i = 0; i < 3; ++i) row[rng_() % vocab] = best;
+  }
+  std::vector<cuda::SampleSpec> specs(rows);
+  std::vector<int32_t> want(rows);
+  std::vector<std::pair<float, int32_t>> scratch;
+  for (int64_t r = 0; r < rows; ++r) {
+    const Params& p = params[r % 9];
+    specs[r] = {p.temperature, p.top_p, p.min_p, p.top_k, rng_(), rng_() % 1000};
+    engine::SamplingParams sp;
+    sp.temperature = p.temperature;
+    sp.top_p = p.top_p;
+    sp.min_p = p.min_p;
+    sp.top_k = p.top_k;
+    want[r] = engine::SampleToken(&logits[r * vocab], vocab, sp, specs[r].seed, specs[r].step,
+                                  &scratch);
+  }
+  std::vector<uint8_t> spec_bytes(rows * sizeof(cuda::SampleSpec));
+  std::memcpy(spec_bytes.data(), specs.data(), spec_bytes.size());
+  DeviceVec<float> d_logits(logits);
+  DeviceVec<uint8_t> d_specs(spec_bytes);
+  DeviceVec<int32_t> d_tokens(rows);
+  const size_t ws = cuda::SampleWorkspaceBytes(rows, vocab);
+  DeviceVec<uint8_t> d_ws(ws);
+  CUDA_OK(cuda::SampleRows(d_logits.get(), rows, vocab,
+                           reinterpret_cast<const cuda::SampleSpec*>(d_specs.get()),
+                           d_tokens.get(), d_ws.get(), ws, nullptr));
+  const std::vector<int32_t> got = d_tokens.ToHost();
+  for (int64_t r = 0; r < rows; ++r) EXPECT_EQ(got[r], want[r]) << "row " << r << " params " << r % 9;
 }
 
 }  // namespace

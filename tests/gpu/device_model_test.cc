@@ -19,6 +19,7 @@
 
 #include "common/adapters/adapter_loader.h"
 #include "common/adapters/make_adapter.h"
+#include "common/engine/sampler.h"
 #include "common/kernels/cuda/runtime.cuh"
 #include "common/kv/kv_cache.h"
 #include "common/model/device_model.h"
@@ -230,6 +231,46 @@ TEST_P(DeviceModelConsistencyTest, GreedyOnDeviceMatchesHostArgmaxAndLogprob) {
     EXPECT_EQ(picks[r], best) << "row " << r;
     EXPECT_NEAR(logprobs[r], -std::log(z), 1e-5) << "row " << r;
   }
+}
+
+// Sampling on the device after the forward picks what the CPU sampler picks from the same
+// logits, seed and step.
+TEST_P(DeviceModelConsistencyTest, SampledOnDeviceMatchesCpuSamplerOnItsLogits) {
+  const ModelConfig& c = host_->config();
+  auto cache = DeviceKvCache::Create(device_->CacheShape(16));
+  ASSERT_TRUE(cache.ok());
+  std::mt19937 rng(static_cast<uint32_t>(seed_));
+  ForwardBatch batch;
+  std::vector<std::vector<int32_t>> tokens(6), blocks(6);
+  for (int s = 0; s < 6; ++s) {
+    blocks[s] = {static_cast<int32_t>(2 * s), static_cast<int32_t>(2 * s + 1)};
+    for (int i = 0; i < 5 + 3 * s; ++i) tokens[s].push_back(static_cast<int32_t>(rng() % c.vocab_size));
+    const int64_t n = static_cast<int64_t>(tokens[s].size());
+    batch.AddSequence(blocks[s].data(), 2, tokens[s].data(), n, n, true);
+  }
+  std::vector<kernels::cuda::SampleSpec> specs = {
+      {0.f, 1.f, 0.f, 0, rng(), 0},      {1.f, 1.f, 0.f, 0, rng(), 3},  {0.7f, 0.9f, 0.f, 0, rng(), 1},
+      {1.2f, 1.f, 0.f, 20, rng(), 7},   {1.f, 0.95f, 0.05f, 40, rng(), 2}, {1.f, 1.f, 0.2f, 0, rng(), 9}};
+  DeviceAdapterSlots slots;
+  std::vector<float> logits;
+  std::vector<int32_t> picks;
+  ASSERT_TRUE(device_->Forward(batch, cache->get(), &slots, &logits).ok());
+  ASSERT_TRUE(device_->ForwardSample(batch, cache->get(), &slots, specs, &picks).ok());
+  ASSERT_EQ(picks.size(), specs.size());
+  std::vector<std::pair<float, int32_t>> scratch;
+  for (size_t r = 0; r < specs.size(); ++r) {
+    engine::SamplingParams sp;
+    sp.temperature = specs[r].temperature;
+    sp.top_p = specs[r].top_p;
+    sp.min_p = specs[r].min_p;
+    sp.top_k = specs[r].top_k;
+    EXPECT_EQ(picks[r], engine::SampleToken(&logits[r * c.vocab_size], c.vocab_size, sp,
+                                            specs[r].seed, specs[r].step, &scratch))
+        << "row " << r;
+  }
+  specs.pop_back();
+  EXPECT_EQ(device_->ForwardSample(batch, cache->get(), &slots, specs, &picks).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST_P(DeviceModelConsistencyTest, BadBatchesAreInvalidArgument) {
