@@ -22,27 +22,36 @@ __device__ void Better(float& v, int32_t& id, float ov, int32_t oid) {
   }
 }
 
-// One block per row: argmax, then the sum of exp(l - max) in double.
-__global__ void GreedyKernel(const float* logits, int64_t vocab, int32_t* token, float* logprob) {
+// The block's argmax of row[0, n) (the lowest id on ties); every thread gets it.
+__device__ void BlockArgmax(const float* row, int64_t n, float* value, int32_t* index) {
   __shared__ float best_v[kWarps];
   __shared__ int32_t best_id[kWarps];
-  __shared__ double sums[kWarps];
-  const float* row = logits + blockIdx.x * vocab;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   float v = -INFINITY;
   int32_t id = INT32_MAX;
-  for (int64_t i = threadIdx.x; i < vocab; i += kThreads) Better(v, id, row[i], static_cast<int32_t>(i));
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) Better(v, id, row[i], static_cast<int32_t>(i));
   for (int o = 16; o > 0; o >>= 1) {
     Better(v, id, __shfl_down_sync(0xffffffffu, v, o), __shfl_down_sync(0xffffffffu, id, o));
   }
-  if (lane == 0) {
-    best_v[warp] = v;
-    best_id[warp] = id;
+  if (threadIdx.x % 32 == 0) {
+    best_v[threadIdx.x / 32] = v;
+    best_id[threadIdx.x / 32] = id;
   }
   __syncthreads();
   v = best_v[0];
   id = best_id[0];
   for (int w = 1; w < kWarps; ++w) Better(v, id, best_v[w], best_id[w]);
+  *value = v;
+  *index = id;
+}
+
+// One block per row: argmax, then the sum of exp(l - max) in double.
+__global__ void GreedyKernel(const float* logits, int64_t vocab, int32_t* token, float* logprob) {
+  __shared__ double sums[kWarps];
+  const float* row = logits + blockIdx.x * vocab;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  float v;
+  int32_t id;
+  BlockArgmax(row, vocab, &v, &id);
   const double max_logit = v;
   double s = 0.0;
   for (int64_t i = threadIdx.x; i < vocab; i += kThreads) s += exp(row[i] - max_logit);
@@ -124,13 +133,10 @@ __global__ void SampleKernel(const float* logits, int64_t vocab, const SampleSpe
                              const int32_t* ids_sorted, int32_t* token) {
   __shared__ BlockScan::TempStorage scan;
   __shared__ BlockReduceD::TempStorage reduce;
-  __shared__ float best_v[kWarps];
-  __shared__ int32_t best_id[kWarps];
   __shared__ double shared_sum;
   __shared__ int64_t found;
   const int64_t r = blockIdx.x;
   const SampleSpec s = specs[r];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const bool ordered = NeedsOrder(s);
   const float* c = (ordered ? keys_sorted : keys_in) + r * vocab;
   if (s.temperature <= kGreedyEpsilon) c = logits + r * vocab;
@@ -142,18 +148,7 @@ __global__ void SampleKernel(const float* logits, int64_t vocab, const SampleSpe
     v = c[0];
     id = 0;
   } else {
-    for (int64_t i = threadIdx.x; i < vocab; i += kThreads) Better(v, id, c[i], static_cast<int32_t>(i));
-    for (int o = 16; o > 0; o >>= 1) {
-      Better(v, id, __shfl_down_sync(0xffffffffu, v, o), __shfl_down_sync(0xffffffffu, id, o));
-    }
-    if (lane == 0) {
-      best_v[warp] = v;
-      best_id[warp] = id;
-    }
-    __syncthreads();
-    v = best_v[0];
-    id = best_id[0];
-    for (int w = 1; w < kWarps; ++w) Better(v, id, best_v[w], best_id[w]);
+    BlockArgmax(c, vocab, &v, &id);
   }
   if (s.temperature <= kGreedyEpsilon) {
     if (threadIdx.x == 0) token[r] = id;
