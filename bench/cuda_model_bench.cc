@@ -10,7 +10,8 @@
 //    every position) and DiReFT, and PreFT / multi-LoRA.
 //
 //   cuda_model_bench [--preset llama3.1-8b] [--requests 512] [--prompt 128] [--new 128]
-//                    [--chunk 8192] [--lora-rank 16] [--direft-rank 4] [--quick]
+//                    [--chunk 8192] [--lora-rank 16] [--direft-rank 4] [--quick] [--no-graphs]
+// Decode steps replay CUDA graphs unless --no-graphs (batch 1 is measured both ways).
 // Prints one markdown table; exit 2 without a CUDA device.
 
 #include <algorithm>
@@ -162,7 +163,7 @@ int main(int argc, char** argv) {
   std::string preset = "llama3.1-8b";
   int64_t requests = 512, prompt = 128, new_tokens = 128, chunk = 8192, lora_rank = 16,
           direft_rank = 4;
-  bool quick = false;
+  bool quick = false, no_graphs = false;
   app.add_option("--preset", preset, "model shape (make-model preset)");
   app.add_option("--requests", requests, "requests in the adapter comparison, one adapter each");
   app.add_option("--prompt", prompt, "prompt tokens per request");
@@ -171,6 +172,7 @@ int main(int argc, char** argv) {
   app.add_option("--lora-rank", lora_rank);
   app.add_option("--direft-rank", direft_rank);
   app.add_flag("--quick", quick, "64 requests, 16 new tokens");
+  app.add_flag("--no-graphs", no_graphs, "decode steps launch kernels one by one");
   CLI11_PARSE(app, argc, argv);
   if (quick) {
     requests = std::min<int64_t>(requests, 64);
@@ -202,8 +204,16 @@ int main(int argc, char** argv) {
   std::printf("| figure | value | reference (same run) | ratio | target |\n|---|---|---|---|---|\n");
   std::printf("| copy bandwidth | %.0f GB/s (read + write) | - | - | - |\n", bw);
 
-  // Decode on the base model at 1, 64 and 256 sequences.
-  for (const int64_t n : {int64_t{1}, int64_t{64}, int64_t{256}}) {
+  // Decode on the base model at 1, 64 and 256 sequences (batch 1 also without graphs).
+  struct DecodeRun {
+    int64_t n;
+    bool graphs;
+  };
+  std::vector<DecodeRun> decode_runs = {{1, false}, {1, true}, {64, true}, {256, true}};
+  for (const DecodeRun& dr : decode_runs) {
+    if (dr.graphs && no_graphs) continue;
+    const int64_t n = dr.n;
+    model->UseGraphs(dr.graphs);
     DeviceAdapterSlots none;
     Lockstep run(model.get(), cache.get(), &none);
     std::vector<Seq> seqs = run.Make(n, prompt, total);
@@ -213,15 +223,17 @@ int main(int argc, char** argv) {
       steps.push_back(run.Step(seqs));
     }
     const double step = Median(steps);
+    const char* how = dr.graphs ? "CUDA graphs" : "eager";
     if (n == 1) {
       const double gbps = step_bytes / step / 1e9;
-      std::printf("| decode batch 1 | %.2f ms/step = %.0f GB/s of weights | copy %.0f GB/s | %.2f | >= 0.70 |\n",
-                  step * 1e3, gbps, bw, gbps / bw);
+      std::printf("| decode batch 1 (%s) | %.2f ms/step = %.0f GB/s of weights | copy %.0f GB/s | %.2f | >= 0.70 |\n",
+                  how, step * 1e3, gbps, bw, gbps / bw);
     } else {
-      std::printf("| decode %ld sequences | %.0f tok/s (%.2f ms/step) | - | - | - |\n",
-                  static_cast<long>(n), n / step, step * 1e3);
+      std::printf("| decode %ld sequences (%s) | %.0f tok/s (%.2f ms/step) | - | - | - |\n",
+                  static_cast<long>(n), how, n / step, step * 1e3);
     }
   }
+  model->UseGraphs(!no_graphs);
 
   // The paper's setting.
   struct Mode {

@@ -90,6 +90,12 @@ class DeviceModel::LowRankWork {
   }
   void AddRow(int32_t adapter, int32_t row) { rows_[adapter].push_back(row); }
   bool empty() const { return items_.empty(); }
+  // Appends what fixes the kernels' launch arguments and the metadata layout (after Plan).
+  void AppendShape(std::vector<int64_t>* key) const {
+    key->insert(key->end(), {num_rows_, static_cast<int64_t>(items_.size()),
+                             static_cast<int64_t>(tiles_.size()),
+                             static_cast<int64_t>(tables_.size())});
+  }
 
   // Orders the items and cuts the tiles; then plans their place in the metadata.
   void Plan(Placer* plan) {
@@ -369,6 +375,7 @@ struct DeviceModel::Meta {
 };
 
 DeviceModel::~DeviceModel() {
+  ClearGraphs();
   delete blas_;
   if (stream_ != nullptr) {
     cuda::StreamSynchronize(stream_);
@@ -569,12 +576,8 @@ absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
   const int64_t T = batch.num_tokens(), R = static_cast<int64_t>(batch.logit_rows.size());
   const int64_t S = static_cast<int64_t>(batch.sequences.size());
   const int64_t d = c.hidden_size, hd = c.head_dim, inter = c.intermediate_size;
-  const int64_t q_out = c.num_heads * hd, kv_out = c.num_kv_heads * hd, bt = cs.block_tokens;
+  const int64_t q_out = c.num_heads * hd, bt = cs.block_tokens;
   PREFT_RETURN_IF_ERROR(EnsureScratch(T, R));
-  if (poison_scratch_) {
-    PREFT_RETURN_IF_ERROR(
-        Cuda(cuda::Memset(scratch_.get(), 0xff, scratch_.size(), stream_), "memset"));
-  }
 
   // Adapters: one table per distinct adapter, one item per masked row.
   LowRankWork lora, direft;
@@ -645,11 +648,63 @@ absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
   }
   PREFT_RETURN_IF_ERROR(
       Cuda(cuda::CopyToDevice(meta_.get(), meta_host_.data(), plan.size(), stream_), "copy"));
-  const auto* tokens = meta_.as<int32_t>(at.tokens);
-  const auto* positions = meta_.as<int32_t>(at.positions);
-  const auto* slots = meta_.as<int64_t>(at.slots);
-  const auto* logit_rows = meta_.as<int32_t>(at.logit_rows);
-  const auto* seqs = meta_.as<kernels::AttentionSeq>(at.seqs);
+  const Step step{T,
+                  R,
+                  S,
+                  max_new,
+                  meta_.as<int32_t>(at.tokens),
+                  meta_.as<int32_t>(at.positions),
+                  meta_.as<int64_t>(at.slots),
+                  meta_.as<int32_t>(at.logit_rows),
+                  meta_.as<kernels::AttentionSeq>(at.seqs)};
+  if (!use_graphs_ || max_new != 1) return Launch(step, cache, lora, direft);
+
+  // Decode steps replay a graph recorded for their shape (the kernels' arguments are fixed
+  // by the shape, the cache and the buffers, all in the key; the data is in meta_).
+  std::vector<int64_t> key = {T, R, S, total_blocks,
+                              reinterpret_cast<int64_t>(cache->layer_base(0)),
+                              reinterpret_cast<int64_t>(meta_.get()),
+                              reinterpret_cast<int64_t>(scratch_.get())};
+  lora.AppendShape(&key);
+  direft.AppendShape(&key);
+  // Nothing inside a capture may allocate: size the GEMM input copy for this shape first.
+  PREFT_RETURN_IF_ERROR(Cuda(blas_->Reserve(std::max(T, R) * std::max({d, q_out, inter})),
+                             "reserve"));
+  if (blas_->generation() != graphs_blas_generation_) {  // that copy moved: every graph is stale
+    ClearGraphs();
+    graphs_blas_generation_ = blas_->generation();
+  }
+  auto it = graphs_.find(key);
+  if (it == graphs_.end()) {
+    if (graphs_.size() >= kMaxGraphs) ClearGraphs();
+    PREFT_RETURN_IF_ERROR(Cuda(cuda::GraphCaptureBegin(stream_), "graph capture"));
+    const absl::Status launched = Launch(step, cache, lora, direft);
+    void* exec = nullptr;
+    const int ended = cuda::GraphCaptureEnd(stream_, &exec);
+    PREFT_RETURN_IF_ERROR(launched);
+    PREFT_RETURN_IF_ERROR(Cuda(ended, "graph capture"));
+    it = graphs_.emplace(key, exec).first;
+  }
+  return Cuda(cuda::GraphLaunch(it->second, stream_), "graph launch");
+}
+
+absl::Status DeviceModel::Launch(const Step& step, DeviceKvCache* cache, const LowRankWork& lora,
+                                 const LowRankWork& direft) {
+  const ModelConfig& c = config_;
+  const kv::KvCacheShape& cs = cache->shape();
+  const int64_t T = step.tokens, R = step.rows, S = step.seqs;
+  const int64_t d = c.hidden_size, hd = c.head_dim, inter = c.intermediate_size;
+  const int64_t q_out = c.num_heads * hd, kv_out = c.num_kv_heads * hd, bt = cs.block_tokens;
+  if (poison_scratch_) {
+    PREFT_RETURN_IF_ERROR(
+        Cuda(cuda::Memset(scratch_.get(), 0xff, scratch_.size(), stream_), "memset"));
+  }
+  const int32_t* tokens = step.token_ids;
+  const int32_t* positions = step.positions;
+  const int64_t* slots = step.slots;
+  const int32_t* logit_rows = step.logit_rows;
+  const kernels::AttentionSeq* seqs = step.attention;
+  const int64_t max_new = step.max_new;
 
   // One LoRA call: every adapter's update of projections reading x ([T, in]).
   auto apply_lora = [&](int64_t li, const float* x, int64_t in,
@@ -731,6 +786,11 @@ absl::Status DeviceModel::Forward(const ForwardBatch& batch, DeviceKvCache* cach
   PREFT_RETURN_IF_ERROR(
       Cuda(cuda::CopyToHost(logits->data(), logits_, n * sizeof(float), stream_), "copy"));
   return Cuda(cuda::StreamSynchronize(stream_), "forward");
+}
+
+void DeviceModel::ClearGraphs() {
+  for (auto& [key, exec] : graphs_) cuda::GraphDestroy(exec);
+  graphs_.clear();
 }
 
 absl::Status DeviceModel::Reserve(DeviceBuffer* buffer, size_t bytes) {

@@ -7,11 +7,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "common/kernels/attention_types.h"
 #include "common/kernels/cuda/linear.cuh"
 #include "common/kernels/cuda/low_rank.cuh"
 #include "common/kernels/cuda/sampling.cuh"
@@ -153,6 +155,10 @@ class DeviceModel {
                              const std::vector<kernels::cuda::SampleSpec>& specs,
                              std::vector<int32_t>* tokens);
 
+  // Decode steps (one new token per sequence) record a CUDA graph per shape and replay it,
+  // one launch instead of ~13 per layer. Off by default.
+  void UseGraphs(bool on) { use_graphs_ = on; }
+
   // From now on every forward first fills its device scratch with 0xff (NaN), so a test sees
   // any value a kernel should have written and did not.
   void PoisonScratchForTesting() { poison_scratch_ = true; }
@@ -166,12 +172,26 @@ class DeviceModel {
   // The metadata of one forward, in one host buffer copied to the device at once.
   struct Meta;
   class LowRankWork;
+  // One forward's shape and the device addresses of its metadata.
+  struct Step {
+    int64_t tokens, rows, seqs, max_new;
+    const int32_t* token_ids;
+    const int32_t* positions;
+    const int64_t* slots;
+    const int32_t* logit_rows;
+    const kernels::AttentionSeq* attention;
+  };
+  static constexpr size_t kMaxGraphs = 64;
 
   DeviceModel() = default;
   absl::Status Init(const ModelConfig& config);
   // Runs the layers and the LM head; leaves [rows, vocab] logits in logits_ on the device.
   absl::Status Run(const ForwardBatch& batch, DeviceKvCache* cache,
                    DeviceAdapterSlots* adapters);
+  // Queues the kernels of one planned step on the stream (or into a graph being captured).
+  absl::Status Launch(const Step& step, DeviceKvCache* cache, const LowRankWork& lora,
+                      const LowRankWork& direft);
+  void ClearGraphs();
   absl::Status EnsureScratch(int64_t tokens, int64_t rows);
   // Grows `buffer` to at least `bytes` (after the stream's work that may still read it).
   absl::Status Reserve(DeviceBuffer* buffer, size_t bytes);
@@ -197,6 +217,9 @@ class DeviceModel {
   DeviceBuffer picks_;  // greedy tokens and logprobs; or sample specs and tokens
   DeviceBuffer sample_workspace_;
   bool poison_scratch_ = false;
+  bool use_graphs_ = false;
+  std::map<std::vector<int64_t>, void*> graphs_;  // shape key -> cudaGraphExec_t
+  int64_t graphs_blas_generation_ = -1;
 };
 
 }  // namespace preft::model

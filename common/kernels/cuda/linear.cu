@@ -10,6 +10,8 @@
 namespace preft::kernels::cuda {
 namespace {
 
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLAS's recommendation for Hopper
+
 int BlasError(cublasStatus_t s) { return s == CUBLAS_STATUS_SUCCESS ? 0 : kBlasErrorBase + s; }
 
 }  // namespace
@@ -28,27 +30,41 @@ int Blas::Create(void* stream, Blas** out) {
     delete b;
     return BlasError(s);
   }
+  if (const cudaError_t e = cudaMalloc(&b->workspace_, kWorkspaceBytes); e != cudaSuccess) {
+    b->workspace_ = nullptr;
+    delete b;
+    return e;
+  }
+  if (const cublasStatus_t s = cublasSetWorkspace(h, b->workspace_, kWorkspaceBytes);
+      s != CUBLAS_STATUS_SUCCESS) {
+    delete b;
+    return BlasError(s);
+  }
   *out = b;
+  return 0;
+}
+
+int Blas::Reserve(int64_t elems) {
+  if (elems <= xb_elems_) return 0;
+  if (xb_ != nullptr) cudaFree(xb_);
+  xb_ = nullptr;
+  xb_elems_ = 0;
+  ++generation_;
+  if (const cudaError_t e = cudaMalloc(&xb_, elems * sizeof(uint16_t)); e != cudaSuccess) return e;
+  xb_elems_ = elems;
   return 0;
 }
 
 Blas::~Blas() {
   if (handle_ != nullptr) cublasDestroy(static_cast<cublasHandle_t>(handle_));
   if (xb_ != nullptr) cudaFree(xb_);
+  if (workspace_ != nullptr) cudaFree(workspace_);
 }
 
 int Blas::Linear(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
                  const float* bias, float* y) {
   if (m == 0 || n == 0) return 0;
-  if (m * k > xb_elems_) {
-    if (xb_ != nullptr) cudaFree(xb_);
-    xb_ = nullptr;
-    xb_elems_ = 0;
-    if (const cudaError_t e = cudaMalloc(&xb_, m * k * sizeof(uint16_t)); e != cudaSuccess) {
-      return e;
-    }
-    xb_elems_ = m * k;
-  }
+  if (const int e = Reserve(m * k); e != 0) return e;
   if (int e = RoundToBf16(x, m * k, xb_, stream_); e != 0) return e;
   // Column-major view: yᵀ [n, m] = W [n, k] (W row-major is Wᵀ column-major, hence OP_T)
   // times xᵀ [k, m] (x row-major is xᵀ column-major).

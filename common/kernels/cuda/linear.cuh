@@ -21,6 +21,11 @@ class Blas {
   int Linear(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
              const float* bias, float* y);
 
+  // Grows the bf16 copy of x to hold `elems` values now (a graph capture must not allocate).
+  int Reserve(int64_t elems);
+  // Changes whenever that copy moves: graphs recorded before then hold a stale address.
+  int64_t generation() const { return generation_; }
+
   void* stream() const { return stream_; }
 
  private:
@@ -29,6 +34,8 @@ class Blas {
   void* stream_ = nullptr;
   uint16_t* xb_ = nullptr;
   int64_t xb_elems_ = 0;
+  int64_t generation_ = 0;
+  void* workspace_ = nullptr;  // cuBLAS's, set once so captured GEMMs never allocate
 };
 
 }  // namespace preft::kernels::cuda

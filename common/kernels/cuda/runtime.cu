@@ -39,6 +39,24 @@ int StreamCreate(void** stream) {
 }
 int StreamDestroy(void* stream) { return cudaStreamDestroy(AsStream(stream)); }
 int StreamSynchronize(void* stream) { return cudaStreamSynchronize(AsStream(stream)); }
+int GraphCaptureBegin(void* stream) {
+  return cudaStreamBeginCapture(AsStream(stream), cudaStreamCaptureModeThreadLocal);
+}
+int GraphCaptureEnd(void* stream, void** exec) {
+  *exec = nullptr;
+  cudaGraph_t graph = nullptr;
+  cudaError_t e = cudaStreamEndCapture(AsStream(stream), &graph);
+  if (e != cudaSuccess) return e;
+  cudaGraphExec_t g = nullptr;
+  e = cudaGraphInstantiate(&g, graph, 0);
+  cudaGraphDestroy(graph);
+  if (e == cudaSuccess) *exec = g;
+  return e;
+}
+int GraphLaunch(void* exec, void* stream) {
+  return cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec), AsStream(stream));
+}
+int GraphDestroy(void* exec) { return cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec)); }
 int MemoryInfo(size_t* free_bytes, size_t* total_bytes) {
   return cudaMemGetInfo(free_bytes, total_bytes);
 }

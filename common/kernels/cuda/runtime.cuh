@@ -28,6 +28,14 @@ int StreamCreate(void** stream);
 int StreamDestroy(void* stream);
 int StreamSynchronize(void* stream);
 
+// CUDA graphs: the work queued on `stream` between CaptureBegin and CaptureEnd is recorded,
+// not run, and *exec becomes an executable graph (a cudaGraphExec_t) that GraphLaunch replays
+// with one launch. CaptureEnd always ends the capture; *exec is null on error.
+int GraphCaptureBegin(void* stream);
+int GraphCaptureEnd(void* stream, void** exec);
+int GraphLaunch(void* exec, void* stream);
+int GraphDestroy(void* exec);
+
 // Free and total device memory of the current device, in bytes.
 int MemoryInfo(size_t* free_bytes, size_t* total_bytes);
 
