@@ -19,7 +19,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-gpu_targets=(cuda_ops_test device_model_test cuda_bench cuda_model_bench)
+gpu_targets=(cuda_ops_test device_model_test cuda_engine_test cuda_bench cuda_model_bench)
 
 build() {
   local dir=$1
@@ -36,6 +36,7 @@ run_checks() {
   echo "== gpu tests"
   timeout 120 "$tests/cuda_ops_test" --gtest_brief=1 || rc=$?
   timeout 180 "$tests/device_model_test" --gtest_brief=1 || rc=$?
+  timeout 120 "$tests/cuda_engine_test" --gtest_brief=1 || rc=$?
   echo "== cuda_bench"
   timeout 120 "$bench/cuda_bench" || rc=$?
   for preset in llama3.1-8b qwen2.5-0.5b; do
@@ -51,6 +52,7 @@ case "${1:-}" in
     build build-gpu
     rm -rf "$out" && mkdir -p "$out/lib"
     cp build-gpu/tests/gpu/cuda_ops_test build-gpu/tests/gpu/device_model_test \
+      build-gpu/tests/gpu/cuda_engine_test \
       build-gpu/bench/cuda_bench build-gpu/bench/cuda_model_bench "$out/"
     strip --strip-unneeded "$out"/cuda_* "$out"/device_model_test
     # Libraries beyond glibc and CUDA's own (the CUDA image has the toolkit; cuBLAS is too

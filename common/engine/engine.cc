@@ -84,24 +84,34 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(model::Model* model,
     blocks = options.kv_bytes / per_block;
   }
   if (blocks <= 0) return absl::InvalidArgumentError("KV cache budget holds no block");
-  PREFT_ASSIGN_OR_RETURN(
-      auto cache, kv::KvCache::Create(model->CacheShape(blocks, options.scheduler.block_tokens)));
-  return std::unique_ptr<Engine>(new Engine(model, tokenizer, options, std::move(cache)));
+  PREFT_ASSIGN_OR_RETURN(auto backend,
+                         model::CpuBackend::Create(model, blocks, options.scheduler.block_tokens));
+  return Create(std::move(backend), tokenizer, options);
 }
 
-Engine::Engine(model::Model* model, const model::Tokenizer* tokenizer, const EngineOptions& options,
-               std::unique_ptr<kv::KvCache> cache)
-    : model_(model),
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
+    std::unique_ptr<model::ForwardBackend> backend, const model::Tokenizer* tokenizer,
+    const EngineOptions& options) {
+  if (backend->cache_shape().block_tokens != options.scheduler.block_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the backend's KV blocks hold ", backend->cache_shape().block_tokens,
+        " tokens; the scheduler expects ", options.scheduler.block_tokens));
+  }
+  return std::unique_ptr<Engine>(new Engine(std::move(backend), tokenizer, options));
+}
+
+Engine::Engine(std::unique_ptr<model::ForwardBackend> backend, const model::Tokenizer* tokenizer,
+               const EngineOptions& options)
+    : backend_(std::move(backend)),
       tokenizer_(tokenizer),
       options_(options),
-      cache_(std::move(cache)),
-      allocator_(static_cast<int32_t>(cache_->shape().num_blocks)),
+      allocator_(static_cast<int32_t>(backend_->cache_shape().num_blocks)),
       next_seed_(std::random_device{}()) {}
 
 Engine::~Engine() = default;
 
 absl::Status Engine::Add(Request request) {
-  const model::ModelConfig& c = model_->config();
+  const model::ModelConfig& c = backend_->config();
   PREFT_RETURN_IF_ERROR(request.sampling.Validate(c.vocab_size));
   PREFT_RETURN_IF_ERROR(ValidatePrompt(request.prompt_ids, c));
   const int64_t n = static_cast<int64_t>(request.prompt_ids.size());
@@ -152,7 +162,7 @@ absl::Status Engine::AddImported(std::unique_ptr<Sequence> seq) {
           absl::StrCat("imported block ", b, " is not a distinct reserved block"));
     }
   }
-  const int64_t vocab = model_->config().vocab_size;
+  const int64_t vocab = backend_->config().vocab_size;
   if (in.first_token < 0 || in.first_token >= vocab) {
     return absl::InvalidArgumentError(absl::StrCat("first token id ", in.first_token,
                                                    " is outside the vocabulary [0, ", vocab, ")"));
@@ -213,7 +223,7 @@ void Engine::HandOverPrefilled(std::unique_ptr<Sequence>& seq, int32_t token,
   p.request_id = seq->request.id;
   p.first_token = token;
   if (sp.logprobs) {
-    p.first_logprob = ComputeLogprobs(logits, model_->config().vocab_size, token, *sp.logprobs);
+    p.first_logprob = ComputeLogprobs(logits, backend_->config().vocab_size, token, *sp.logprobs);
   }
   p.num_tokens = seq->num_prompt;
   p.seed = seq->seed;
@@ -327,7 +337,7 @@ std::string TakeText(const std::vector<std::string>& stops, bool final, std::str
 FinishReason Engine::AppendToken(Sequence& seq, int32_t token, const float* logits,
                                  const std::optional<TokenLogprob>& logprob) {
   const SamplingParams& sp = seq.request.sampling;
-  const model::ModelConfig& c = model_->config();
+  const model::ModelConfig& c = backend_->config();
   seq.tokens.push_back(token);
   ++stats_.generated_tokens;
   if (seq.first_token == absl::InfinitePast()) {
@@ -480,14 +490,14 @@ absl::Status Engine::Step() {
     if (last_chunk) sampled.push_back(s);
   }
   step_report_.num_sequences = static_cast<int64_t>(work.size());
-  PREFT_RETURN_IF_ERROR(model_->Forward(batch, cache_.get(), &logits_));
+  PREFT_RETURN_IF_ERROR(backend_->Forward(batch, &logits_));
   now_ = absl::Now();
   step_report_.forward = now_ - start;
   step_report_.generated_tokens = static_cast<int64_t>(sampled.size());
   ++stats_.steps;
   for (auto& [s, n] : work) s->num_computed += n;
 
-  const int64_t vocab = model_->config().vocab_size;
+  const int64_t vocab = backend_->config().vocab_size;
   std::map<Sequence*, FinishReason> done;
   std::map<Sequence*, int32_t> prefill_done;  // prefill-only: hand over instead of decoding
   std::map<Sequence*, const float*> rows;

@@ -17,6 +17,7 @@
 #include "common/engine/scheduler.h"
 #include "common/kv/block_allocator.h"
 #include "common/kv/kv_cache.h"
+#include "common/model/forward_backend.h"
 #include "common/model/forward_batch.h"
 #include "common/model/model.h"
 #include "common/model/tokenizer.h"
@@ -47,9 +48,15 @@ absl::Status ValidatePrompt(const std::vector<int32_t>& prompt_ids,
 // and tokenizer (tokenizer may be null: then no text and no stop strings).
 class Engine {
  public:
+  // On the CPU: the model's forward over a host KV cache sized by `options`.
   static absl::StatusOr<std::unique_ptr<Engine>> Create(model::Model* model,
                                                         const model::Tokenizer* tokenizer,
                                                         const EngineOptions& options);
+  // Over any backend (a GPU's: model::CudaBackend); options' KV sizes are the backend's
+  // business and ignored here.
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(
+      std::unique_ptr<model::ForwardBackend> backend, const model::Tokenizer* tokenizer,
+      const EngineOptions& options);
   ~Engine();
 
   // Validates and queues. InvalidArgument for bad params/ids, or a prompt longer than the
@@ -70,8 +77,10 @@ class Engine {
   // NotFound if none are held under that id.
   absl::Status ReleasePrefilled(const std::string& request_id);
   int64_t num_prefilled_held() const { return static_cast<int64_t>(prefilled_.size()); }
-  kv::KvCache* cache() { return cache_.get(); }
-  const model::Model& model() const { return *model_; }
+  // The KV cache in host memory (what the KV transport moves); null on a GPU backend.
+  kv::KvCache* cache() { return backend_->host_cache(); }
+  const model::ModelConfig& config() const { return backend_->config(); }
+  const model::ForwardBackend& backend() const { return *backend_; }
 
   bool HasWork() const { return !running_.empty() || !waiting_.empty(); }
   // Schedules and runs one forward, samples, emits events, retires finished requests.
@@ -91,8 +100,8 @@ class Engine {
  private:
   struct Sequence;
 
-  Engine(model::Model* model, const model::Tokenizer* tokenizer, const EngineOptions& options,
-         std::unique_ptr<kv::KvCache> cache);
+  Engine(std::unique_ptr<model::ForwardBackend> backend, const model::Tokenizer* tokenizer,
+         const EngineOptions& options);
   void Finish(std::unique_ptr<Sequence>& seq, FinishReason reason, absl::Status status);
   // Appends a sampled token and emits its event; returns why the sequence is done (kNone:
   // it goes on).
@@ -103,10 +112,9 @@ class Engine {
   void HandOverPrefilled(std::unique_ptr<Sequence>& seq, int32_t token, const float* logits);
   void Preempt(Sequence& seq);
 
-  model::Model* model_;
+  std::unique_ptr<model::ForwardBackend> backend_;
   const model::Tokenizer* tokenizer_;
   EngineOptions options_;
-  std::unique_ptr<kv::KvCache> cache_;
   kv::BlockAllocator allocator_;
   std::deque<std::unique_ptr<Sequence>> waiting_;  // arrival order (preempted go to the front)
   std::vector<std::unique_ptr<Sequence>> running_;  // arrival order

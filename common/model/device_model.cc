@@ -779,7 +779,8 @@ absl::Status DeviceModel::Launch(const Step& step, DeviceKvCache* cache, const L
 }
 
 absl::Status DeviceModel::Forward(const ForwardBatch& batch, DeviceKvCache* cache,
-                                  DeviceAdapterSlots* adapters, std::vector<float>* logits) {
+                                  DeviceAdapterSlots* adapters,
+                                  base::AlignedVector<float>* logits) {
   PREFT_RETURN_IF_ERROR(Run(batch, cache, adapters));
   const size_t n = batch.logit_rows.size() * config_.vocab_size;
   logits->resize(n);

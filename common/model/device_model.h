@@ -13,6 +13,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "common/base/aligned_vector.h"
 #include "common/kernels/attention_types.h"
 #include "common/kernels/cuda/linear.cuh"
 #include "common/kernels/cuda/low_rank.cuh"
@@ -142,7 +143,7 @@ class DeviceModel {
   // As Model::Forward: K/V of the new tokens into `cache`, the logits of batch.logit_rows
   // into `logits` ([rows, vocab]); adapters resolved through `adapters`.
   absl::Status Forward(const ForwardBatch& batch, DeviceKvCache* cache,
-                       DeviceAdapterSlots* adapters, std::vector<float>* logits);
+                       DeviceAdapterSlots* adapters, base::AlignedVector<float>* logits);
   // The same forward, but only the greedy token of each logit row and its logprob come back.
   absl::Status ForwardGreedy(const ForwardBatch& batch, DeviceKvCache* cache,
                              DeviceAdapterSlots* adapters, std::vector<int32_t>* tokens,

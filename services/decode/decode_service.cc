@@ -241,7 +241,7 @@ absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(
         "; quarantine ", absl::FormatDuration(options.quarantine), " must not be negative"));
   }
   auto impl = std::make_unique<Impl>(options);
-  impl->config = engine->model().config();
+  impl->config = engine->config();
   impl->block_tokens = engine->cache()->shape().block_tokens;
   impl->total_blocks = engine->allocator().num_blocks();
   if (options.all_position_adapters || options.colocated) {

@@ -396,11 +396,11 @@ PrefillService::Impl::Impl(std::unique_ptr<engine::Engine> engine,
       options(service_options),
       block_tokens(engine->cache()->shape().block_tokens),
       block_bytes(engine->cache()->shape().bytes_per_block_all_layers()),
-      vocab_size(engine->model().config().vocab_size),
+      vocab_size(engine->config().vocab_size),
       transport(std::move(kv)) {
   adapters::AdapterStoreOptions store_options = options.store;
-  store_options.load.dtype = engine->model().weight_dtype();
-  store = std::make_unique<adapters::AdapterStore>(engine->model().config(), store_options);
+  store_options.load.dtype = engine->backend().adapter_dtype();
+  store = std::make_unique<adapters::AdapterStore>(engine->config(), store_options);
   versioned = std::make_unique<adapters::VersionedAdapters>(store.get(), options.adapter_root);
   endpoint = wire::MakeEndpoint(*transport, layout);
   loop = std::make_unique<engine::EngineLoop>(std::move(engine));

@@ -37,6 +37,27 @@ class EngineTest : public TinyEngineTest {
 
 // A request's tokens do not depend on its batch: alone vs among 15 others, with chunked
 // prefill (small token budget) mixing prompt chunks and decode rows, greedy and seeded.
+// The engine over an explicit backend: the CPU backend gives the same tokens as the model
+// path, and a backend whose blocks do not match the scheduler's is refused.
+TEST_F(EngineTest, RunsOverAnExplicitBackendAndChecksItsBlockSize) {
+  const Request r = MakeRequest("b", 21, 8, 0.f, 4);
+  auto backend = model::CpuBackend::Create(model_, 64, 16);
+  ASSERT_TRUE(backend.ok());
+  EXPECT_STREQ((*backend)->name(), "cpu");
+  auto e = Engine::Create(*std::move(backend), tokenizer_, EngineOptions{});
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_NE((*e)->cache(), nullptr);
+  auto out = (*e)->Generate({r});
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->front().token_ids, RunAlone(r));
+
+  auto odd = model::CpuBackend::Create(model_, 64, 32);
+  ASSERT_TRUE(odd.ok());
+  auto refused = Engine::Create(*std::move(odd), tokenizer_, EngineOptions{});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("32 tokens"), std::string::npos) << refused.status();
+}
+
 TEST_F(EngineTest, TokensAreIdenticalAloneAndInABusyBatch) {
   const Request greedy = MakeRequest("greedy", 45, 20, 0.f, 1);
   const Request sampled = MakeRequest("sampled", 23, 20, 0.8f, 2);

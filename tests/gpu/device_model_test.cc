@@ -96,7 +96,7 @@ class DeviceModelConsistencyTest : public ::testing::TestWithParam<std::string> 
 
 // The logits of both backends agree row by row within bf16 error, and the greedy token
 // agrees wherever the CPU's top-two margin is clearly above that error.
-void ExpectLogitsAgree(const std::vector<float>& cpu, const std::vector<float>& gpu,
+void ExpectLogitsAgree(const base::AlignedVector<float>& cpu, const base::AlignedVector<float>& gpu,
                        int64_t vocab, const std::string& where) {
   ASSERT_EQ(cpu.size(), gpu.size()) << where;
   for (size_t r = 0; r * vocab < cpu.size(); ++r) {
@@ -150,8 +150,7 @@ TEST_P(DeviceModelConsistencyTest, MixedAdapterBatchMatchesCpuOverPromptAndDecod
   ASSERT_TRUE((*gpu_cache)->PoisonForTesting().ok());
   DeviceAdapterSlots slots;
 
-  base::AlignedVector<float> cpu_logits;
-  std::vector<float> gpu_logits;
+  base::AlignedVector<float> cpu_logits, gpu_logits;
   for (int64_t step = 0; step < steps; ++step) {
     ForwardBatch batch;
     std::vector<std::vector<uint8_t>> masks(seqs.size());
@@ -165,8 +164,7 @@ TEST_P(DeviceModelConsistencyTest, MixedAdapterBatchMatchesCpuOverPromptAndDecod
     }
     ASSERT_TRUE(host_->Forward(batch, cpu_cache->get(), &cpu_logits).ok());
     ASSERT_TRUE(device_->Forward(batch, gpu_cache->get(), &slots, &gpu_logits).ok());
-    ExpectLogitsAgree(std::vector<float>(cpu_logits.begin(), cpu_logits.end()), gpu_logits,
-                      c.vocab_size, "step " + std::to_string(step));
+    ExpectLogitsAgree(cpu_logits, gpu_logits, c.vocab_size, "step " + std::to_string(step));
     // Both continue with the CPU's greedy tokens, so an error cannot compound through them.
     for (size_t i = 0; i < seqs.size(); ++i) {
       const float* row = &cpu_logits[i * c.vocab_size];
@@ -218,7 +216,8 @@ TEST_P(DeviceModelConsistencyTest, GreedyOnDeviceMatchesHostArgmaxAndLogprob) {
   batch.AddSequence(blocks.data(), 2, tokens.data(), 20, 20, true);
   batch.logit_rows = {0, 5, 19};
   DeviceAdapterSlots slots;
-  std::vector<float> logits, logprobs;
+  base::AlignedVector<float> logits;
+  std::vector<float> logprobs;
   std::vector<int32_t> picks;
   ASSERT_TRUE(device_->Forward(batch, cache->get(), &slots, &logits).ok());
   ASSERT_TRUE(device_->ForwardGreedy(batch, cache->get(), &slots, &picks, &logprobs).ok());
@@ -252,7 +251,7 @@ TEST_P(DeviceModelConsistencyTest, SampledOnDeviceMatchesCpuSamplerOnItsLogits) 
       {0.f, 1.f, 0.f, 0, rng(), 0},      {1.f, 1.f, 0.f, 0, rng(), 3},  {0.7f, 0.9f, 0.f, 0, rng(), 1},
       {1.2f, 1.f, 0.f, 20, rng(), 7},   {1.f, 0.95f, 0.05f, 40, rng(), 2}, {1.f, 1.f, 0.2f, 0, rng(), 9}};
   DeviceAdapterSlots slots;
-  std::vector<float> logits;
+  base::AlignedVector<float> logits;
   std::vector<int32_t> picks;
   ASSERT_TRUE(device_->Forward(batch, cache->get(), &slots, &logits).ok());
   ASSERT_TRUE(device_->ForwardSample(batch, cache->get(), &slots, specs, &picks).ok());
@@ -290,7 +289,7 @@ TEST_P(DeviceModelConsistencyTest, GraphReplayEqualsEagerDecode) {
     for (size_t t = 0; t < 10 + 5 * i; ++t) seqs[i].tokens.push_back(static_cast<int32_t>(rng() % c.vocab_size));
   }
   DeviceAdapterSlots slots;
-  std::vector<float> eager, graph;
+  base::AlignedVector<float> eager, graph;
   for (int step = 0; step < 12; ++step) {
     ForwardBatch batch;
     for (Seq& s : seqs) {
@@ -321,7 +320,7 @@ TEST_P(DeviceModelConsistencyTest, BadBatchesAreInvalidArgument) {
   auto cache = DeviceKvCache::Create(device_->CacheShape(4));
   ASSERT_TRUE(cache.ok());
   DeviceAdapterSlots slots;
-  std::vector<float> logits;
+  base::AlignedVector<float> logits;
   std::vector<int32_t> tokens = {1, 2, 3};
   std::vector<int32_t> outside = {9};
   ForwardBatch batch;

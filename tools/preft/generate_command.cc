@@ -12,6 +12,9 @@
 #include "common/engine/engine.h"
 #include "common/model/model.h"
 #include "common/model/tokenizer.h"
+#ifdef PREFT_HAVE_CUDA
+#include "common/model/cuda_backend.h"
+#endif
 #include "nlohmann/json.hpp"
 #include "tools/preft/commands.h"
 
@@ -39,6 +42,7 @@ struct GenerateFlags {
   std::string adapter_positions;      // "", "prompt" or "all"
   int concurrency = 1;
   bool chat = false;  // --prompt is a user message, rendered by the model's chat template
+  std::string device = "cpu";  // or "cuda"
 };
 
 int Fail(const std::string& message) {
@@ -141,7 +145,7 @@ int RunGenerate(const GenerateFlags& f) {
   }
   std::vector<engine::RequestAdapter> adapters;
   adapters::LoadOptions load;
-  load.dtype = (*model)->weight_dtype();
+  load.dtype = f.device == "cuda" ? kernels::DType::kBF16 : (*model)->weight_dtype();
   for (const std::string& dir : f.adapters) {
     engine::RequestAdapter ra;
     if (dir != "none") {
@@ -170,7 +174,18 @@ int RunGenerate(const GenerateFlags& f) {
   engine::EngineOptions options;
   options.kv_bytes = f.kv_mib << 20;
   options.num_threads = f.threads;
-  auto eng = engine::Engine::Create(model->get(), tokenizer.get(), options);
+  absl::StatusOr<std::unique_ptr<engine::Engine>> eng;
+  if (f.device == "cuda") {
+#ifdef PREFT_HAVE_CUDA
+    auto backend = model::CudaBackend::Create(**model, {});
+    if (!backend.ok()) return Fail("--device cuda: " + std::string(backend.status().message()));
+    eng = engine::Engine::Create(*std::move(backend), tokenizer.get(), options);
+#else
+    return Fail("--device cuda: this build has no CUDA support (configure with PREFT_ENABLE_CUDA)");
+#endif
+  } else {
+    eng = engine::Engine::Create(model->get(), tokenizer.get(), options);
+  }
   if (!eng.ok()) return Fail(std::string(eng.status().message()));
   const auto start = std::chrono::steady_clock::now();
   auto results = (*eng)->Generate(std::move(reqs));
@@ -231,7 +246,12 @@ void RegisterGenerateCommand(CLI::App& app, int* exit_code) {
   cmd->add_flag("--json", f->json,
                 "Print one JSON object: prompt_ids, token_ids, text, finish_reason[, logprobs]");
   cmd->add_option("--threads", f->threads, "Compute threads (default: all cores)");
-  cmd->add_option("--kv-mib", f->kv_mib, "KV cache size in MiB")->capture_default_str();
+  cmd->add_option("--kv-mib", f->kv_mib, "KV cache size in MiB (CPU)")->capture_default_str();
+  cmd->add_option("--device", f->device,
+                  "Where the forward runs: cpu, or cuda (the first GPU; KV cache sized from its "
+                  "free memory)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   cmd->add_option("--adapter", f->adapters,
                   "Adapter folder (PEFT LoRA or DiReFT; repeatable, 'none' = base model)");
   cmd->add_option("--adapter-positions", f->adapter_positions,

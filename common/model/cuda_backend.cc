@@ -1,0 +1,27 @@
+#include "common/model/cuda_backend.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/base/status_macros.h"
+
+namespace preft::model {
+
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Model& model,
+                                                                 const Options& options) {
+  std::unique_ptr<CudaBackend> b(new CudaBackend());
+  PREFT_ASSIGN_OR_RETURN(b->device_, DeviceModel::Upload(model));
+  b->device_->UseGraphs(options.graphs);
+  int64_t blocks = options.kv_blocks;
+  const kv::KvCacheShape one = b->device_->CacheShape(1, options.block_tokens);
+  if (blocks <= 0) {
+    PREFT_ASSIGN_OR_RETURN(blocks, DeviceKvCache::BlocksThatFit(one, options.memory_fraction));
+  }
+  if (blocks <= 0) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "no KV block (", one.bytes_per_block_all_layers(), " bytes) fits in device memory"));
+  }
+  PREFT_ASSIGN_OR_RETURN(b->cache_,
+                         DeviceKvCache::Create(b->device_->CacheShape(blocks, options.block_tokens)));
+  return b;
+}
+
+}  // namespace preft::model

@@ -1,0 +1,45 @@
+#pragma once
+
+// The engine's forward on an NVIDIA GPU: a DeviceModel (weights uploaded from the host
+// model), a device KV cache sized from free memory, and device slots for the adapters that
+// batches name. Logits come back to the host, where the engine samples as on the CPU. The
+// KV cache stays on the device: no host_cache(), so this backend serves colocated engines
+// (preft generate, one engine per worker) until the GPU KV transport exists.
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "common/model/device_model.h"
+#include "common/model/forward_backend.h"
+
+namespace preft::model {
+
+class CudaBackend : public ForwardBackend {
+ public:
+  struct Options {
+    int64_t kv_blocks = 0;          // 0: memory_fraction of the free memory after the weights
+    double memory_fraction = 0.85;  // of the free device memory, for the KV cache
+    int64_t block_tokens = 16;
+    bool graphs = true;  // decode steps replay CUDA graphs
+  };
+  // FailedPrecondition without a CUDA device.
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const Model& model,
+                                                             const Options& options);
+
+  const ModelConfig& config() const override { return device_->config(); }
+  const kv::KvCacheShape& cache_shape() const override { return cache_->shape(); }
+  absl::Status Forward(const ForwardBatch& batch, base::AlignedVector<float>* logits) override {
+    return device_->Forward(batch, cache_.get(), &slots_, logits);
+  }
+  kernels::DType adapter_dtype() const override { return kernels::DType::kBF16; }
+  const char* name() const override { return "cuda"; }
+
+ private:
+  CudaBackend() = default;
+  std::unique_ptr<DeviceModel> device_;
+  std::unique_ptr<DeviceKvCache> cache_;
+  DeviceAdapterSlots slots_;
+};
+
+}  // namespace preft::model

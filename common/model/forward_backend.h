@@ -1,0 +1,60 @@
+#pragma once
+
+// Where a forward runs. The engine schedules, samples and streams the same way over any
+// backend: the CPU model over a host KV cache (CpuBackend), or with CUDA a DeviceModel over
+// device memory (CudaBackend, common/model/cuda_backend.h).
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "common/base/aligned_vector.h"
+#include "common/kv/kv_cache.h"
+#include "common/model/config.h"
+#include "common/model/forward_batch.h"
+#include "common/model/model.h"
+
+namespace preft::model {
+
+class ForwardBackend {
+ public:
+  virtual ~ForwardBackend() = default;
+
+  virtual const ModelConfig& config() const = 0;
+  // The shape of the backend's paged KV cache (its block count bounds the engine's allocator).
+  virtual const kv::KvCacheShape& cache_shape() const = 0;
+  // Runs `batch`, writing its K/V into the backend's cache; the logits of batch.logit_rows go
+  // to `logits` ([rows, vocab], host memory).
+  virtual absl::Status Forward(const ForwardBatch& batch, base::AlignedVector<float>* logits) = 0;
+  // The dtype adapters are converted to for compute (the form the adapter store keeps).
+  virtual kernels::DType adapter_dtype() const = 0;
+  // The KV cache in host memory, which the KV transport reads and writes; null when the cache
+  // lives on a device.
+  virtual kv::KvCache* host_cache() { return nullptr; }
+  virtual const char* name() const = 0;  // "cpu", "cuda"
+};
+
+// Model::Forward over a KvCache of its own.
+class CpuBackend : public ForwardBackend {
+ public:
+  // `blocks` blocks of `block_tokens` tokens; `model` is borrowed.
+  static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(Model* model, int64_t blocks,
+                                                            int64_t block_tokens);
+
+  const ModelConfig& config() const override { return model_->config(); }
+  const kv::KvCacheShape& cache_shape() const override { return cache_->shape(); }
+  absl::Status Forward(const ForwardBatch& batch, base::AlignedVector<float>* logits) override {
+    return model_->Forward(batch, cache_.get(), logits);
+  }
+  kernels::DType adapter_dtype() const override { return model_->weight_dtype(); }
+  kv::KvCache* host_cache() override { return cache_.get(); }
+  const char* name() const override { return "cpu"; }
+
+ private:
+  CpuBackend(Model* model, std::unique_ptr<kv::KvCache> cache)
+      : model_(model), cache_(std::move(cache)) {}
+  Model* model_;
+  std::unique_ptr<kv::KvCache> cache_;
+};
+
+}  // namespace preft::model

@@ -1,0 +1,104 @@
+// The engine over the CUDA backend against the engine over the CPU, on a fresh random bf16
+// tiny model: greedy tokens of base, LoRA, LoRAP, DiReFT and DiReFTP requests batched
+// together (the tiny model's logits have clear margins, so bf16 summation order does not
+// flip a pick). Labelled `gpu`; without a device the backend must refuse clearly.
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/adapters/adapter_loader.h"
+#include "common/adapters/make_adapter.h"
+#include "common/engine/engine.h"
+#include "common/kernels/cuda/runtime.cuh"
+#include "common/model/cuda_backend.h"
+#include "common/model/make_model.h"
+
+namespace preft::engine {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string TempDir(const std::string& name) {
+  const fs::path dir = fs::path(::testing::TempDir()) /
+                       ("preft_cuda_engine_test_" + std::to_string(::getpid())) / name;
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir.string();
+}
+
+TEST(CudaEngineTest, MixedAdapterRequestsMatchTheCpuEngine) {
+  const std::string dir = TempDir("model");
+  model::MakeModelOptions mo;
+  mo.preset = "tiny";
+  mo.dtype = kernels::DType::kBF16;
+  mo.seed = std::random_device{}();
+  mo.out_dir = dir;
+  ASSERT_TRUE(model::MakeModel(mo).ok());
+  auto host = model::Model::Load(dir);
+  ASSERT_TRUE(host.ok()) << host.status();
+
+  auto gpu_backend = model::CudaBackend::Create(**host, {});
+  if (kernels::cuda::DeviceCount() == 0) {
+    EXPECT_EQ(gpu_backend.status().code(), absl::StatusCode::kFailedPrecondition);
+    GTEST_SKIP() << "no CUDA device visible";
+  }
+  ASSERT_TRUE(gpu_backend.ok()) << gpu_backend.status();
+  EXPECT_EQ((*gpu_backend)->cache_shape().block_tokens, 16);
+
+  std::vector<std::shared_ptr<const model::AdapterWeights>> adapters;
+  for (auto kind : {model::AdapterKind::kLora, model::AdapterKind::kDireft}) {
+    adapters::RandomAdapterSpec spec;
+    spec.kind = kind;
+    spec.rank = kind == model::AdapterKind::kLora ? 8 : 4;
+    spec.dtype = kernels::DType::kBF16;
+    spec.seed = mo.seed + 1;
+    const std::string adir = TempDir(model::AdapterKindName(kind));
+    ASSERT_TRUE(adapters::WriteRandomAdapter((*host)->config(), spec, adir).ok());
+    adapters::LoadOptions lo;
+    lo.dtype = kernels::DType::kBF16;
+    auto a = adapters::LoadAdapter(adir, (*host)->config(), lo);
+    ASSERT_TRUE(a.ok()) << a.status();
+    adapters.push_back(std::move(*a));
+  }
+  auto requests = [&] {
+    std::vector<Request> reqs;
+    std::mt19937 rng(static_cast<uint32_t>(mo.seed));
+    for (int i = 0; i < 5; ++i) {
+      Request r;
+      r.id = "r" + std::to_string(i);
+      for (int t = 0; t < 9 + 7 * i; ++t) r.prompt_ids.push_back(static_cast<int32_t>(rng() % 250));
+      r.sampling.max_tokens = 12;
+      r.sampling.ignore_eos = true;
+      if (i > 0) {
+        r.adapter.weights = adapters[(i - 1) / 2];
+        r.adapter.positions =
+            i % 2 == 1 ? model::AdapterPositions::kPrompt : model::AdapterPositions::kAll;
+      }
+      reqs.push_back(std::move(r));
+    }
+    return reqs;
+  };
+  EngineOptions o;
+  o.kv_blocks = 64;
+  auto cpu = Engine::Create(host->get(), nullptr, o);
+  ASSERT_TRUE(cpu.ok());
+  auto gpu = Engine::Create(*std::move(gpu_backend), nullptr, o);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  EXPECT_EQ((*gpu)->cache(), nullptr);  // the KV cache lives on the device
+  auto want = (*cpu)->Generate(requests());
+  auto got = (*gpu)->Generate(requests());
+  ASSERT_TRUE(want.ok() && got.ok());
+  for (size_t i = 0; i < want->size(); ++i) {
+    ASSERT_TRUE((*got)[i].status.ok()) << (*got)[i].status;
+    EXPECT_EQ((*got)[i].token_ids, (*want)[i].token_ids) << "request " << i;
+  }
+}
+
+}  // namespace
+}  // namespace preft::engine
