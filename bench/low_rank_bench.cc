@@ -68,12 +68,30 @@ int main(int argc, char** argv) {
     }
   }
   const int64_t m = int64_t{adapters} * rows_per_adapter;
-  std::vector<float> x(m * 4864, 0.5f), y(m * 4864, 0.f);
+  std::vector<float> x(m * 4864, 0.5f);
+  // As Model::ApplyLora calls it: four calls per layer (q/k/v, o, gate/up, down, grouped by
+  // their shared input), groups adapter by adapter, each with its own output rows.
+  const std::vector<std::vector<int>> calls = {{0, 1, 2}, {3}, {4, 5}, {6}};
+  std::vector<std::vector<float>> ys(7);
+  for (int p = 0; p < 7; ++p) ys[p].assign(m * projs[p].out, 0.f);
+  std::vector<LowRankGroup> call_groups;
   auto step = [&](int huge) {
-    for (int64_t l = 0; l < layers; ++l)
-      for (int p = 0; p < 7; ++p)
-        preft::kernels::cpu::LowRankAdd(x.data(), projs[p].in, y.data(), projs[p].out,
-                                        groups[huge][l][p].data(), adapters);
+    for (int64_t l = 0; l < layers; ++l) {
+      for (const std::vector<int>& call : calls) {
+        call_groups.clear();
+        for (int a = 0; a < adapters; ++a) {
+          for (int p : call) {
+            LowRankGroup g = groups[huge][l][p][a];
+            g.y = ys[p].data();
+            g.y_stride = projs[p].out;
+            call_groups.push_back(g);
+          }
+        }
+        preft::kernels::cpu::LowRankAdd(x.data(), projs[call[0]].in, nullptr, 0,
+                                        call_groups.data(),
+                                        static_cast<int64_t>(call_groups.size()));
+      }
+    }
   };
   step(0);
   step(1);

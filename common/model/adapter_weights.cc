@@ -102,11 +102,20 @@ AdapterWeights::Arena::~Arena() {
 
 void AdapterWeights::ReserveArena(size_t bytes) {
   if (bytes == 0 || arena_.base != nullptr) return;
-  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  // Start on a 2 MiB boundary, or the first and last partial 2 MiB of the arena stay in 4 KiB
+  // pages: map a little more, then give back the unaligned head and the tail.
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t size = (bytes + kHuge - 1) & ~(kHuge - 1);
+  void* p = ::mmap(nullptr, size + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                   -1, 0);
   if (p == MAP_FAILED) return;  // the buffers serve instead
-  ::madvise(p, bytes, MADV_HUGEPAGE);
-  arena_.base = static_cast<uint8_t*>(p);
-  arena_.size = bytes;
+  auto* raw = static_cast<uint8_t*>(p);
+  auto* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + kHuge - 1) & ~(kHuge - 1));
+  if (base > raw) ::munmap(raw, base - raw);
+  if (raw + size + kHuge > base + size) ::munmap(base + size, raw + size + kHuge - (base + size));
+  ::madvise(base, size, MADV_HUGEPAGE);
+  arena_.base = base;
+  arena_.size = size;
 }
 
 uint8_t* AdapterWeights::AllocateZeroed(size_t bytes) {

@@ -172,11 +172,14 @@ absl::Status CheckBatchFits(const ModelConfig& c, const kv::KvCacheShape& cs,
 
 void Model::ApplyLora(int64_t li, const float* x, int64_t in,
                       std::initializer_list<LoraTarget> targets) {
+  // Adapter by adapter: one adapter's pairs for these targets lie next to each other in its
+  // compute slot, so a thread streams them as one run.
   groups_.clear();
-  for (const LoraTarget& t : targets) {
-    for (const AdapterRows& ar : lora_rows_) {
+  for (const AdapterRows& ar : lora_rows_) {
+    if (ar.rows.empty()) continue;
+    for (const LoraTarget& t : targets) {
       const LowRank& lr = ar.adapter->lora(li, t.projection);
-      if (lr.empty() || ar.rows.empty()) continue;
+      if (lr.empty()) continue;
       groups_.push_back({ar.rows.data(), static_cast<int64_t>(ar.rows.size()), lr.shrink, lr.expand,
                          lr.shrink_bias, lr.scale, t.y, t.out});
     }

@@ -1,6 +1,7 @@
 #include "common/kernels/cpu/low_rank.h"
 
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <vector>
@@ -414,6 +415,29 @@ void LowRankAdd(const float* x, int64_t x_stride, float* y, int64_t y_stride,
   if (num_items <= 1) {
     alignas(64) float z[kRowsPerItem * kMaxRank];
     for (int64_t i = 0; i < num_items; ++i) run(i, z);
+    return;
+  }
+  // Decode rows only (BGMV, bandwidth-bound): each thread takes one contiguous run of items
+  // of about equal bytes, so it streams neighbouring pairs (a caller that orders groups
+  // adapter by adapter makes them one adapter's adjacent q, k, v) without a shared counter.
+  // Prompt rows (SGMV, compute-bound) are handed out one item at a time.
+  const bool decode_only = std::all_of(items.begin(), items.end(),
+                                       [](const Item& it) { return it.end - it.begin == 1; });
+  if (decode_only) {
+    std::vector<int64_t> cost(num_items + 1, 0);  // prefix sums of matrix elements
+    for (int64_t i = 0; i < num_items; ++i) {
+      const LowRankGroup& g = groups[items[i].group];
+      cost[i + 1] = cost[i] + g.shrink.rows * (g.shrink.cols + g.expand.cols);
+    }
+#pragma omp parallel
+    {
+      alignas(64) float z[kMaxRank];
+      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      const auto at = [&](int k) {
+        return std::lower_bound(cost.begin(), cost.end(), cost.back() * k / nt) - cost.begin();
+      };
+      for (int64_t i = at(t); i < std::min<int64_t>(at(t + 1), num_items); ++i) run(i, z);
+    }
     return;
   }
 #pragma omp parallel
