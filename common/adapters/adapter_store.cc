@@ -42,7 +42,7 @@ struct Version {
   int64_t number = 0;
   bool retired = false;
 
-  WeightsPtr host;  // f32; in host_lru_ while set
+  WeightsPtr host;  // in the compute dtype; in host_lru_ while set
   int64_t host_bytes = 0;
   std::list<std::shared_ptr<Version>>::iterator host_pos;
 
@@ -95,7 +95,7 @@ class StoreCore : public std::enable_shared_from_this<StoreCore> {
                  std::vector<Ready>* ready);
   absl::Status CheckFits(const std::string& name, const std::string& dir, int64_t host_bytes,
                          int64_t compute_bytes) const;
-  // Parses `dir` for the host tier (f32), on the calling thread.
+  // Parses `dir` for the host tier (in the compute dtype), on the calling thread.
   absl::StatusOr<WeightsPtr> LoadHost(const std::string& name, const std::string& dir) const;
   WeightsPtr ToCompute(const WeightsPtr& host) const;
 
@@ -147,9 +147,9 @@ absl::Status StoreCore::Register(const std::string& name, const std::string& dir
 
 absl::StatusOr<WeightsPtr> StoreCore::LoadHost(const std::string& name,
                                                const std::string& dir) const {
-  LoadOptions host_options = options_.load;
-  host_options.dtype = kernels::DType::kF32;
-  auto loaded = LoadAdapter(dir, base_, host_options);
+  // Parsed straight to the compute dtype: the compute copy rounds to it anyway, and a bf16
+  // LoRA r16 adapter then holds 17.6 MB of host memory instead of 35 MB in f32.
+  auto loaded = LoadAdapter(dir, base_, options_.load);
   if (loaded.ok()) return WeightsPtr(*std::move(loaded));
   // The loader's messages name the file; say which adapter it was for.
   const absl::Status& s = loaded.status();

@@ -1,8 +1,8 @@
 #pragma once
 
 // Pages adapters through three tiers, each with a byte budget and LRU eviction:
-//   disk (registered folders) -> host memory (parsed, f32) -> compute slots (in the model's
-//   dtype; what a forward reads). An adapter leased by a running request is pinned in its
+//   disk (registered folders) -> host memory (parsed, in the model's dtype) -> compute slots
+//   (a copy of it in one huge-page arena; what a forward reads). An adapter leased by a running request is pinned in its
 //   compute slot; concurrent requests for a missing adapter share one load; loads run on the
 //   store's own threads, so the engine thread never waits on disk.
 // Every Acquire refreshes the version's place in both LRU lists (a hot adapter keeps its host
