@@ -8,6 +8,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/kernels/cpu/linear_kernels.h"
 #include "common/kernels/dtype.h"
 #include "tests/kernels/test_weights.h"
 
@@ -32,15 +33,30 @@ struct Case {
   float scale;
 };
 
-// y[row] += scale * ((x[row] S^T + b) E), in double.
+// Whether LowRankAdd runs this case's rows through vdpbf16ps, rounding x and z to bf16 as the
+// bf16 linears round x: prompt groups (more than one row) of bf16 adapters, on CPUs with
+// AVX-512-BF16.
+bool RoundsToBf16(DType dtype, const Case& c) {
+  return dtype == DType::kBF16 && c.rows.size() > 1 &&
+         ActiveLinearIsa() >= LinearIsa::kAvx512Bf16;
+}
+
+double Bf16(double v) { return Bf16ToF32(F32ToBf16(static_cast<float>(v))); }
+
+// y[row] += scale * ((x[row] S^T + b) E), in double; with `round`, x and z are first rounded
+// to bf16.
 void Reference(const std::vector<float>& x, int64_t in, std::vector<double>* y, int64_t out,
-               const Case& c) {
+               const Case& c, bool round = false) {
   for (int32_t row : c.rows) {
     std::vector<double> z(c.rank);
     for (int64_t k = 0; k < c.rank; ++k) {
-      double s = c.bias.empty() ? 0.0 : c.bias[k];
-      for (int64_t i = 0; i < in; ++i) s += double(x[row * in + i]) * c.shrink.values[k * in + i];
-      z[k] = s;
+      double s = 0.0;
+      for (int64_t i = 0; i < in; ++i) {
+        const double xi = round ? Bf16(x[row * in + i]) : x[row * in + i];
+        s += xi * c.shrink.values[k * in + i];
+      }
+      s += c.bias.empty() ? 0.0 : c.bias[k];
+      z[k] = round ? Bf16(s) : s;
     }
     for (int64_t o = 0; o < out; ++o) {
       double s = 0;
@@ -50,14 +66,21 @@ void Reference(const std::vector<float>& x, int64_t in, std::vector<double>* y, 
   }
 }
 
-class LowRankTest : public ::testing::TestWithParam<DType> {};
+class LowRankTest : public ::testing::TestWithParam<DType> {
+ protected:
+  void TearDown() override { SetLinearIsaCapForTesting(LinearIsa::kAmx); }
+};
 
 // Many groups with different ranks, row counts (1 row: BGMV; many: SGMV) and interleaved rows,
-// over dimensions with and without vector tails.
+// over dimensions with and without vector tails; bf16 prompt groups through vdpbf16ps where
+// the CPU has it, then through the f32 path (ISA capped below AVX-512-BF16).
 TEST_P(LowRankTest, MatchesReferenceForMixedGroups) {
   const DType dtype = GetParam();
   std::mt19937 rng(7);
-  for (auto [in, out] : {std::pair<int64_t, int64_t>{64, 32}, {96, 160}, {37, 45}, {896, 128}}) {
+  for (const LinearIsa cap : {LinearIsa::kAmx, LinearIsa::kAvx512})
+  for (auto [in, out] : {std::pair<int64_t, int64_t>{64, 32}, {96, 160}, {37, 45}, {896, 128},
+                         {4864, 900}}) {
+    SetLinearIsaCapForTesting(cap);
     const int64_t num_rows = 70;
     std::vector<float> x(num_rows * in);
     std::normal_distribution<float> dist(0.f, 1.f);
@@ -87,14 +110,14 @@ TEST_P(LowRankTest, MatchesReferenceForMixedGroups) {
     }
     std::vector<LowRankGroup> groups;
     for (const Case& c : cases) {
-      Reference(x, in, &expect, out, c);
+      Reference(x, in, &expect, out, c, RoundsToBf16(dtype, c));
       groups.push_back({c.rows.data(), static_cast<int64_t>(c.rows.size()), c.shrink.View(),
                         c.expand.View(), c.bias.empty() ? nullptr : c.bias.data(), c.scale});
     }
     LowRankAdd(x.data(), in, y.data(), out, groups.data(), static_cast<int64_t>(groups.size()));
     for (int64_t i = 0; i < num_rows * out; ++i) {
       ASSERT_NEAR(y[i], expect[i], 1e-3 * (1 + std::abs(expect[i])))
-          << "in=" << in << " out=" << out << " element " << i;
+          << "in=" << in << " out=" << out << " isa cap " << LinearIsaName(cap) << " element " << i;
     }
   }
 }
@@ -158,7 +181,7 @@ TEST_P(LowRankTest, InPlaceUpdateReadsEachRowBeforeWritingIt) {
         1.0f};
     for (int32_t r = 0; r < num_rows; r += 2) c.rows.push_back(r);
     std::vector<double> expect(x.begin(), x.end());
-    Reference(x, d, &expect, d, c);
+    Reference(x, d, &expect, d, c, RoundsToBf16(dtype, c));
     LowRankGroup g{c.rows.data(),   static_cast<int64_t>(c.rows.size()),
                    c.shrink.View(), c.expand.View(),
                    c.bias.data(),   c.scale};

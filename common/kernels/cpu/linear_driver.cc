@@ -14,7 +14,7 @@ namespace {
 constexpr int64_t kRowChunk = 64;
 // Bytes of w per work item: enough to amortise the hand-out, small enough to balance.
 constexpr int64_t kSliceBytes = 128 << 10;
-constexpr int kScratchSlots = 4;
+constexpr int kScratchSlots = 5;
 // Below both, one thread does the call: a fork/join costs microseconds when the cores are
 // free and a scheduler time slice (milliseconds) when another process holds one of them.
 constexpr int64_t kMinParallelWeightBytes = 256 << 10;

@@ -71,5 +71,7 @@ bool WorthThreads(int64_t m, int64_t n, int64_t k);
 // Scratch memory of the calling thread, 64-byte aligned, grown on demand and kept for the
 // thread's life. slot tells apart buffers that are live at the same time.
 void* ThreadScratch(int slot, size_t bytes);
+// The slot LowRankAdd's prompt path uses (the linears use 0 .. 3).
+constexpr int kLowRankScratchSlot = 4;
 
 }  // namespace preft::kernels::cpu

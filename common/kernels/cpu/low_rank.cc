@@ -8,6 +8,8 @@
 
 #include "common/base/check.h"
 #include "common/kernels/cpu/cpu_features.h"
+#include "common/kernels/cpu/linear_driver.h"
+#include "common/kernels/cpu/linear_kernels.h"
 #include "common/kernels/cpu/simd_avx2.h"
 
 // GCC 12's AVX-512 intrinsics build "undefined" vectors by self-initialisation, which -Wall
@@ -217,6 +219,236 @@ PREFT_AVX512 void ExpandRowsBf16Avx512(const float* z, const int32_t* rows, int6
 
 #undef PREFT_AVX512
 
+// ---- Prompt rows on bf16 weights with AVX-512-BF16 (SGMV through vdpbf16ps) ----
+// Like the bf16 GEMMs (and PEFT running a bf16 model), the rows of x and the shrink results z
+// are rounded to bf16 (RNE) and the products accumulate in f32: half the multiply
+// instructions of widening the weights to f32, the same rounding as the base linears.
+#define PREFT_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+
+// Elements per vdpbf16ps: 16 pairs.
+constexpr int64_t kDotElems = 32;
+// Rank pairs applied per pass of the expand: 16 rank rows of E, interleaved, stay in registers.
+constexpr int64_t kExpandPairs = 8;
+
+// xb[r] = x[rows[r]] in bf16, zero from `in` up to ld (a multiple of kDotElems).
+PREFT_AVX512BF16 void PackRowsBf16(const float* x, int64_t x_stride, const int32_t* rows,
+                                   int64_t n, int64_t in, int64_t ld, uint16_t* xb) {
+  for (int64_t r = 0; r < n; ++r) {
+    const float* src = x + rows[r] * x_stride;
+    for (int64_t c = 0; c < ld; c += kDotElems) {
+      const int64_t left = in - c;
+      const __mmask16 lo = left >= 16 ? 0xffff : left > 0 ? (1u << left) - 1 : 0;
+      const __mmask16 hi = left >= 32 ? 0xffff : left > 16 ? (1u << (left - 16)) - 1 : 0;
+      const __m512 a = _mm512_maskz_loadu_ps(lo, src + c);
+      const __m512 b = _mm512_maskz_loadu_ps(hi, src + c + 16);
+      _mm512_storeu_si512(xb + r * ld + c, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+  }
+}
+
+// Elements of `in` per block of the shrink: the block's rows of x (kRowsPerItem) and of S
+// (rank 16) stay in L1 across the passes over them.
+constexpr int64_t kShrinkBlock = 512;
+
+// The 16 sums of acc[f] (f = 4 i + j) in lanes 0 .. 15, by a transposing tree (45 shuffles and
+// adds instead of 16 full reductions).
+PREFT_AVX512BF16 inline __m512 Sum16(const __m512 (&acc)[16]) {
+  __m512 s[8], u[4], v[2];
+  // s[q]: blocks 0-1 a partial of acc[2q], blocks 2-3 of acc[2q + 1].
+#pragma GCC unroll 8
+  for (int q = 0; q < 8; ++q) {
+    s[q] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * q], acc[2 * q + 1], 0x44),
+                         _mm512_shuffle_f32x4(acc[2 * q], acc[2 * q + 1], 0xee));
+  }
+  // u[q]: block b a partial of acc[4 q + b].
+#pragma GCC unroll 4
+  for (int q = 0; q < 4; ++q) {
+    u[q] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * q], s[2 * q + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * q], s[2 * q + 1], 0xdd));
+  }
+  // v[q], block b: lanes 0, 2 partials of acc[8 q + b], lanes 1, 3 of acc[8 q + 4 + b].
+#pragma GCC unroll 2
+  for (int q = 0; q < 2; ++q) {
+    v[q] = _mm512_add_ps(_mm512_unpacklo_ps(u[2 * q], u[2 * q + 1]),
+                         _mm512_unpackhi_ps(u[2 * q], u[2 * q + 1]));
+  }
+  // w, block b: acc[b], acc[8 + b], acc[4 + b], acc[12 + b].
+  const __m512 w = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, w);
+}
+
+// z[r][k] = xb[r] . S[k] (+ b[k]): four rows of x x four rank rows per pass (16 accumulators,
+// 8 loads per 16 vdpbf16ps), over blocks of `in`.
+PREFT_AVX512BF16 void ShrinkRowsDotBf16(const uint16_t* xb, int64_t ld, int64_t n,
+                                        const uint16_t* s, int64_t rank, int64_t in,
+                                        const float* bias, float* z) {
+  const int64_t vec_end = in & ~(kDotElems - 1);
+  const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (in - vec_end)) - 1);
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t k = 0; k < rank; ++k) z[r * rank + k] = bias != nullptr ? bias[k] : 0.0f;
+  }
+  for (int64_t c0 = 0; c0 < in; c0 += kShrinkBlock) {
+    const int64_t c1 = std::min(in, c0 + kShrinkBlock);
+    for (int64_t k0 = 0; k0 < rank; k0 += 4) {
+      const int64_t kn = std::min<int64_t>(4, rank - k0);
+      const uint16_t* srow[4];
+      for (int64_t j = 0; j < 4; ++j) srow[j] = s + (k0 + std::min(j, kn - 1)) * in;
+      for (int64_t r0 = 0; r0 < n; r0 += 4) {
+        const int64_t m = std::min<int64_t>(4, n - r0);
+        const uint16_t* xr[4];
+        for (int64_t i = 0; i < 4; ++i) xr[i] = xb + (r0 + std::min(i, m - 1)) * ld;
+        __m512 acc[16];
+        for (__m512& a : acc) a = _mm512_setzero_ps();
+        // xb is zero past `in`; S is read only up to it.
+        for (int64_t c = c0; c < c1; c += kDotElems) {
+          const __mmask32 valid = c < vec_end ? ~__mmask32{0} : tail;
+          __m512bh sv[4];
+#pragma GCC unroll 4
+          for (int64_t j = 0; j < 4; ++j)
+            sv[j] = (__m512bh)_mm512_maskz_loadu_epi16(valid, srow[j] + c);
+#pragma GCC unroll 4
+          for (int64_t i = 0; i < 4; ++i) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr[i] + c);
+#pragma GCC unroll 4
+            for (int64_t j = 0; j < 4; ++j)
+              acc[4 * i + j] = _mm512_dpbf16_ps(acc[4 * i + j], xv, sv[j]);
+          }
+        }
+        alignas(64) float sums[16];
+        _mm512_store_ps(sums, Sum16(acc));
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < kn; ++j) z[(r0 + i) * rank + k0 + j] += sums[4 * i + j];
+        }
+      }
+    }
+  }
+}
+
+// One pass of the expand over 32 outputs and NP rank pairs (2 NP rank rows of E, interleaved
+// into vdpbf16ps pairs once and applied to all n rows). acc lane d of the unpacked "lo" half
+// is output 8 (d / 4) + d % 4, of the "hi" half that plus 4. With `last`, y[rows] (masked to
+// the valid outputs) gets scale times the sum; otherwise the sums carry over in t [n][32].
+template <int NP>
+PREFT_AVX512BF16 void ExpandPass(const uint32_t* zp, int64_t zld, const int32_t* rows, int64_t n,
+                                 const uint16_t* e, int64_t rank, int64_t out, int64_t o,
+                                 int64_t k0, bool first, bool last, float scale, float* y,
+                                 int64_t y_stride, float* t) {
+  const int64_t left = out - o;
+  const bool full = left >= 32;
+  const __mmask32 mask = full ? ~__mmask32{0} : static_cast<__mmask32>((1u << left) - 1);
+  __m512bh lo[NP], hi[NP];
+#pragma GCC unroll 8
+  for (int p = 0; p < NP; ++p) {
+    const int64_t k = k0 + 2 * p;
+    const __m512i a = _mm512_maskz_loadu_epi16(mask, e + k * out + o);
+    const __m512i b =
+        k + 1 < rank ? _mm512_maskz_loadu_epi16(mask, e + (k + 1) * out + o) : _mm512_setzero_si512();
+    lo[p] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+    hi[p] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+  }
+  const __m512i idx0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i idx1 =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 sc = _mm512_set1_ps(scale);
+  const uint32_t* zk = zp + k0 / 2;
+  const __mmask16 m0 = static_cast<__mmask16>(mask), m1 = static_cast<__mmask16>(mask >> 16);
+  // Four rows at a time: eight independent accumulator chains hide vdpbf16ps's latency.
+  constexpr int64_t kRows = 4;
+  for (int64_t r0 = 0; r0 < n; r0 += kRows) {
+    const int64_t rn = std::min(kRows, n - r0);
+    __m512 a0[kRows], a1[kRows];
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < kRows; ++i) {
+      const int64_t r = r0 + std::min(i, rn - 1);
+      a0[i] = first ? _mm512_setzero_ps() : _mm512_load_ps(t + r * 32);
+      a1[i] = first ? _mm512_setzero_ps() : _mm512_load_ps(t + r * 32 + 16);
+    }
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+#pragma GCC unroll 4
+      for (int64_t i = 0; i < kRows; ++i) {
+        const int64_t r = r0 + std::min(i, rn - 1);
+        const __m512bh zb = (__m512bh)_mm512_set1_epi32(static_cast<int>(zk[r * zld + p]));
+        a0[i] = _mm512_dpbf16_ps(a0[i], lo[p], zb);
+        a1[i] = _mm512_dpbf16_ps(a1[i], hi[p], zb);
+      }
+    }
+    // Rows past rn repeat the last one: only the first rn are kept.
+    alignas(64) float keep[kRows][32];
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < kRows; ++i) {
+      _mm512_store_ps(keep[i], a0[i]);
+      _mm512_store_ps(keep[i] + 16, a1[i]);
+    }
+    for (int64_t i = 0; i < rn; ++i) {
+      const int64_t r = r0 + i;
+      const __m512 b0 = _mm512_load_ps(keep[i]), b1 = _mm512_load_ps(keep[i] + 16);
+      if (!last) {
+        _mm512_store_ps(t + r * 32, b0);
+        _mm512_store_ps(t + r * 32 + 16, b1);
+        continue;
+      }
+      float* yr = y + rows[r] * y_stride + o;
+      const __m512 v0 = _mm512_permutex2var_ps(b0, idx0, b1);
+      const __m512 v1 = _mm512_permutex2var_ps(b0, idx1, b1);
+      if (full) {  // masked stores are slow on Zen
+        _mm512_storeu_ps(yr, _mm512_fmadd_ps(sc, v0, _mm512_loadu_ps(yr)));
+        _mm512_storeu_ps(yr + 16, _mm512_fmadd_ps(sc, v1, _mm512_loadu_ps(yr + 16)));
+        continue;
+      }
+      _mm512_mask_storeu_ps(yr, m0, _mm512_fmadd_ps(sc, v0, _mm512_maskz_loadu_ps(m0, yr)));
+      _mm512_mask_storeu_ps(yr + 16, m1,
+                            _mm512_fmadd_ps(sc, v1, _mm512_maskz_loadu_ps(m1, yr + 16)));
+    }
+  }
+}
+
+using ExpandPassFn = void (*)(const uint32_t*, int64_t, const int32_t*, int64_t, const uint16_t*,
+                              int64_t, int64_t, int64_t, int64_t, bool, bool, float, float*,
+                              int64_t, float*);
+constexpr ExpandPassFn kExpandPasses[kExpandPairs + 1] = {
+    nullptr,       ExpandPass<1>, ExpandPass<2>, ExpandPass<3>, ExpandPass<4>,
+    ExpandPass<5>, ExpandPass<6>, ExpandPass<7>, ExpandPass<8>};
+
+// One work item of a prompt group: rows [0, n) of `rows`, at most kRowsPerItem.
+PREFT_AVX512BF16 void RunItemDotBf16(const float* x, int64_t x_stride, float* y,
+                                     int64_t y_stride, const LowRankGroup& g,
+                                     const int32_t* rows, int64_t n, float* z) {
+  const int64_t rank = g.shrink.rows, in = g.shrink.cols, out = g.expand.cols;
+  const int64_t ld = RoundUp(in, kDotElems);
+  auto* xb = static_cast<uint16_t*>(ThreadScratch(kLowRankScratchSlot, n * ld * sizeof(uint16_t)));
+  PackRowsBf16(x, x_stride, rows, n, in, ld, xb);
+  ShrinkRowsDotBf16(xb, ld, n, static_cast<const uint16_t*>(g.shrink.data), rank, in,
+                    g.shrink_bias, z);
+  // z in bf16 pairs (z[k] low, z[k + 1] high), zero past the rank.
+  const int64_t pairs = CeilDiv(rank, 2);
+  alignas(64) uint32_t zp[kRowsPerItem * (kMaxRank / 2)];
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      const uint32_t lo = F32ToBf16(z[r * rank + 2 * p]);
+      const uint32_t hi = 2 * p + 1 < rank ? F32ToBf16(z[r * rank + 2 * p + 1]) : 0;
+      zp[r * pairs + p] = lo | hi << 16;
+    }
+  }
+  alignas(64) float t[kRowsPerItem * 32];
+  const auto* e = static_cast<const uint16_t*>(g.expand.data);
+  float* yy = g.y != nullptr ? g.y : y;
+  const int64_t ys = g.y != nullptr ? g.y_stride : y_stride;
+  for (int64_t r0 = 0; r0 < n; r0 += 4) {
+    const int64_t rn = std::min<int64_t>(4, n - r0);
+    for (int64_t o = 0; o < out; o += 32) {
+      for (int64_t p0 = 0; p0 < pairs; p0 += kExpandPairs) {
+        const int64_t np = std::min(kExpandPairs, pairs - p0);
+        kExpandPasses[np](zp + r0 * pairs, pairs, rows + r0, rn, e, rank, out, o, 2 * p0,
+                          p0 == 0, p0 + kExpandPairs >= pairs, g.scale, yy, ys, t);
+      }
+    }
+  }
+}
+
+#undef PREFT_AVX512BF16
+
 // z[r][k] = x[rows[r]] . S[k] (+ b[k]) for up to kRowsPerItem rows, four rows per pass over S.
 template <DType T>
 void Shrink(const float* x, int64_t x_stride, const int32_t* rows, int64_t n, const MatrixView& s,
@@ -372,6 +604,13 @@ void Expand(const float* z, const int32_t* rows, int64_t n, const MatrixView& e,
 template <DType T>
 void RunItem(const float* x, int64_t x_stride, float* y, int64_t y_stride, const LowRankGroup& g,
              int64_t begin, int64_t end, float* z) {
+  if constexpr (T == DType::kBF16) {
+    // Decided per group, not per item, so every row of a prompt rounds the same way.
+    if (g.num_rows > 1 && ActiveLinearIsa() >= LinearIsa::kAvx512Bf16) {
+      RunItemDotBf16(x, x_stride, y, y_stride, g, g.rows + begin, end - begin, z);
+      return;
+    }
+  }
   Shrink<T>(x, x_stride, g.rows + begin, end - begin, g.shrink, g.shrink_bias, z);
   Expand<T>(z, g.rows + begin, end - begin, g.expand, g.scale, g.y != nullptr ? g.y : y,
             g.y != nullptr ? g.y_stride : y_stride);
