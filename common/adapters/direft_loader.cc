@@ -130,6 +130,7 @@ absl::StatusOr<std::unique_ptr<model::AdapterWeights>> LoadDireft(
   const int64_t d = base.hidden_size;
   auto adapter =
       std::make_unique<model::AdapterWeights>(model::AdapterKind::kDireft, base.num_layers);
+  ReserveStorageFor(weights, options.dtype, adapter.get());
   adapter->default_positions = positions;
   adapter->prompt_selection = selection;
   for (int64_t l : layers) {

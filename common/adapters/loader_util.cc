@@ -1,6 +1,7 @@
 #include "common/adapters/loader_util.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -140,6 +141,56 @@ absl::Status NonFinite(const model::TensorInfo& t, int64_t i, float v) {
                                                  where, "]"));
 }
 
+// Whether none of n raw values (possibly unaligned) has an all-ones exponent (Inf or NaN),
+// eight bytes at a time: masking and xor-ing the exponent turns such a lane into zero, which
+// the has-zero-lane test ((x - 1) & ~x & high bit, per lane) finds.
+template <class Bits>
+bool AllFiniteBits(const void* data, int64_t n, Bits exponent) {
+  constexpr int kBits = 8 * sizeof(Bits), kLanes = 64 / kBits;
+  uint64_t e = 0, ones = 0, highs = 0;
+  for (int l = 0; l < kLanes; ++l) {
+    e |= uint64_t{exponent} << (l * kBits);
+    ones |= uint64_t{1} << (l * kBits);
+    highs |= uint64_t{1} << (l * kBits + kBits - 1);
+  }
+  const auto* bytes = static_cast<const uint8_t*>(data);
+  const int64_t words = n / kLanes;
+  uint64_t found = 0;
+  for (int64_t i = 0; i < words; ++i) {
+    uint64_t w;
+    std::memcpy(&w, bytes + i * 8, 8);
+    const uint64_t x = (w & e) ^ e;
+    found |= (x - ones) & ~x & highs;
+  }
+  for (int64_t i = words * kLanes; i < n; ++i) {
+    Bits v;
+    std::memcpy(&v, bytes + i * sizeof(Bits), sizeof(Bits));
+    found |= (v & exponent) == exponent;
+  }
+  return found == 0;
+}
+
+bool AllFinite(const void* data, kernels::DType dtype, int64_t n) {
+  switch (dtype) {
+    case kernels::DType::kF32: return AllFiniteBits<uint32_t>(data, n, 0x7f800000u);
+    case kernels::DType::kBF16: return AllFiniteBits<uint16_t>(data, n, 0x7f80);
+    case kernels::DType::kF16: return AllFiniteBits<uint16_t>(data, n, 0x7c00);
+  }
+  return false;
+}
+
+// dst [cols, rows] = src [rows, cols] transposed, elements of one dtype copied as bits.
+template <class Bits>
+void TransposeBits(const void* src, int64_t rows, int64_t cols, void* dst) {
+  const auto* in = static_cast<const uint8_t*>(src);
+  auto* out = static_cast<Bits*>(dst);
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < cols; ++j) {
+      std::memcpy(&out[j * rows + i], in + (i * cols + j) * sizeof(Bits), sizeof(Bits));
+    }
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<kernels::MatrixView> CopyMatrix(const model::TensorInfo& t, bool transpose,
@@ -152,6 +203,18 @@ absl::StatusOr<kernels::MatrixView> CopyMatrix(const model::TensorInfo& t, bool 
   kernels::MatrixView out =
       dst->AllocateMatrix(dtype, transpose ? cols : rows, transpose ? rows : cols);
   void* data = const_cast<void*>(out.data);
+  // The file already holds the dtype wanted (a bf16 adapter for a bf16 model): copy the bits.
+  // Otherwise, or when a value is not finite, the element loop converts and names the element.
+  if (t.dtype == dtype && AllFinite(t.data, dtype, rows * cols)) {
+    if (!transpose) {
+      std::memcpy(data, t.data, rows * cols * kernels::DTypeSize(dtype));
+    } else if (kernels::DTypeSize(dtype) == 2) {
+      TransposeBits<uint16_t>(t.data, rows, cols, data);
+    } else {
+      TransposeBits<uint32_t>(t.data, rows, cols, data);
+    }
+    return out;
+  }
   for (int64_t i = 0; i < rows; ++i) {
     for (int64_t j = 0; j < cols; ++j) {
       const int64_t src = i * cols + j;
@@ -167,6 +230,16 @@ absl::StatusOr<kernels::MatrixView> CopyMatrix(const model::TensorInfo& t, bool 
     }
   }
   return out;
+}
+
+void ReserveStorageFor(const model::SafetensorsFile& weights, kernels::DType dtype,
+                       model::AdapterWeights* dst) {
+  size_t bytes = 0;
+  for (const auto& [name, t] : weights.tensors()) {
+    const size_t esize = t.shape.size() == 1 ? sizeof(float) : kernels::DTypeSize(dtype);
+    bytes += model::AdapterWeights::StoragePiece(static_cast<size_t>(t.num_elements()) * esize);
+  }
+  dst->ReserveStorage(bytes);
 }
 
 absl::StatusOr<const float*> CopyVector(const model::TensorInfo& t, model::AdapterWeights* dst) {

@@ -83,6 +83,10 @@ absl::StatusOr<model::AdapterPositions> ReadPositions(const ConfigReader& r);
 // value that overflows `dtype`.
 absl::StatusOr<kernels::MatrixView> CopyMatrix(const model::TensorInfo& t, bool transpose,
                                                kernels::DType dtype, model::AdapterWeights* dst);
+// Reserves `dst`'s storage for every tensor of `weights`: 2-D ones in `dtype`, 1-D ones in f32
+// (what CopyMatrix and CopyVector allocate), so the copies need no allocation of their own.
+void ReserveStorageFor(const model::SafetensorsFile& weights, kernels::DType dtype,
+                       model::AdapterWeights* dst);
 // Copies a 1-D tensor as f32, with the same checks.
 absl::StatusOr<const float*> CopyVector(const model::TensorInfo& t, model::AdapterWeights* dst);
 

@@ -415,6 +415,7 @@ absl::StatusOr<std::unique_ptr<model::AdapterWeights>> LoadLora(
 
   auto adapter =
       std::make_unique<model::AdapterWeights>(model::AdapterKind::kLora, base.num_layers);
+  ReserveStorageFor(weights, options.dtype, adapter.get());
   adapter->default_positions = positions;
   int64_t num_modules = 0;
   for (int64_t l = 0; l < base.num_layers; ++l) {

@@ -3,6 +3,8 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <regex>
 
@@ -10,6 +12,14 @@
 #include "common/base/check.h"
 
 namespace preft::model {
+namespace {
+
+uint64_t NextSerial() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
+}  // namespace
 
 const char* AdapterKindName(AdapterKind k) { return k == AdapterKind::kLora ? "lora" : "direft"; }
 
@@ -68,7 +78,7 @@ bool PromptSelection::Parse(const std::string& s, PromptSelection* out) {
 }
 
 AdapterWeights::AdapterWeights(AdapterKind kind, int64_t num_layers)
-    : kind_(kind), num_layers_(num_layers) {
+    : kind_(kind), num_layers_(num_layers), serial_(NextSerial()) {
   if (kind == AdapterKind::kLora) {
     lora_.resize(num_layers);
   } else {
@@ -92,7 +102,10 @@ float* AdapterWeights::AllocateFloats(int64_t n) {
 namespace {
 
 // Arena pieces start on a cache line, as the kernels' vector loads prefer.
-size_t ArenaPiece(size_t bytes) { return (bytes + 63) & ~size_t{63}; }
+size_t ArenaPiece(size_t bytes) { return AdapterWeights::StoragePiece(bytes); }
+
+// Below this an arena is not worth a huge page: a 0.3 MB DiReFT adapter would hold 2 MiB.
+constexpr size_t kMinHugeArena = size_t{4} << 20;
 
 }  // namespace
 
@@ -104,6 +117,15 @@ void AdapterWeights::ReserveArena(size_t bytes) {
   if (bytes == 0 || arena_.base != nullptr) return;
   // Start on a 2 MiB boundary, or the first and last partial 2 MiB of the arena stay in 4 KiB
   // pages: map a little more, then give back the unaligned head and the tail.
+  if (bytes < kMinHugeArena) {
+    const size_t size = (bytes + 4095) & ~size_t{4095};
+    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return;
+    ::madvise(p, size, MADV_NOHUGEPAGE);
+    arena_.base = static_cast<uint8_t*>(p);
+    arena_.size = size;
+    return;
+  }
   constexpr size_t kHuge = size_t{2} << 20;
   const size_t size = (bytes + kHuge - 1) & ~(kHuge - 1);
   void* p = ::mmap(nullptr, size + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
@@ -126,7 +148,10 @@ uint8_t* AdapterWeights::AllocateZeroed(size_t bytes) {
     arena_.used += piece;
     return p;
   }
-  buffers_.push_back(std::make_unique<uint8_t[]>(bytes));  // value-initialised: zeroed
+  // calloc: large blocks come zeroed from fresh pages, without a memset before the caller
+  // overwrites them.
+  buffers_.emplace_back(static_cast<uint8_t*>(std::calloc(bytes > 0 ? bytes : 1, 1)));
+  PREFT_CHECK(buffers_.back() != nullptr);
   return buffers_.back().get();
 }
 
@@ -145,6 +170,10 @@ kernels::MatrixView CopyMatrix(const kernels::MatrixView& src, kernels::DType dt
   kernels::MatrixView out = dst->AllocateMatrix(dtype, src.rows, src.cols);
   const int64_t n = src.rows * src.cols;
   void* data = const_cast<void*>(out.data);
+  if (src.dtype == dtype) {
+    std::memcpy(data, src.data, n * kernels::DTypeSize(dtype));
+    return out;
+  }
   for (int64_t i = 0; i < n; ++i)
     kernels::StoreFromF32(data, dtype, i, kernels::LoadAsF32(src.data, src.dtype, i));
   return out;

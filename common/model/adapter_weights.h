@@ -9,6 +9,7 @@
 
 #include <array>
 #include <cstdint>
+#include <cstdlib>
 #include <deque>
 #include <memory>
 #include <string>
@@ -79,6 +80,11 @@ class AdapterWeights {
 
   // Zeroed storage owned by this object, for the views above.
   kernels::MatrixView AllocateMatrix(kernels::DType dtype, int64_t rows, int64_t cols);
+  // Reserves one zeroed mapping that later allocations (up to about `bytes`, each rounded to
+  // StoragePiece) are carved from: no per-matrix allocation, no memset, 2 MiB pages when big.
+  // Loaders size it from the file; a second call, or allocations past it, use the heap.
+  void ReserveStorage(size_t bytes) { ReserveArena(bytes); }
+  static size_t StoragePiece(size_t bytes) { return (bytes + 63) & ~size_t{63}; }
   float* AllocateFloats(int64_t n);
 
   // A deep copy with every matrix converted to `dtype` (biases stay f32): what a compute slot
@@ -88,20 +94,28 @@ class AdapterWeights {
   int64_t max_rank() const;
   // Bytes of storage (what the adapter store budgets).
   size_t bytes() const { return bytes_; }
+  // Unique to this object in the process (never reused, unlike its address): caches of
+  // derived copies, such as device slots, key on it.
+  uint64_t serial() const { return serial_; }
 
  private:
   AdapterKind kind_;
   int64_t num_layers_;
+  uint64_t serial_;
   kernels::DType dtype_ = kernels::DType::kF32;  // of the matrices (set by AllocateMatrix)
   bool has_matrix_ = false;
   std::vector<std::array<LowRank, kNumProjections>> lora_;
   std::vector<LowRank> direft_;
-  std::deque<std::unique_ptr<uint8_t[]>> buffers_;
+  struct FreeDeleter {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  std::deque<std::unique_ptr<uint8_t, FreeDeleter>> buffers_;
   size_t bytes_ = 0;
 
-  // One zeroed mapping that ConvertTo sizes exactly and advises into 2 MiB pages (a
-  // multi-LoRA decode step streams every slot's matrices; in a VM a TLB miss is a two-level
-  // walk). Storage is carved from it first, then from buffers_.
+  // One zeroed mapping that ConvertTo and the loaders size, advised into 2 MiB pages when it
+  // spans at least kMinHugeArena (a multi-LoRA decode step streams every slot's matrices; in
+  // a VM a TLB miss is a two-level walk); smaller ones (DiReFT) stay in 4 KiB pages, which a
+  // huge page would multiply. Storage is carved from it first, then from buffers_.
   struct Arena {
     Arena() = default;
     Arena(const Arena&) = delete;

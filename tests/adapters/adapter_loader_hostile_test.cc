@@ -277,6 +277,67 @@ TEST(AdapterLoaderHostileTest, NonFiniteWeights) {
   ExpectError(dir, StatusCode::kInvalidArgument, "overflows f16", TinyConfig(), f16);
 }
 
+// A file already in the compute dtype is copied as bits after a word-at-a-time scan for
+// non-finite values: the scan must find them in bf16 and f16 too, wherever they sit, and the
+// copy (transposed for B) must equal the element-by-element conversion.
+TEST(AdapterLoaderHostileTest, HalfPrecisionFilesCopyAsBitsAndStillRefuseNonFinite) {
+  for (const kernels::DType dtype : {kernels::DType::kBF16, kernels::DType::kF16}) {
+    SCOPED_TRACE(kernels::DTypeName(dtype));
+    auto to_dtype = [dtype](std::vector<Tensor>& t) {
+      for (Tensor& x : t) x.dtype = dtype;
+    };
+    LoadOptions same;
+    same.dtype = dtype;
+    const std::string clean = EditLoraTensors(std::string("clean_") + kernels::DTypeName(dtype), to_dtype);
+    auto bits = LoadAdapter(clean, TinyConfig(), same);
+    auto converted = LoadAdapter(clean, TinyConfig());  // element by element, to f32
+    ASSERT_TRUE(bits.ok() && converted.ok()) << bits.status() << converted.status();
+    int64_t compared = 0;
+    for (int64_t l = 0; l < TinyConfig().num_layers; ++l) {
+      for (int p = 0; p < model::kNumProjections; ++p) {
+        const model::LowRank& a = (*bits)->lora(l, static_cast<model::Projection>(p));
+        const model::LowRank& b = (*converted)->lora(l, static_cast<model::Projection>(p));
+        ASSERT_EQ(a.empty(), b.empty());
+        if (a.empty()) continue;
+        for (const auto& [x, y] : {std::pair{a.shrink, b.shrink}, std::pair{a.expand, b.expand}}) {
+          ASSERT_EQ(x.rows, y.rows);
+          ASSERT_EQ(x.cols, y.cols);
+          for (int64_t i = 0; i < x.rows * x.cols; ++i, ++compared) {
+            ASSERT_EQ(kernels::LoadAsF32(x.data, dtype, i), kernels::LoadAsF32(y.data, y.dtype, i))
+                << "layer " << l << " projection " << p << " element " << i;
+          }
+        }
+      }
+    }
+    EXPECT_GT(compared, 0);
+
+    struct Poke {
+      const char* tensor;
+      int64_t index;
+      float value;
+      const char* expect;
+    };
+    const Poke pokes[] = {
+        {"layers.1.mlp.up_proj.lora_B.weight", 8 * 3 + 5, std::nanf(""), "holds NaN at element [3, 5]"},
+        {"layers.0.self_attn.q_proj.lora_A.weight", 0, std::numeric_limits<float>::infinity(),
+         "holds Inf at element [0, 0]"},
+        {"layers.0.self_attn.q_proj.lora_A.weight", -1, -std::numeric_limits<float>::infinity(),
+         "holds Inf at element"},
+    };
+    for (const Poke& poke : pokes) {
+      const std::string dir =
+          EditLoraTensors(std::string("poke_") + kernels::DTypeName(dtype), [&](std::vector<Tensor>& t) {
+            to_dtype(t);
+            Tensor* x = Find(t, poke.tensor);
+            const int64_t at = poke.index >= 0 ? poke.index
+                                               : static_cast<int64_t>(x->values.size()) - 1;
+            x->values[at] = poke.value;
+          });
+      ExpectError(dir, StatusCode::kInvalidArgument, poke.expect, TinyConfig(), same);
+    }
+  }
+}
+
 TEST(AdapterLoaderHostileTest, UnsupportedLoraFeatures) {
   const auto unimplemented = StatusCode::kUnimplemented;
   EditLora(
