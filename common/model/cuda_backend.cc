@@ -7,13 +7,14 @@ namespace preft::model {
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Model& model,
                                                                  const Options& options) {
-  std::unique_ptr<CudaBackend> b(new CudaBackend());
+  std::unique_ptr<CudaBackend> b(new CudaBackend(options.adapter_bytes));
   PREFT_ASSIGN_OR_RETURN(b->device_, DeviceModel::Upload(model));
   b->device_->UseGraphs(options.graphs);
   int64_t blocks = options.kv_blocks;
   const kv::KvCacheShape one = b->device_->CacheShape(1, options.block_tokens);
   if (blocks <= 0) {
-    PREFT_ASSIGN_OR_RETURN(blocks, DeviceKvCache::BlocksThatFit(one, options.memory_fraction));
+    PREFT_ASSIGN_OR_RETURN(blocks, DeviceKvCache::BlocksThatFit(one, options.memory_fraction,
+                                                                options.adapter_bytes));
   }
   if (blocks <= 0) {
     return absl::ResourceExhaustedError(absl::StrCat(

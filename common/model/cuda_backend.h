@@ -1,8 +1,8 @@
 #pragma once
 
 // The engine's forward on an NVIDIA GPU: a DeviceModel (weights uploaded from the host
-// model), a device KV cache sized from free memory, and device slots for the adapters that
-// batches name. Logits come back to the host, where the engine samples as on the CPU. The
+// model), a device KV cache sized from free memory, and device slots (a byte budget, LRU) for
+// the adapters that batches name. Logits come back to the host, where the engine samples as on the CPU. The
 // KV cache stays on the device: no host_cache(), so this backend serves colocated engines
 // (preft generate, one engine per worker) until the GPU KV transport exists.
 
@@ -22,6 +22,8 @@ class CudaBackend : public ForwardBackend {
     double memory_fraction = 0.85;  // of the free device memory, for the KV cache
     int64_t block_tokens = 16;
     bool graphs = true;  // decode steps replay CUDA graphs
+    // Device memory for adapter copies (LRU beyond it), kept out of the KV cache's share.
+    size_t adapter_bytes = size_t{4} << 30;
   };
   // FailedPrecondition without a CUDA device.
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const Model& model,
@@ -34,9 +36,10 @@ class CudaBackend : public ForwardBackend {
   }
   kernels::DType adapter_dtype() const override { return kernels::DType::kBF16; }
   const char* name() const override { return "cuda"; }
+  const DeviceAdapterSlots& adapter_slots() const { return slots_; }
 
  private:
-  CudaBackend() = default;
+  explicit CudaBackend(size_t adapter_bytes) : slots_(adapter_bytes) {}
   std::unique_ptr<DeviceModel> device_;
   std::unique_ptr<DeviceKvCache> cache_;
   DeviceAdapterSlots slots_;

@@ -206,13 +206,14 @@ absl::StatusOr<std::unique_ptr<DeviceKvCache>> DeviceKvCache::Create(
 }
 
 absl::StatusOr<int64_t> DeviceKvCache::BlocksThatFit(const kv::KvCacheShape& shape,
-                                                     double fraction) {
+                                                     double fraction, size_t reserve_bytes) {
   PREFT_RETURN_IF_ERROR(NeedDevice());
   if (!(fraction > 0 && fraction <= 1)) {
     return absl::InvalidArgumentError(absl::StrCat("fraction must be in (0, 1], got ", fraction));
   }
   size_t free_b = 0, total_b = 0;
   PREFT_RETURN_IF_ERROR(Cuda(cuda::MemoryInfo(&free_b, &total_b), "memory info"));
+  free_b = free_b > reserve_bytes ? free_b - reserve_bytes : 0;
   return static_cast<int64_t>(static_cast<double>(free_b) * fraction /
                               static_cast<double>(shape.bytes_per_block_all_layers()));
 }
@@ -350,22 +351,42 @@ absl::StatusOr<std::unique_ptr<DeviceAdapter>> DeviceAdapter::Random(const Model
 // ---- DeviceAdapterSlots ----
 
 absl::StatusOr<const DeviceAdapter*> DeviceAdapterSlots::Get(const AdapterWeights* host) {
-  auto it = slots_.find(host);
-  if (it != slots_.end()) return it->second.get();
-  PREFT_ASSIGN_OR_RETURN(std::unique_ptr<DeviceAdapter> a, DeviceAdapter::Upload(*host));
-  const DeviceAdapter* raw = a.get();
-  slots_.emplace(host, std::move(a));
+  const uint64_t key = host->serial();
+  if (auto it = slots_.find(key); it != slots_.end()) {
+    lru_.Touch(key);
+    return it->second.get();
+  }
+  // The device copy holds the matrices in their dtype plus biases and a table: about the host
+  // size, which is what room is made for.
+  Drop(lru_.MakeRoom(host->bytes()));
+  absl::StatusOr<std::unique_ptr<DeviceAdapter>> a = DeviceAdapter::Upload(*host);
+  if (absl::IsResourceExhausted(a.status())) {
+    // Something else took the device memory: drop every copy this step does not use, retry.
+    Drop(lru_.ShrinkTo(0));
+    a = DeviceAdapter::Upload(*host);
+  }
+  if (!a.ok()) return a.status();
+  const DeviceAdapter* raw = a->get();
+  lru_.Insert(key, (*a)->bytes());
+  slots_.emplace(key, *std::move(a));
+  ++uploads_;
   return raw;
 }
 
 void DeviceAdapterSlots::Put(const AdapterWeights* key, std::unique_ptr<DeviceAdapter> adapter) {
-  slots_[key] = std::move(adapter);
+  Evict(key);
+  lru_.Insert(key->serial(), adapter->bytes());
+  slots_.emplace(key->serial(), std::move(adapter));
 }
 
-size_t DeviceAdapterSlots::bytes() const {
-  size_t n = 0;
-  for (const auto& [key, a] : slots_) n += a->bytes();
-  return n;
+void DeviceAdapterSlots::Evict(const AdapterWeights* host) {
+  lru_.Erase(host->serial());
+  slots_.erase(host->serial());
+}
+
+void DeviceAdapterSlots::Drop(const std::vector<uint64_t>& serials) {
+  for (uint64_t s : serials) slots_.erase(s);
+  evictions_ += static_cast<int64_t>(serials.size());
 }
 
 // ---- DeviceModel ----
@@ -579,7 +600,9 @@ absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
   const int64_t q_out = c.num_heads * hd, bt = cs.block_tokens;
   PREFT_RETURN_IF_ERROR(EnsureScratch(T, R));
 
-  // Adapters: one table per distinct adapter, one item per masked row.
+  // Adapters: one table per distinct adapter, one item per masked row. The slots keep this
+  // step's copies until the next step begins.
+  adapters->BeginStep();
   LowRankWork lora, direft;
   absl::flat_hash_set<const AdapterWeights*> checked;
   int64_t total_blocks = 0;

@@ -14,6 +14,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "common/base/aligned_vector.h"
+#include "common/base/step_lru.h"
 #include "common/kernels/attention_types.h"
 #include "common/kernels/cuda/linear.cuh"
 #include "common/kernels/cuda/low_rank.cuh"
@@ -56,8 +57,10 @@ class DeviceKvCache {
  public:
   static absl::StatusOr<std::unique_ptr<DeviceKvCache>> Create(const kv::KvCacheShape& shape);
   // The number of blocks of `shape` (its num_blocks ignored) that fit in `fraction` of the
-  // device's free memory now: how a serving process sizes its pool after loading weights.
-  static absl::StatusOr<int64_t> BlocksThatFit(const kv::KvCacheShape& shape, double fraction);
+  // device's free memory now, less `reserve_bytes` kept for other uses (adapter slots): how a
+  // serving process sizes its pool after loading weights.
+  static absl::StatusOr<int64_t> BlocksThatFit(const kv::KvCacheShape& shape, double fraction,
+                                               size_t reserve_bytes = 0);
 
   const kv::KvCacheShape& shape() const { return shape_; }
   float* layer_base(int64_t layer) const {
@@ -107,19 +110,38 @@ class DeviceAdapter {
   int64_t max_rank_ = 0;
 };
 
-// The device copies of the adapters batches name, keyed by their host weights: uploaded on
-// first use, kept until evicted. The caller evicts an adapter before its host copy goes.
+// The device copies of the adapters batches name: uploaded on first use into a byte budget,
+// least recently used copies dropped to make room, never one the current step uses (a step's
+// adapters may together exceed the budget; it holds again as later steps make room). Keyed by
+// the host weights' serial, not their address, so an adapter freed on the host and another
+// allocated at its address never share a copy. Not thread-safe (the forward's thread).
 class DeviceAdapterSlots {
  public:
+  explicit DeviceAdapterSlots(size_t budget_bytes = base::StepLru::kNoBudget)
+      : lru_(budget_bytes) {}
+
+  // Starts a forward step: copies used before it may now be dropped.
+  void BeginStep() { lru_.BeginStep(); }
+  // The device copy of `host`, uploaded (after making room) when absent. ResourceExhausted
+  // when the device has no memory left even after dropping every copy outside this step.
   absl::StatusOr<const DeviceAdapter*> Get(const AdapterWeights* host);
   // Makes `key` resolve to an adapter built on the device (benchmarks).
   void Put(const AdapterWeights* key, std::unique_ptr<DeviceAdapter> adapter);
-  void Evict(const AdapterWeights* host) { slots_.erase(host); }
+  void Evict(const AdapterWeights* host);
+
   size_t size() const { return slots_.size(); }
-  size_t bytes() const;
+  size_t bytes() const { return lru_.bytes(); }
+  size_t budget() const { return lru_.budget(); }
+  int64_t uploads() const { return uploads_; }
+  int64_t evictions() const { return evictions_; }
 
  private:
-  absl::flat_hash_map<const AdapterWeights*, std::unique_ptr<DeviceAdapter>> slots_;
+  void Drop(const std::vector<uint64_t>& serials);
+
+  base::StepLru lru_;
+  absl::flat_hash_map<uint64_t, std::unique_ptr<DeviceAdapter>> slots_;
+  int64_t uploads_ = 0;
+  int64_t evictions_ = 0;
 };
 
 // Owned by one thread (Forward reuses device scratch; not thread-safe). Runs on its own

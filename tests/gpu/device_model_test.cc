@@ -205,6 +205,71 @@ TEST_P(DeviceModelConsistencyTest, MixedAdapterBatchMatchesCpuOverPromptAndDecod
   std::printf("%s: worst KV difference %.3g\n", GetParam().c_str(), worst);
 }
 
+// Device adapter slots under a budget of about one and a half adapters: a step's adapters are
+// kept even over budget, older ones are dropped to make room, a dropped one comes back by a
+// fresh upload, and an adapter freed on the host is never served from its old device copy
+// (keys are serials, not addresses: a new adapter may be allocated where the old one was).
+TEST_P(DeviceModelConsistencyTest, AdapterSlotsEvictUnderTheirBudgetAndStayCorrect) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const ModelConfig& c = host_->config();
+  auto make_lora = [&](uint64_t seed) {
+    adapters::RandomAdapterSpec spec;
+    spec.rank = 8;
+    spec.dtype = kernels::DType::kBF16;
+    spec.seed = seed;
+    const std::string dir = TempDir(GetParam() + "_lora_" + std::to_string(seed));
+    EXPECT_TRUE(adapters::WriteRandomAdapter(c, spec, dir).ok());
+    adapters::LoadOptions lo;
+    lo.dtype = kernels::DType::kBF16;
+    auto a = adapters::LoadAdapter(dir, c, lo);
+    EXPECT_TRUE(a.ok()) << a.status();
+    return std::move(*a);
+  };
+  std::unique_ptr<AdapterWeights> a = make_lora(seed_ + 10), b = make_lora(seed_ + 11);
+  auto sized = DeviceAdapter::Upload(*a);  // every adapter here has this size
+  ASSERT_TRUE(sized.ok()) << sized.status();
+  const size_t one = (*sized)->bytes();
+  DeviceAdapterSlots slots(one + one / 2);
+  auto cpu_cache = kv::KvCache::Create(host_->CacheShape(8));
+  auto gpu_cache = DeviceKvCache::Create(device_->CacheShape(8));
+  ASSERT_TRUE(cpu_cache.ok() && gpu_cache.ok());
+  std::mt19937 rng(static_cast<uint32_t>(seed_));
+  std::vector<int32_t> tokens(9);
+  for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % c.vocab_size);
+  const std::vector<uint8_t> mask(tokens.size(), 1);
+  const int32_t blocks[2][1] = {{2}, {5}};
+  // One prompt per adapter given, each in its own block; the logits must match the CPU's.
+  auto step = [&](std::vector<const AdapterWeights*> use, const std::string& where) {
+    ForwardBatch batch;
+    for (size_t i = 0; i < use.size(); ++i) {
+      batch.AddSequence(blocks[i], 1, tokens.data(), static_cast<int64_t>(tokens.size()),
+                        static_cast<int64_t>(tokens.size()), true, use[i], mask.data());
+    }
+    base::AlignedVector<float> cpu_logits, gpu_logits;
+    ASSERT_TRUE(host_->Forward(batch, cpu_cache->get(), &cpu_logits).ok());
+    const absl::Status s = device_->Forward(batch, gpu_cache->get(), &slots, &gpu_logits);
+    ASSERT_TRUE(s.ok()) << where << ": " << s;
+    ExpectLogitsAgree(cpu_logits, gpu_logits, c.vocab_size, where);
+  };
+  step({a.get()}, "a");
+  EXPECT_EQ(slots.uploads(), 1);
+  step({b.get()}, "b");  // a is dropped for b
+  EXPECT_EQ(slots.size(), 1u);
+  EXPECT_EQ(slots.evictions(), 1);
+  EXPECT_LE(slots.bytes(), slots.budget());
+  step({a.get(), b.get()}, "a and b");  // over budget within one step: both kept
+  EXPECT_EQ(slots.size(), 2u);
+  EXPECT_EQ(slots.uploads(), 3);
+  step({b.get()}, "b again");  // b is a hit; a is dropped only when room is needed
+  EXPECT_EQ(slots.uploads(), 3);
+  // Free b on the host and make another: whatever address it gets, it is uploaded afresh.
+  b.reset();
+  std::unique_ptr<AdapterWeights> d = make_lora(seed_ + 12);
+  step({d.get()}, "d after b was freed");
+  EXPECT_EQ(slots.uploads(), 4);
+  EXPECT_LE(slots.bytes(), slots.budget());
+}
+
 TEST_P(DeviceModelConsistencyTest, GreedyOnDeviceMatchesHostArgmaxAndLogprob) {
   const ModelConfig& c = host_->config();
   auto cache = DeviceKvCache::Create(device_->CacheShape(8));
