@@ -101,9 +101,6 @@ float* AdapterWeights::AllocateFloats(int64_t n) {
 
 namespace {
 
-// Arena pieces start on a cache line, as the kernels' vector loads prefer.
-size_t ArenaPiece(size_t bytes) { return AdapterWeights::StoragePiece(bytes); }
-
 // Below this an arena is not worth a huge page: a 0.3 MB DiReFT adapter would hold 2 MiB.
 constexpr size_t kMinHugeArena = size_t{4} << 20;
 
@@ -113,10 +110,8 @@ AdapterWeights::Arena::~Arena() {
   if (base != nullptr) ::munmap(base, size);
 }
 
-void AdapterWeights::ReserveArena(size_t bytes) {
+void AdapterWeights::ReserveStorage(size_t bytes) {
   if (bytes == 0 || arena_.base != nullptr) return;
-  // Start on a 2 MiB boundary, or the first and last partial 2 MiB of the arena stay in 4 KiB
-  // pages: map a little more, then give back the unaligned head and the tail.
   if (bytes < kMinHugeArena) {
     const size_t size = (bytes + 4095) & ~size_t{4095};
     void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -126,6 +121,8 @@ void AdapterWeights::ReserveArena(size_t bytes) {
     arena_.size = size;
     return;
   }
+  // Start on a 2 MiB boundary, or the first and last partial 2 MiB of the arena stay in 4 KiB
+  // pages: map a little more, then give back the unaligned head and the tail.
   constexpr size_t kHuge = size_t{2} << 20;
   const size_t size = (bytes + kHuge - 1) & ~(kHuge - 1);
   void* p = ::mmap(nullptr, size + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
@@ -142,7 +139,7 @@ void AdapterWeights::ReserveArena(size_t bytes) {
 
 uint8_t* AdapterWeights::AllocateZeroed(size_t bytes) {
   bytes_ += bytes;
-  const size_t piece = ArenaPiece(bytes);
+  const size_t piece = StoragePiece(bytes);
   if (arena_.base != nullptr && arena_.used + piece <= arena_.size) {
     uint8_t* p = arena_.base + arena_.used;  // fresh anonymous pages: zero
     arena_.used += piece;
@@ -201,14 +198,14 @@ std::unique_ptr<AdapterWeights> AdapterWeights::ConvertTo(kernels::DType dtype) 
   auto size_of = [&](const LowRank& lr) {
     if (lr.empty()) return;
     const size_t esize = kernels::DTypeSize(dtype);
-    arena += ArenaPiece(lr.shrink.rows * lr.shrink.cols * esize) +
-             ArenaPiece(lr.expand.rows * lr.expand.cols * esize);
-    if (lr.shrink_bias != nullptr) arena += ArenaPiece(lr.rank() * sizeof(float));
+    arena += StoragePiece(lr.shrink.rows * lr.shrink.cols * esize) +
+             StoragePiece(lr.expand.rows * lr.expand.cols * esize);
+    if (lr.shrink_bias != nullptr) arena += StoragePiece(lr.rank() * sizeof(float));
   };
   for (const auto& layer : lora_)
     for (const LowRank& lr : layer) size_of(lr);
   for (const LowRank& lr : direft_) size_of(lr);
-  out->ReserveArena(arena);
+  out->ReserveStorage(arena);
   out->default_positions = default_positions;
   out->prompt_selection = prompt_selection;
   out->dtype_ = dtype;

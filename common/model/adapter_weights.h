@@ -83,7 +83,8 @@ class AdapterWeights {
   // Reserves one zeroed mapping that later allocations (up to about `bytes`, each rounded to
   // StoragePiece) are carved from: no per-matrix allocation, no memset, 2 MiB pages when big.
   // Loaders size it from the file; a second call, or allocations past it, use the heap.
-  void ReserveStorage(size_t bytes) { ReserveArena(bytes); }
+  void ReserveStorage(size_t bytes);
+  // Pieces start on a cache line, as the kernels' vector loads prefer.
   static size_t StoragePiece(size_t bytes) { return (bytes + 63) & ~size_t{63}; }
   float* AllocateFloats(int64_t n);
 
@@ -125,7 +126,6 @@ class AdapterWeights {
     size_t size = 0;
     size_t used = 0;
   };
-  void ReserveArena(size_t bytes);
   uint8_t* AllocateZeroed(size_t bytes);
   Arena arena_;
 };

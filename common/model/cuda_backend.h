@@ -36,7 +36,6 @@ class CudaBackend : public ForwardBackend {
   }
   kernels::DType adapter_dtype() const override { return kernels::DType::kBF16; }
   const char* name() const override { return "cuda"; }
-  const DeviceAdapterSlots& adapter_slots() const { return slots_; }
 
  private:
   explicit CudaBackend(size_t adapter_bytes) : slots_(adapter_bytes) {}
