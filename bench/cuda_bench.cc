@@ -167,5 +167,41 @@ int main() {
   const double bound_s = per * adapters * 2.0 / (bw * 1e9);
   std::printf("| low-rank, 64 decode rows x 64 adapters (r16, 4096->14336) | %.1f us | byte bound %.1f us | %.2f | <= 1.5 |\n",
               lr_s * 1e6, bound_s * 1e6, lr_s / bound_s);
+
+  // SGMV: 64 prompts of 128 rows, one adapter each (tiles of kTileRows), same shape: against
+  // the time the base gate GEMM of those 8192 rows takes at the GEMM rate measured above.
+  const int64_t prompt_rows = 128, rows_all = adapters * prompt_rows;
+  auto* px = static_cast<float*>(Alloc(rows_all * in * 4));
+  auto* py = static_cast<float*>(Alloc(rows_all * out * 4));
+  std::vector<cuda::LowRankItem> prompt_items;
+  std::vector<cuda::LowRankTile> tiles;
+  for (int64_t g = 0; g < adapters; ++g) {
+    for (int64_t r = 0; r < prompt_rows; r += cuda::kTileRows) {
+      tiles.push_back({static_cast<int32_t>(prompt_items.size()), cuda::kTileRows});
+      for (int64_t i = r; i < r + cuda::kTileRows; ++i) {
+        prompt_items.push_back({static_cast<int32_t>(g * prompt_rows + i), static_cast<int32_t>(g)});
+      }
+    }
+  }
+  void* dpi = Alloc(prompt_items.size() * sizeof(prompt_items[0]));
+  void* dti = Alloc(tiles.size() * sizeof(tiles[0]));
+  Check(cuda::CopyToDevice(dpi, prompt_items.data(), prompt_items.size() * sizeof(prompt_items[0]), nullptr), "copy");
+  Check(cuda::CopyToDevice(dti, tiles.data(), tiles.size() * sizeof(tiles[0]), nullptr), "copy");
+  cuda::LowRankTargets prompt_targets;
+  prompt_targets.target[0] = {0, py, out};
+  prompt_targets.num_targets = 1;
+  const double sgmv_s = Time(
+      [&](int) {
+        Check(cuda::LowRankAddTiles(px, in, static_cast<const cuda::LowRankPair* const*>(dt),
+                                    static_cast<cuda::LowRankItem*>(dpi),
+                                    static_cast<cuda::LowRankTile*>(dti),
+                                    static_cast<int64_t>(tiles.size()), prompt_targets, nullptr),
+              "LowRankAddTiles");
+      },
+      20);
+  const double gemm_equiv_s = 2.0 * rows_all * in * out / (tflops * 1e12);
+  std::printf("| low-rank tiles, 64 prompts x 128 rows (r16, 4096->14336) | %.1f us = %.1f TFLOP/s | base GEMM of the rows %.1f us | %.3f | - |\n",
+              sgmv_s * 1e6, 2.0 * rows_all * rank * (in + out) / sgmv_s / 1e12,
+              gemm_equiv_s * 1e6, sgmv_s / gemm_equiv_s);
   return 0;
 }

@@ -268,15 +268,17 @@ int main(int argc, char** argv) {
       seqs[i].adapter = mode.adapter ? keys[i].get() : nullptr;
       seqs[i].prompt_only = mode.prompt_only;
     }
-    double seconds = run.Prefill(seqs, chunk);
+    const double prefill = run.Prefill(seqs, chunk);
     std::vector<double> steps;
     while (static_cast<int64_t>(seqs[0].tokens.size()) < total) steps.push_back(run.Step(seqs));
+    double seconds = prefill;
     for (double s : steps) seconds += s;
     e2e[mi] = requests * new_tokens / seconds;
     decode[mi] = Median(steps);
-    std::printf("| %s, %ld requests x %ld adapters (%ld+%ld tokens) | %.0f tok/s end to end; decode step %.2f ms | - | - | - |\n",
+    std::printf("| %s, %ld requests x %ld adapters (%ld+%ld tokens) | %.0f tok/s end to end; prefill %.2f s, decode step %.2f ms | - | - | - |\n",
                 mode.name, static_cast<long>(requests), static_cast<long>(mode.adapter ? requests : 0),
-                static_cast<long>(prompt), static_cast<long>(new_tokens), e2e[mi], decode[mi] * 1e3);
+                static_cast<long>(prompt), static_cast<long>(new_tokens), e2e[mi], prefill,
+                decode[mi] * 1e3);
   }
   std::printf("| LoRAP / multi-LoRA | %.2fx end to end (decode step %.2fx) | - | - | paper: 1.83 (8B), 1.63 (0.5B) |\n",
               e2e[1] / e2e[3], decode[3] / decode[1]);

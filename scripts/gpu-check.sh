@@ -34,14 +34,14 @@ run_checks() {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   local rc=0
   echo "== gpu tests"
-  timeout 120 "$tests/cuda_ops_test" --gtest_brief=1 || rc=$?
-  timeout 180 "$tests/device_model_test" --gtest_brief=1 || rc=$?
-  timeout 120 "$tests/cuda_engine_test" --gtest_brief=1 || rc=$?
+  timeout 60 "$tests/cuda_ops_test" --gtest_brief=1 || rc=$?
+  timeout 120 "$tests/device_model_test" --gtest_brief=1 || rc=$?
+  timeout 60 "$tests/cuda_engine_test" --gtest_brief=1 || rc=$?
   echo "== cuda_bench"
-  timeout 120 "$bench/cuda_bench" || rc=$?
+  timeout 60 "$bench/cuda_bench" || rc=$?
   for preset in llama3.1-8b qwen2.5-0.5b; do
     echo "== cuda_model_bench --preset $preset"
-    timeout 200 "$bench/cuda_model_bench" --preset "$preset" ${MODEL_BENCH_FLAGS:-} || rc=$?
+    timeout 150 "$bench/cuda_model_bench" --preset "$preset" ${MODEL_BENCH_FLAGS:-} || rc=$?
   done
   return $rc
 }

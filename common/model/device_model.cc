@@ -373,6 +373,13 @@ absl::StatusOr<const DeviceAdapter*> DeviceAdapterSlots::Get(const AdapterWeight
   return raw;
 }
 
+void DeviceAdapterSlots::BeginStep(const std::vector<const AdapterWeights*>& used) {
+  lru_.BeginStep();
+  for (const AdapterWeights* host : used) {
+    if (lru_.Contains(host->serial())) lru_.Touch(host->serial());
+  }
+}
+
 void DeviceAdapterSlots::Put(const AdapterWeights* key, std::unique_ptr<DeviceAdapter> adapter) {
   Evict(key);
   lru_.Insert(key->serial(), adapter->bytes());
@@ -602,18 +609,24 @@ absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
 
   // Adapters: one table per distinct adapter, one item per masked row. The slots keep this
   // step's copies until the next step begins.
-  adapters->BeginStep();
+  std::vector<const AdapterWeights*> used;
+  {
+    absl::flat_hash_set<const AdapterWeights*> seen;
+    for (const ForwardBatch::Sequence& s : batch.sequences) {
+      if (s.adapter != nullptr && seen.insert(s.adapter).second) {
+        PREFT_RETURN_IF_ERROR(CheckAdapterFits(c, *s.adapter));
+        used.push_back(s.adapter);
+      }
+    }
+  }
+  adapters->BeginStep(used);
   LowRankWork lora, direft;
-  absl::flat_hash_set<const AdapterWeights*> checked;
   int64_t total_blocks = 0;
   {
     int64_t t = 0;
     for (const ForwardBatch::Sequence& s : batch.sequences) {
       total_blocks += s.num_blocks;
       if (s.adapter != nullptr) {
-        if (checked.insert(s.adapter).second) {
-          PREFT_RETURN_IF_ERROR(CheckAdapterFits(c, *s.adapter));
-        }
         PREFT_ASSIGN_OR_RETURN(const DeviceAdapter* da, adapters->Get(s.adapter));
         LowRankWork& work = s.adapter->kind() == AdapterKind::kLora ? lora : direft;
         const int32_t a = work.Adapter(da);
@@ -680,6 +693,11 @@ absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
                   meta_.as<int64_t>(at.slots),
                   meta_.as<int32_t>(at.logit_rows),
                   meta_.as<kernels::AttentionSeq>(at.seqs)};
+  // The decode attention's split workspace (its size is fixed by the step's shape).
+  const kernels::PagedKvLayout geometry{nullptr, 0, 0, bt, c.num_kv_heads, hd};
+  PREFT_RETURN_IF_ERROR(Reserve(
+      &attention_parts_,
+      cuda::AttentionWorkspaceFloats(S, max_new, geometry, c.num_heads) * sizeof(float)));
   if (!use_graphs_ || max_new != 1) return Launch(step, cache, lora, direft);
 
   // Decode steps replay a graph recorded for their shape (the kernels' arguments are fixed
@@ -687,7 +705,8 @@ absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
   std::vector<int64_t> key = {T, R, S, total_blocks,
                               reinterpret_cast<int64_t>(cache->layer_base(0)),
                               reinterpret_cast<int64_t>(meta_.get()),
-                              reinterpret_cast<int64_t>(scratch_.get())};
+                              reinterpret_cast<int64_t>(scratch_.get()),
+                              reinterpret_cast<int64_t>(attention_parts_.get())};
   lora.AppendShape(&key);
   direft.AppendShape(&key);
   // Nothing inside a capture may allocate: size the GEMM input copy for this shape first.
@@ -768,7 +787,8 @@ absl::Status DeviceModel::Launch(const Step& step, DeviceKvCache* cache, const L
     PREFT_RETURN_IF_ERROR(
         Cuda(cuda::WriteKv(k_, v_, slots, T, cache->layer_base(li), layout, stream_), "KV write"));
     PREFT_RETURN_IF_ERROR(Cuda(cuda::PagedAttention(seqs, S, max_new, layout, c.num_heads, scale,
-                                                    window, stream_),
+                                                    window, attention_parts_.as<float>(0),
+                                                    stream_),
                                "attention"));
     PREFT_RETURN_IF_ERROR(linear(attn_, T, l.o, d, q_out, l.o_bias, tmp_));
     PREFT_RETURN_IF_ERROR(apply_lora(li, attn_, q_out, {{Projection::kO, tmp_, d}}));

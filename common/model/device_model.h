@@ -120,8 +120,10 @@ class DeviceAdapterSlots {
   explicit DeviceAdapterSlots(size_t budget_bytes = base::StepLru::kNoBudget)
       : lru_(budget_bytes) {}
 
-  // Starts a forward step: copies used before it may now be dropped.
-  void BeginStep() { lru_.BeginStep(); }
+  // Starts a forward step over the distinct adapters in `used`: copies used only before it
+  // may now be dropped, and those of `used` already here are pinned first, so making room
+  // for the step's missing ones never drops another one the step needs.
+  void BeginStep(const std::vector<const AdapterWeights*>& used);
   // The device copy of `host`, uploaded (after making room) when absent. ResourceExhausted
   // when the device has no memory left even after dropping every copy outside this step.
   absl::StatusOr<const DeviceAdapter*> Get(const AdapterWeights* host);
@@ -239,6 +241,7 @@ class DeviceModel {
   std::vector<uint8_t> meta_host_;
   DeviceBuffer picks_;  // greedy tokens and logprobs; or sample specs and tokens
   DeviceBuffer sample_workspace_;
+  DeviceBuffer attention_parts_;  // the decode attention's split partials
   bool poison_scratch_ = false;
   bool use_graphs_ = false;
   std::map<std::vector<int64_t>, void*> graphs_;  // shape key -> cudaGraphExec_t

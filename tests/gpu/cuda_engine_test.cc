@@ -1,7 +1,9 @@
 // The engine over the CUDA backend against the engine over the CPU, on a fresh random bf16
 // tiny model: greedy tokens of base, LoRA, LoRAP, DiReFT and DiReFTP requests batched
-// together (the tiny model's logits have clear margins, so bf16 summation order does not
-// flip a pick). Labelled `gpu`; without a device the backend must refuse clearly.
+// together. Both backends round to bf16 but sum in different orders, so where the CPU's best
+// two tokens are all but tied the GPU may take the other (as vLLM's check_logprobs_close
+// allows): a request may then diverge, only to the CPU's runner-up, only at a near tie, and
+// is compared no further. Labelled `gpu`; without a device the backend must refuse clearly.
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -66,7 +68,7 @@ TEST(CudaEngineTest, MixedAdapterRequestsMatchTheCpuEngine) {
     ASSERT_TRUE(a.ok()) << a.status();
     adapters.push_back(std::move(*a));
   }
-  auto requests = [&] {
+  auto requests = [&](bool logprobs) {
     std::vector<Request> reqs;
     std::mt19937 rng(static_cast<uint32_t>(mo.seed));
     for (int i = 0; i < 5; ++i) {
@@ -75,6 +77,7 @@ TEST(CudaEngineTest, MixedAdapterRequestsMatchTheCpuEngine) {
       for (int t = 0; t < 9 + 7 * i; ++t) r.prompt_ids.push_back(static_cast<int32_t>(rng() % 250));
       r.sampling.max_tokens = 12;
       r.sampling.ignore_eos = true;
+      if (logprobs) r.sampling.logprobs = 2;  // the CPU's margins, for near ties
       if (i > 0) {
         r.adapter.weights = adapters[(i - 1) / 2];
         r.adapter.positions =
@@ -91,13 +94,32 @@ TEST(CudaEngineTest, MixedAdapterRequestsMatchTheCpuEngine) {
   auto gpu = Engine::Create(*std::move(gpu_backend), nullptr, o);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   EXPECT_EQ((*gpu)->cache(), nullptr);  // the KV cache lives on the device
-  auto want = (*cpu)->Generate(requests());
-  auto got = (*gpu)->Generate(requests());
+  auto want = (*cpu)->Generate(requests(true));
+  auto got = (*gpu)->Generate(requests(false));
   ASSERT_TRUE(want.ok() && got.ok());
+  constexpr double kNearTie = 0.05;  // nats between the CPU's best two
+  size_t diverged = 0;
   for (size_t i = 0; i < want->size(); ++i) {
+    SCOPED_TRACE("request " + std::to_string(i));
     ASSERT_TRUE((*got)[i].status.ok()) << (*got)[i].status;
-    EXPECT_EQ((*got)[i].token_ids, (*want)[i].token_ids) << "request " << i;
+    const std::vector<int32_t>& w = (*want)[i].token_ids;
+    const std::vector<int32_t>& g = (*got)[i].token_ids;
+    ASSERT_EQ(g.size(), w.size());
+    ASSERT_EQ((*want)[i].logprobs.size(), w.size());
+    size_t j = 0;
+    while (j < w.size() && g[j] == w[j]) ++j;
+    if (j == w.size()) continue;
+    const TokenLogprob& at = (*want)[i].logprobs[j];
+    ASSERT_GE(at.top.size(), 2u);
+    const int32_t other = at.top[0].first == w[j] ? at.top[1].first : at.top[0].first;
+    EXPECT_EQ(g[j], other) << "token " << j << ": not the CPU's runner-up";
+    EXPECT_LT(at.top[0].second - at.top[1].second, kNearTie)
+        << "token " << j << " differs where the CPU's margin was clear";
+    std::printf("request %zu: took the runner-up at token %zu (CPU margin %.4f nats)\n", i, j,
+                at.top[0].second - at.top[1].second);
+    ++diverged;
   }
+  EXPECT_LE(diverged, 2u) << "near ties are rare; flips in most requests are a bug";
 }
 
 }  // namespace

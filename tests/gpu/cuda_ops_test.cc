@@ -18,6 +18,7 @@
 #include "common/engine/sampler.h"
 #include "common/kernels/cpu/attention.h"
 #include "common/kernels/cpu/linear.h"
+#include "common/kernels/cpu/linear_kernels.h"
 #include "common/kernels/cpu/low_rank.h"
 #include "common/kernels/cpu/ops.h"
 #include "common/kernels/cuda/attention.cuh"
@@ -91,6 +92,14 @@ class CudaOpsTest : public ::testing::Test {
     return v;
   }
   std::mt19937 rng_{std::random_device{}()};
+};
+
+// The CPU's low-rank kernels in f32 for the scope, as the CUDA ones compute (with AVX-512-BF16
+// the CPU rounds a prompt group's x and z to bf16).
+class F32LowRankOnCpu {
+ public:
+  F32LowRankOnCpu() { cpu::SetLinearIsaCapForTesting(cpu::LinearIsa::kAvx512); }
+  ~F32LowRankOnCpu() { cpu::SetLinearIsaCapForTesting(cpu::LinearIsa::kAmx); }
 };
 
 void ExpectNear(const std::vector<float>& got, const std::vector<float>& want, double rel) {
@@ -182,6 +191,7 @@ TEST_F(CudaOpsTest, Bf16LinearMatchesCpuWithinBf16Rounding) {
 // Decode rows (one row per adapter), prompt groups, mixed ranks, a bias, an adapter without a
 // k pair, and one call that updates q and k (different widths) from the same x.
 TEST_F(CudaOpsTest, LowRankAddMatchesCpuForMixedAdapters) {
+  const F32LowRankOnCpu f32_reference;
   const int64_t rows = 40, in = 896, q_out = 896, k_out = 128;
   const std::vector<float> x = Random(rows * in);
   std::vector<float> yq = Random(rows * q_out), yk = Random(rows * k_out);
@@ -271,6 +281,7 @@ TEST_F(CudaOpsTest, LowRankAddMatchesCpuForMixedAdapters) {
 // SGMV tiles, in place as DiReFT runs: adapters with 1 to 70 rows (tiles of 32 and a
 // remainder), ranks up to kMaxTileRank, a bias, a width that is not a multiple of the chunk.
 TEST_F(CudaOpsTest, LowRankAddTilesMatchesCpuInPlace) {
+  const F32LowRankOnCpu f32_reference;
   const int64_t d = 900;
   const int row_counts[] = {1, 5, 32, 33, 70};
   const int64_t ranks[] = {16, 64, 4, 64, 16};
@@ -349,51 +360,72 @@ TEST_F(CudaOpsTest, LowRankAddTilesMatchesCpuInPlace) {
   ExpectNear(d_x.ToHost(), x, 1e-4);
 }
 
-// Decode rows and prompt chunks over a shared paged cache, GQA, with and without a window.
+// Decode rows and prompt chunks over a shared paged cache, GQA, with and without a window;
+// then decode rows alone, which take the flash-decoding kernel (contexts split across blocks
+// and merged), for a group of 7 heads of dim 64 and a group of 4 of dim 128.
 TEST_F(CudaOpsTest, PagedAttentionMatchesCpu) {
-  const int64_t heads = 14, kv_heads = 2, hd = 64, bt = 16, blocks = 40;
-  const int64_t block_stride = 2 * kv_heads * bt * hd;
-  const std::vector<float> cache = Random(blocks * block_stride);
+  struct Geometry {
+    int64_t heads, kv_heads, hd;
+  };
   struct Seq {
     int64_t num_new, context_len;
     std::vector<int32_t> table;
   };
-  std::vector<Seq> seqs = {{1, 1, {}}, {1, 200, {}}, {7, 7, {}}, {16, 300, {}}, {1, 17, {}}};
-  for (Seq& s : seqs) {
-    for (int64_t b = 0; b * bt < s.context_len; ++b) s.table.push_back(static_cast<int32_t>(rng_() % blocks));
-  }
-  DeviceVec<float> d_cache(cache);
-  for (const int64_t window : {int64_t{0}, int64_t{50}}) {
-    cpu::PagedKvLayout layout{cache.data(), block_stride, kv_heads * hd * bt, bt, kv_heads, hd};
-    cuda::PagedKvLayout dlayout{d_cache.get(), block_stride, kv_heads * hd * bt, bt, kv_heads, hd};
-    std::vector<std::vector<float>> q, out;
-    std::vector<std::unique_ptr<DeviceVec<float>>> dq, dout;
-    std::vector<std::unique_ptr<DeviceVec<int32_t>>> dtab;
-    std::vector<cpu::AttentionSeq> cseqs;
-    std::vector<cuda::AttentionSeq> gseqs;
-    int64_t max_new = 0;
-    for (const Seq& s : seqs) {
-      q.push_back(Random(s.num_new * heads * hd));
-      out.emplace_back(s.num_new * heads * hd);
-      dq.push_back(std::make_unique<DeviceVec<float>>(q.back()));
-      dout.push_back(std::make_unique<DeviceVec<float>>(s.num_new * heads * hd));
-      dtab.push_back(std::make_unique<DeviceVec<int32_t>>(s.table));
-      cseqs.push_back({q.back().data(), out.back().data(), s.table.data(), s.num_new, s.context_len});
-      gseqs.push_back({dq.back()->get(), dout.back()->get(), dtab.back()->get(), s.num_new,
-                       s.context_len});
-      max_new = std::max(max_new, s.num_new);
-    }
-    const float scale = 0.125f;
-    cpu::PagedAttention(cseqs.data(), static_cast<int64_t>(cseqs.size()), layout, heads, scale, window);
-    std::vector<uint8_t> sbytes(gseqs.size() * sizeof(cuda::AttentionSeq));
-    std::memcpy(sbytes.data(), gseqs.data(), sbytes.size());
-    DeviceVec<uint8_t> d_seqs(sbytes);
-    CUDA_OK(cuda::PagedAttention(reinterpret_cast<const cuda::AttentionSeq*>(d_seqs.get()),
-                                 static_cast<int64_t>(gseqs.size()), max_new, dlayout, heads, scale,
-                                 window, nullptr));
-    for (size_t i = 0; i < seqs.size(); ++i) {
-      SCOPED_TRACE("sequence " + std::to_string(i) + " window " + std::to_string(window));
-      ExpectNear(dout[i]->ToHost(), out[i], 1e-4);
+  const int64_t bt = 16, blocks = 40;
+  const std::vector<std::vector<Seq>> sets = {
+      {{1, 1, {}}, {1, 200, {}}, {7, 7, {}}, {16, 300, {}}, {1, 17, {}}},
+      {{1, 1, {}}, {1, 200, {}}, {1, 16, {}}, {1, 300, {}}, {1, 17, {}}, {1, 49, {}}}};
+  for (const Geometry g : {Geometry{14, 2, 64}, Geometry{32, 8, 128}}) {
+    const int64_t heads = g.heads, kv_heads = g.kv_heads, hd = g.hd;
+    const int64_t block_stride = 2 * kv_heads * bt * hd;
+    const std::vector<float> cache = Random(blocks * block_stride);
+    DeviceVec<float> d_cache(cache);
+    for (std::vector<Seq> seqs : sets) {
+      for (Seq& s : seqs) {
+        for (int64_t b = 0; b * bt < s.context_len; ++b) {
+          s.table.push_back(static_cast<int32_t>(rng_() % blocks));
+        }
+      }
+      for (const int64_t window : {int64_t{0}, int64_t{50}}) {
+        cpu::PagedKvLayout layout{cache.data(), block_stride, kv_heads * hd * bt, bt, kv_heads, hd};
+        cuda::PagedKvLayout dlayout{d_cache.get(), block_stride, kv_heads * hd * bt, bt, kv_heads, hd};
+        std::vector<std::vector<float>> q, out;
+        std::vector<std::unique_ptr<DeviceVec<float>>> dq, dout;
+        std::vector<std::unique_ptr<DeviceVec<int32_t>>> dtab;
+        std::vector<cpu::AttentionSeq> cseqs;
+        std::vector<cuda::AttentionSeq> gseqs;
+        int64_t max_new = 0;
+        for (const Seq& s : seqs) {
+          q.push_back(Random(s.num_new * heads * hd));
+          out.emplace_back(s.num_new * heads * hd);
+          dq.push_back(std::make_unique<DeviceVec<float>>(q.back()));
+          dout.push_back(std::make_unique<DeviceVec<float>>(s.num_new * heads * hd));
+          dtab.push_back(std::make_unique<DeviceVec<int32_t>>(s.table));
+          cseqs.push_back({q.back().data(), out.back().data(), s.table.data(), s.num_new, s.context_len});
+          gseqs.push_back({dq.back()->get(), dout.back()->get(), dtab.back()->get(), s.num_new,
+                           s.context_len});
+          max_new = std::max(max_new, s.num_new);
+        }
+        const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+        const int64_t n = static_cast<int64_t>(gseqs.size());
+        cpu::PagedAttention(cseqs.data(), n, layout, heads, scale, window);
+        std::vector<uint8_t> sbytes(gseqs.size() * sizeof(cuda::AttentionSeq));
+        std::memcpy(sbytes.data(), gseqs.data(), sbytes.size());
+        DeviceVec<uint8_t> d_seqs(sbytes);
+        const int64_t ws = cuda::AttentionWorkspaceFloats(n, max_new, dlayout, heads);
+        if (max_new == 1) {
+          EXPECT_GT(ws, 0) << "decode rows this short should be split";
+        }
+        DeviceVec<float> d_ws(static_cast<size_t>(ws));
+        CUDA_OK(cuda::PagedAttention(reinterpret_cast<const cuda::AttentionSeq*>(d_seqs.get()), n,
+                                     max_new, dlayout, heads, scale, window,
+                                     ws > 0 ? d_ws.get() : nullptr, nullptr));
+        for (size_t i = 0; i < seqs.size(); ++i) {
+          SCOPED_TRACE("heads " + std::to_string(heads) + " sequence " + std::to_string(i) +
+                       " of " + std::to_string(n) + " window " + std::to_string(window));
+          ExpectNear(dout[i]->ToHost(), out[i], 1e-4);
+        }
+      }
     }
   }
 }

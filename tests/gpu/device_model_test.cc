@@ -201,7 +201,9 @@ TEST_P(DeviceModelConsistencyTest, MixedAdapterBatchMatchesCpuOverPromptAndDecod
       }
     }
   }
-  EXPECT_LT(worst, 0.02);
+  // bf16-sized: both round x to bf16 for the projections, and with AVX-512-BF16 the CPU also
+  // rounds a prompt's LoRA x and z to bf16 where the GPU keeps them f32.
+  EXPECT_LT(worst, 0.03);
   std::printf("%s: worst KV difference %.3g\n", GetParam().c_str(), worst);
 }
 

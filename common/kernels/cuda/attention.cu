@@ -97,6 +97,186 @@ __global__ void WriteKvKernel(const float* k, const float* v, const int64_t* slo
   }
 }
 
+
+// ---- Decode (flash-decoding): one query per sequence ----
+// One block per (sequence, KV head, split): the block scores the whole GQA group of query
+// heads against each cache block of keys it owns, so every K and V element is read once per
+// group, not once per query head. A long context is shared by `splits` blocks (cache block
+// b goes to split b % splits, so any context is covered whatever the split count, which a
+// replayed CUDA graph fixes); each leaves an unnormalised partial (o, m, l) that
+// CombineKernel merges. With one split the block writes the output itself.
+constexpr int kDecodeThreads = 128;
+constexpr int kMaxGroup = 8;
+constexpr int kDecodeDims = kMaxHeadDim / kDecodeThreads;
+
+__global__ void __launch_bounds__(kDecodeThreads)
+    DecodeAttentionKernel(const AttentionSeq* seqs, PagedKvLayout kv, int group, float scale,
+                          int64_t window, float* parts) {
+  __shared__ float q[kMaxGroup][kMaxHeadDim];
+  __shared__ float partial[kMaxGroup][kDecodeThreads];  // per-thread slices of each dot
+  __shared__ float p[kMaxGroup][kDecodeThreads];        // [g][t]: this cache block's weights
+  __shared__ float corr[kMaxGroup];
+  __shared__ float final_m[kMaxGroup], final_l[kMaxGroup];
+  const AttentionSeq seq = seqs[blockIdx.x];
+  if (seq.num_new == 0) return;
+  const int kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+  const int hd = static_cast<int>(kv.head_dim), bt = static_cast<int>(kv.block_tokens);
+  const int num_heads = group * static_cast<int>(kv.num_kv_heads);
+  const int64_t pos = seq.context_len - 1;
+  const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+  for (int i = threadIdx.x; i < group * hd; i += kDecodeThreads) {
+    q[i / hd][i % hd] = seq.q[(kvh * group + i / hd) * hd + i % hd];
+  }
+  __syncthreads();
+
+  // Scores: thread (slice, t) sums dims slice, slice + slices, ... of token t for every head
+  // of the group (consecutive threads read consecutive tokens of the transposed K tile).
+  const int t_mine = threadIdx.x % bt, slice = threadIdx.x / bt, slices = kDecodeThreads / bt;
+  // Softmax: thread (g, t) of the first group * bt owns score (g, t); a segment of bt lanes
+  // (within one warp: bt divides 32) holds one head's running max m and sum l.
+  const int g_own = threadIdx.x / bt;
+  const bool owner = g_own < group;
+  float m = -INFINITY, l = 0.f;
+  float o[kMaxGroup][kDecodeDims];
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) {
+#pragma unroll
+    for (int r = 0; r < kDecodeDims; ++r) o[g][r] = 0.f;
+  }
+  for (int64_t b = lo / bt + split; b <= pos / bt; b += splits) {
+    const int64_t block = static_cast<int64_t>(seq.block_table[b]) * kv.block_stride;
+    const float* kt = kv.k_base + block + static_cast<int64_t>(kvh) * hd * bt;
+    const float* vt = kv.k_base + block + kv.v_offset + static_cast<int64_t>(kvh) * bt * hd;
+    const int t_lo = lo > b * bt ? static_cast<int>(lo - b * bt) : 0;
+    const int t_hi = pos < (b + 1) * bt - 1 ? static_cast<int>(pos - b * bt) : bt - 1;
+    float dot[kMaxGroup];
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) dot[g] = 0.f;
+    for (int d = slice; d < hd; d += slices) {
+      const float k = kt[d * bt + t_mine];
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) {
+        if (g < group) dot[g] += q[g][d] * k;
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) {
+      if (g < group) partial[g][threadIdx.x] = dot[g];
+    }
+    __syncthreads();
+    // Every lane takes part in the shuffles (a segment never mixes with another: bt divides
+    // 32 and the xor offsets stay below bt); only owners keep the results.
+    float s = -INFINITY;
+    if (owner && t_mine >= t_lo && t_mine <= t_hi) {
+      float sum = 0.f;
+      for (int sl = 0; sl < slices; ++sl) sum += partial[g_own][sl * bt + t_mine];
+      s = sum * scale;
+    }
+    float tile_max = s;
+    for (int off = bt / 2; off > 0; off >>= 1) {
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
+    }
+    const float new_m = fmaxf(m, tile_max);  // an owner's is finite: the block has a key in range
+    const float e = owner ? __expf(s - new_m) : 0.f;
+    float tile_sum = e;
+    for (int off = bt / 2; off > 0; off >>= 1) {
+      tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, off);
+    }
+    if (owner) {
+      const float c = __expf(m - new_m);  // 0 on the first block (m = -inf)
+      l = l * c + tile_sum;
+      m = new_m;
+      p[g_own][t_mine] = e;
+      if (t_mine == 0) corr[g_own] = c;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kDecodeDims; ++r) {
+      const int d = threadIdx.x + r * kDecodeThreads;
+      if (d >= hd) break;
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) {
+        if (g < group) o[g][r] *= corr[g];
+      }
+      for (int t = t_lo; t <= t_hi; ++t) {  // keys out of range may hold anything, even NaN
+        const float v = vt[t * hd + d];
+#pragma unroll
+        for (int g = 0; g < kMaxGroup; ++g) {
+          if (g < group) o[g][r] += p[g][t] * v;
+        }
+      }
+    }
+    __syncthreads();  // partial, p and corr are rewritten by the next cache block
+  }
+  if (owner && t_mine == 0) {
+    final_m[g_own] = m;
+    final_l[g_own] = l;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) {
+    if (g >= group) break;
+    const int head = kvh * group + g;
+    float* dst = splits == 1
+                     ? seq.out + static_cast<int64_t>(head) * hd
+                     : parts + ((static_cast<int64_t>(blockIdx.x) * num_heads + head) * splits + split) * (hd + 2);
+#pragma unroll
+    for (int r = 0; r < kDecodeDims; ++r) {
+      const int d = threadIdx.x + r * kDecodeThreads;
+      if (d < hd) dst[d] = splits == 1 ? o[g][r] / final_l[g] : o[g][r];
+    }
+    if (splits > 1 && threadIdx.x == 0) {
+      dst[hd] = final_m[g];  // -inf and 0 when this split had no cache block
+      dst[hd + 1] = final_l[g];
+    }
+  }
+}
+
+// One block per (sequence, head): merges the splits' partial softmaxes.
+__global__ void __launch_bounds__(kDecodeThreads)
+    CombineKernel(const AttentionSeq* seqs, int num_heads, int hd, int splits,
+                  const float* parts) {
+  const AttentionSeq seq = seqs[blockIdx.x];
+  if (seq.num_new == 0) return;
+  const int head = blockIdx.y;
+  const float* base = parts + (static_cast<int64_t>(blockIdx.x) * num_heads + head) * splits * (hd + 2);
+  float m = -INFINITY;
+  for (int s = 0; s < splits; ++s) m = fmaxf(m, base[s * (hd + 2) + hd]);
+  float l = 0.f;
+  for (int s = 0; s < splits; ++s) {
+    const float* part = base + s * (hd + 2);
+    if (part[hd + 1] > 0.f) l += part[hd + 1] * __expf(part[hd] - m);
+  }
+  for (int d = threadIdx.x; d < hd; d += kDecodeThreads) {
+    float acc = 0.f;
+    for (int s = 0; s < splits; ++s) {
+      const float* part = base + s * (hd + 2);
+      if (part[hd + 1] > 0.f) acc += part[d] * __expf(part[hd] - m);
+    }
+    seq.out[static_cast<int64_t>(head) * hd + d] = acc / l;
+  }
+}
+
+// The decode kernel's limits: a GQA group of at most kMaxGroup heads whose scores fit one
+// pass of the block, and cache blocks of a power of two tokens up to a warp.
+bool DecodeKernelFits(const PagedKvLayout& kv, int64_t num_heads) {
+  const int64_t bt = kv.block_tokens, group = num_heads / kv.num_kv_heads;
+  return bt >= 1 && bt <= 32 && (bt & (bt - 1)) == 0 && group <= kMaxGroup &&
+         group * bt <= kDecodeThreads && kv.head_dim <= kMaxHeadDim;
+}
+
+int DecodeSplits(int64_t num_seqs, int64_t num_kv_heads) {
+  static const int sms = [] {
+    int device = 0, n = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+    return n > 0 ? n : 100;
+  }();
+  const int64_t ctas = num_seqs * num_kv_heads, want = 2 * static_cast<int64_t>(sms);
+  const int64_t splits = (want + ctas - 1) / ctas;
+  return static_cast<int>(splits < 1 ? 1 : splits > kMaxDecodeSplits ? kMaxDecodeSplits : splits);
+}
+
 }  // namespace
 
 int WriteKv(const float* k, const float* v, const int64_t* slots, int64_t num_tokens,
@@ -107,15 +287,36 @@ int WriteKv(const float* k, const float* v, const int64_t* slots, int64_t num_to
   return LaunchStatus();
 }
 
+int64_t AttentionWorkspaceFloats(int64_t num_seqs, int64_t max_new, const PagedKvLayout& layout,
+                                 int64_t num_heads) {
+  if (max_new != 1 || !DecodeKernelFits(layout, num_heads)) return 0;
+  const int64_t splits = DecodeSplits(num_seqs, layout.num_kv_heads);
+  return splits == 1 ? 0 : num_seqs * num_heads * splits * (layout.head_dim + 2);
+}
+
 int PagedAttention(const AttentionSeq* seqs, int64_t num_seqs, int64_t max_new,
                    const PagedKvLayout& layout, int64_t num_heads, float scale, int64_t window,
-                   void* stream) {
+                   float* workspace, void* stream) {
   if (num_seqs == 0 || max_new == 0) return 0;
   if (layout.head_dim > kMaxHeadDim) return static_cast<int>(cudaErrorInvalidValue);
+  if (max_new == 1 && DecodeKernelFits(layout, num_heads)) {
+    const int splits = DecodeSplits(num_seqs, layout.num_kv_heads);
+    if (splits > 1 && workspace == nullptr) return static_cast<int>(cudaErrorInvalidValue);
+    const int group = static_cast<int>(num_heads / layout.num_kv_heads);
+    const dim3 grid(static_cast<unsigned>(num_seqs), static_cast<unsigned>(layout.num_kv_heads),
+                    static_cast<unsigned>(splits));
+    DecodeAttentionKernel<<<grid, kDecodeThreads, 0, AsStream(stream)>>>(seqs, layout, group,
+                                                                        scale, window, workspace);
+    if (splits > 1) {
+      const dim3 heads(static_cast<unsigned>(num_seqs), static_cast<unsigned>(num_heads));
+      CombineKernel<<<heads, kDecodeThreads, 0, AsStream(stream)>>>(
+          seqs, static_cast<int>(num_heads), static_cast<int>(layout.head_dim), splits, workspace);
+    }
+    return LaunchStatus();
+  }
   const dim3 grid(static_cast<unsigned>(num_seqs), static_cast<unsigned>(num_heads),
                   static_cast<unsigned>(max_new));
-  AttentionKernel<<<grid, kThreads, 0, AsStream(stream)>>>(seqs, layout,
-                                                                           num_heads, scale, window);
+  AttentionKernel<<<grid, kThreads, 0, AsStream(stream)>>>(seqs, layout, num_heads, scale, window);
   return LaunchStatus();
 }
 

@@ -14,17 +14,26 @@ inline constexpr int64_t kMaxHeadDim = 256;
 using kernels::AttentionSeq;   // attention_types.h; pointers in device memory
 using kernels::PagedKvLayout;  // head_dim <= kMaxHeadDim
 
-// seqs is a device array of num_seqs; max_new bounds their num_new. A query at position i sees
-// keys j <= i, and with window > 0 only i - window < j (Mistral's sliding window). One block
-// per (sequence, head, query) with an online softmax over tiles of keys.
 // Stores the K and V of num_tokens new tokens ([T, num_kv_heads, head_dim] each) into one
 // layer's blocks at layer_base, in the geometry of `layout` (its k_base is not read): token t
 // goes to block slots[t] / block_tokens, at offset slots[t] % block_tokens.
 int WriteKv(const float* k, const float* v, const int64_t* slots, int64_t num_tokens,
             float* layer_base, const PagedKvLayout& layout, void* stream);
 
+// seqs is a device array of num_seqs; max_new bounds their num_new. A query at position i sees
+// keys j <= i, and with window > 0 only i - window < j (Mistral's sliding window). One block
+// per (sequence, head, query) with an online softmax over tiles of keys.
+// Decode calls (max_new == 1) with GQA groups of up to 8 heads and cache blocks of a power of
+// two tokens up to 32 take a flash-decoding kernel instead: one block per (sequence, KV head,
+// split) reads each K and V once for the whole group, and long contexts are split across
+// blocks (enough to fill the device) whose partial softmaxes are merged in `workspace`.
+// AttentionWorkspaceFloats says how many floats that call needs (0: none, workspace may be
+// null); it depends only on the arguments, so a recorded graph's workspace stays right.
+inline constexpr int kMaxDecodeSplits = 64;
+int64_t AttentionWorkspaceFloats(int64_t num_seqs, int64_t max_new, const PagedKvLayout& layout,
+                                 int64_t num_heads);
 int PagedAttention(const AttentionSeq* seqs, int64_t num_seqs, int64_t max_new,
                    const PagedKvLayout& layout, int64_t num_heads, float scale, int64_t window,
-                   void* stream);
+                   float* workspace, void* stream);
 
 }  // namespace preft::kernels::cuda

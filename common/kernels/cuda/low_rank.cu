@@ -2,36 +2,105 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "common/kernels/cuda/device_util.cuh"
 
 namespace preft::kernels::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kVector = 8;                       // elements per 16-byte load of bf16/f16
+constexpr int kRowChunk = kThreads * kVector;    // outputs one BGMV block covers per pass
 
-// One block per (item, target): each warp takes rank rows of the shrink (a dot product over
-// `in`), then every thread sums its outputs over the rank.
-__global__ void LowRankKernel(const float* x, int64_t x_stride, const LowRankPair* const* tables,
-                              const LowRankItem* items, LowRankTargets targets) {
+// Eight consecutive elements from element i of a matrix as f32, in one 16-byte load for
+// bf16 and f16 (two for f32); the caller checks alignment.
+__device__ inline void Load8(const void* base, DType dtype, int64_t i, float v[kVector]) {
+  if (dtype == DType::kF32) {
+    const float4 a = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
+    const float4 b = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + i + 4);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    return;
+  }
+  const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + i);
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float2 f;
+    if (dtype == DType::kBF16) {
+      f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[j]));
+    } else {
+      f = __half22float2(*reinterpret_cast<const __half2*>(&words[j]));
+    }
+    v[2 * j] = f.x;
+    v[2 * j + 1] = f.y;
+  }
+}
+
+__device__ inline bool Aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+
+// BGMV: one block per (item, target, output chunk). Each warp takes rank rows of the shrink
+// (a dot product over `in`, 16-byte loads), then each thread adds 8 consecutive outputs' sums
+// over the rank, for outputs chunk * kRowChunk + (thread * 8) and every gridDim.z chunks
+// after. Blocks of one item recompute its small shrink (from L2) instead of passing z
+// through memory; with y == x the launch has one chunk, so the row is read before written.
+__global__ void __launch_bounds__(kThreads)
+    LowRankKernel(const float* x, int64_t x_stride, const LowRankPair* const* tables,
+                  const LowRankItem* items, LowRankTargets targets) {
   __shared__ float z[kMaxLowRank];
   const LowRankItem item = items[blockIdx.x];
   const LowRankTargets::Target t = targets.target[blockIdx.y];
   const LowRankPair p = tables[item.adapter][t.entry];
   if (p.shrink == nullptr) return;
+  const int64_t first = static_cast<int64_t>(blockIdx.z) * kRowChunk;
+  if (first >= p.out) return;
   const float* xr = x + item.row * x_stride;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = kThreads / 32;
+  const bool vec_in = p.in % kVector == 0 && Aligned16(p.shrink) && Aligned16(xr);
   for (int64_t k = warp; k < p.rank; k += warps) {
     float s = 0.f;
-    for (int64_t i = lane; i < p.in; i += 32) s += LoadAsF32(p.shrink, p.dtype, k * p.in + i) * xr[i];
+    if (vec_in) {
+      for (int64_t i = lane * kVector; i < p.in; i += 32 * kVector) {
+        float a[kVector], xv[kVector];
+        Load8(p.shrink, p.dtype, k * p.in + i, a);
+        Load8(xr, DType::kF32, i, xv);
+#pragma unroll
+        for (int j = 0; j < kVector; ++j) s += a[j] * xv[j];
+      }
+    } else {
+      for (int64_t i = lane; i < p.in; i += 32) s += LoadAsF32(p.shrink, p.dtype, k * p.in + i) * xr[i];
+    }
     s = WarpSum(s);
     if (lane == 0) z[k] = s + (p.shrink_bias != nullptr ? p.shrink_bias[k] : 0.f);
   }
   __syncthreads();  // x's row is read in full before y's (perhaps the same) row is written
   float* yr = t.y + item.row * t.y_stride;
-  for (int64_t o = threadIdx.x; o < p.out; o += blockDim.x) {
-    float s = 0.f;
-    for (int64_t k = 0; k < p.rank; ++k) s += z[k] * LoadAsF32(p.expand, p.dtype, k * p.out + o);
-    yr[o] += p.scale * s;
+  const bool vec_out = p.out % kVector == 0 && Aligned16(p.expand);
+  for (int64_t o = first + threadIdx.x * kVector; o < p.out;
+       o += static_cast<int64_t>(gridDim.z) * kRowChunk) {
+    float acc[kVector] = {};
+    if (vec_out) {
+      for (int64_t k = 0; k < p.rank; ++k) {
+        float e[kVector];
+        Load8(p.expand, p.dtype, k * p.out + o, e);
+        const float zk = z[k];
+#pragma unroll
+        for (int j = 0; j < kVector; ++j) acc[j] += zk * e[j];
+      }
+    } else {
+      for (int64_t k = 0; k < p.rank; ++k) {
+#pragma unroll
+        for (int j = 0; j < kVector; ++j) {
+          if (o + j < p.out) acc[j] += z[k] * LoadAsF32(p.expand, p.dtype, k * p.out + o + j);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kVector; ++j) {
+      if (o + j < p.out) yr[o + j] += p.scale * acc[j];
+    }
   }
 }
 
@@ -127,7 +196,17 @@ int LowRankAdd(const float* x, int64_t x_stride, const LowRankPair* const* table
                void* stream) {
   if (num_items == 0 || targets.num_targets == 0) return 0;
   if (targets.num_targets > kMaxLowRankTargets) return static_cast<int>(cudaErrorInvalidValue);
-  const dim3 grid(static_cast<unsigned>(num_items), static_cast<unsigned>(targets.num_targets));
+  // Output chunks from the widest y row (a target's stride bounds its width); one when a
+  // target updates x in place, so no block writes a row another is still reading.
+  int64_t widest = 0;
+  bool in_place = false;
+  for (int i = 0; i < targets.num_targets; ++i) {
+    widest = std::max(widest, targets.target[i].y_stride);
+    in_place = in_place || targets.target[i].y == x;
+  }
+  const int64_t chunks = in_place ? 1 : std::max<int64_t>(1, (widest + kRowChunk - 1) / kRowChunk);
+  const dim3 grid(static_cast<unsigned>(num_items), static_cast<unsigned>(targets.num_targets),
+                  static_cast<unsigned>(chunks));
   LowRankKernel<<<grid, kThreads, 0, AsStream(stream)>>>(x, x_stride, tables, items, targets);
   return LaunchStatus();
 }

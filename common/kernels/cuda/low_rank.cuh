@@ -50,7 +50,8 @@ struct LowRankTargets {
 // x: rows of stride x_stride. tables: device array of device pointers, one table per adapter.
 // A target's y may be x (DiReFT in place; then it must be the only target): a row is read in
 // full before it is written. Rows are distinct across items.
-// BGMV: one block per (item, target), reading its pair for that row alone (decode rows).
+// BGMV: blocks per (item, target, chunk of 2048 outputs), reading its pair for that row
+// alone (decode rows), in 16-byte loads where rows are aligned.
 int LowRankAdd(const float* x, int64_t x_stride, const LowRankPair* const* tables,
                const LowRankItem* items, int64_t num_items, const LowRankTargets& targets,
                void* stream);

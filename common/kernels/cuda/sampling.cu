@@ -45,7 +45,7 @@ __device__ void BlockArgmax(const float* row, int64_t n, float* value, int32_t* 
 }
 
 // One block per row: argmax, then the sum of exp(l - max) in double.
-__global__ void GreedyKernel(const float* logits, int64_t vocab, int32_t* token, float* logprob) {
+__global__ void __launch_bounds__(kThreads) GreedyKernel(const float* logits, int64_t vocab, int32_t* token, float* logprob) {
   __shared__ double sums[kWarps];
   const float* row = logits + blockIdx.x * vocab;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -86,7 +86,7 @@ __device__ bool NeedsOrder(const SampleSpec& s) {
 }
 
 // Scaled logits and ids for every sampled row; sort segments only for rows that need order.
-__global__ void PrepareKernel(const float* logits, int64_t vocab, const SampleSpec* specs,
+__global__ void __launch_bounds__(kThreads) PrepareKernel(const float* logits, int64_t vocab, const SampleSpec* specs,
                               float* keys, int32_t* ids, int* begin, int* end) {
   const int64_t r = blockIdx.x;
   const SampleSpec s = specs[r];
@@ -128,7 +128,7 @@ __device__ int64_t FirstPrefixOver(int64_t n, W w, double threshold, bool reach,
 }
 
 // One block per row: SampleToken's choice over the sorted (or id-ordered) candidates.
-__global__ void SampleKernel(const float* logits, int64_t vocab, const SampleSpec* specs,
+__global__ void __launch_bounds__(kThreads) SampleKernel(const float* logits, int64_t vocab, const SampleSpec* specs,
                              const float* keys_in, const float* keys_sorted,
                              const int32_t* ids_sorted, int32_t* token) {
   __shared__ BlockScan::TempStorage scan;
