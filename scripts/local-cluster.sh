@@ -11,6 +11,7 @@
 # PREFT_COLOCATED=1 starts the colocated deployment instead (needs ADAPTER_ROOT): 2 decode
 # workers with --colocated, each running whole requests in one engine as vLLM does without
 # disaggregation, and the router with --colocated; no prefill workers, no KV between processes.
+# With PREFT_DEVICE=cuda those workers run their forward on the GPU (1 GiB of KV cache each).
 # RUN_DIR (default /tmp/preft-local-cluster) holds pids and addresses between the two calls;
 # RUN_DIR/metrics-targets lists "NAME HOST:PORT" of each process's Prometheus endpoint.
 set -euo pipefail
@@ -93,9 +94,13 @@ start_colocated() {  # after start's set-up; uses its tls_flags
     return 2
   fi
   # The KV never leaves a colocated worker: the in-process transport stays idle.
+  local device_flags=()
+  if [[ "${PREFT_DEVICE:-cpu}" != cpu ]]; then
+    device_flags=(--device "$PREFT_DEVICE" --kv-bytes $((1 << 30)))
+  fi
   for i in 0 1; do
     "$build/services/decode/preft-decode" --model "$model" --colocated --adapter-root "$root" \
-      --transport inproc --metrics-listen 127.0.0.1:0 "${tls_flags[@]}" \
+      --transport inproc --metrics-listen 127.0.0.1:0 "${tls_flags[@]}" "${device_flags[@]}" \
       > "$run/decode-$i.log" 2>&1 &
     echo $! >> "$run/pids"
   done

@@ -101,7 +101,7 @@ class Cluster:
                   "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
                   "--adapter-root", adapter_root, "--admission-timeout-s", "600"]
         if deployment == "colocated":
-            decode += ["--colocated", *store]
+            decode += ["--colocated", *store, "--device", args.device]
             router += ["--colocated"]
         elif decode_adapters:
             decode += ["--adapters", "all-positions", *store]
@@ -431,6 +431,9 @@ def main():
     p.add_argument("--adapter-compute-mib", type=int, default=2048)
     p.add_argument("--transport", default="ucx", choices=["ucx", "grpc"])
     p.add_argument("--ucx-tls", default="posix,self")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where colocated workers run their forward (cuda: colocated only, "
+                        "until a KV transport reaches device memory)")
     args = p.parse_args()
     args.adapter_dir = args.adapter_dir or args.model.rstrip("/") + "-adapters"
     sys.path.insert(0, os.path.join(args.build, "clients", "python"))
@@ -442,6 +445,9 @@ def main():
     for d in deployments:
         if d not in ("disaggregated", "colocated"):
             sys.exit(f"matrix: unknown deployment '{d}' (use disaggregated, colocated)")
+    if args.device != "cpu" and deployments != ["colocated"]:
+        sys.exit(f"matrix: --device {args.device} needs --deployments colocated (no KV "
+                 "transport reaches device memory yet)")
     if args.repeat < 1:
         sys.exit(f"matrix: --repeat must be at least 1, not {args.repeat}")
     os.makedirs(args.out, exist_ok=True)

@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 
@@ -17,6 +18,9 @@
 #include "common/base/fnv.h"
 #include "common/base/mapped_file.h"
 #include "common/base/status_macros.h"
+#ifdef PREFT_HAVE_CUDA
+#include "common/model/cuda_backend.h"
+#endif
 #include "common/transport/inproc_transport.h"
 #include "common/transport/ucx/ucx_transport.h"
 
@@ -89,8 +93,10 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f) {
   rpc::AddTlsFlags(app, &f->tls);
   app.add_option("--metrics-listen", f->metrics_listen,
                  "serve Prometheus metrics on host:port (GET /metrics); none if unset");
-  auto* kv_bytes = app.add_option("--kv-bytes", f->kv_bytes, "KV cache budget in bytes")
-                       ->capture_default_str()
+  auto* kv_bytes = app.add_option("--kv-bytes", f->kv_bytes,
+                                  "KV cache budget in bytes (default: 1 GiB on the CPU; with "
+                                  "--device cuda, 85% of the device memory the weights and "
+                                  "adapter slots leave)")
                        ->check(CLI::PositiveNumber);
   app.add_option("--kv-blocks", f->kv_blocks, "KV cache size in blocks (instead of --kv-bytes)")
       ->check(CLI::PositiveNumber)
@@ -101,6 +107,11 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f) {
   app.add_option("--threads", f->threads, "compute threads (0: all cores)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--device", f->device,
+                 "where the forward runs: cpu, or cuda (the first GPU; colocated workers only, "
+                 "until a KV transport reaches device memory)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--transport", f->transport.kind, "KV transport")
       ->capture_default_str()
       ->check(CLI::IsMember({"ucx", "grpc", "inproc"}));
@@ -152,18 +163,43 @@ absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& f) {
   }
   PREFT_ASSIGN_OR_RETURN(w.model, LoadModel(f.model));
   engine::EngineOptions o;
-  o.kv_bytes = f.kv_bytes;
+  o.kv_bytes = f.kv_bytes > 0 ? f.kv_bytes : int64_t{1} << 30;
   o.kv_blocks = f.kv_blocks;
   o.scheduler.max_batch_tokens = f.max_batch_tokens;
   o.num_threads = f.threads;
-  PREFT_ASSIGN_OR_RETURN(
-      w.engine, engine::Engine::Create(w.model.model.get(), w.model.tokenizer.get(), o));
+  if (f.device == "cuda") {
+#ifdef PREFT_HAVE_CUDA
+    model::CudaBackend::Options co;
+    co.kv_blocks = f.kv_blocks;  // else --kv-bytes, else a share of the free device memory
+    if (co.kv_blocks == 0 && f.kv_bytes > 0) {
+      const model::ModelConfig& c = w.model.model->config();
+      const kv::KvCacheShape one{c.num_layers, 1, co.block_tokens, c.num_kv_heads, c.head_dim};
+      co.kv_blocks = std::max<int64_t>(
+          1, f.kv_bytes / static_cast<int64_t>(one.bytes_per_block_all_layers()));
+    }
+    absl::StatusOr<std::unique_ptr<model::CudaBackend>> backend =
+        model::CudaBackend::Create(*w.model.model, co);
+    if (!backend.ok()) {
+      return absl::Status(backend.status().code(),
+                          absl::StrCat("--device cuda: ", backend.status().message()));
+    }
+    PREFT_ASSIGN_OR_RETURN(
+        w.engine, engine::Engine::Create(*std::move(backend), w.model.tokenizer.get(), o));
+#else
+    return absl::FailedPreconditionError(
+        "--device cuda: this build has no CUDA support (configure with PREFT_ENABLE_CUDA=ON "
+        "where nvcc and cuBLAS are installed)");
+#endif
+  } else {
+    PREFT_ASSIGN_OR_RETURN(
+        w.engine, engine::Engine::Create(w.model.model.get(), w.model.tokenizer.get(), o));
+  }
   w.engine->set_observer(w.engine_metrics.get());
   return w;
 }
 
 transport::KvLayout LayoutFor(engine::Engine& engine, const std::string& fingerprint) {
-  return transport::KvLayout::ForCache(engine.cache()->shape(), fingerprint);
+  return transport::KvLayout::ForCache(engine.backend().cache_shape(), fingerprint);
 }
 
 namespace {

@@ -51,10 +51,14 @@ struct WorkerFlags {
   std::string model;
   std::string listen = "127.0.0.1:0";
   std::string metrics_listen;  // host:port of GET /metrics; empty: none
-  int64_t kv_bytes = int64_t{1} << 30;
+  int64_t kv_bytes = 0;   // 0: 1 GiB on the CPU; on a GPU, a share of its free memory
   int64_t kv_blocks = 0;  // instead of kv_bytes
   int64_t max_batch_tokens = 512;
   int threads = 0;  // 0: all cores
+  // "cuda": the engine's forward on the first GPU (weights as bf16, the KV cache in device
+  // memory sized from what is free unless kv_blocks is set). No KV transport reaches a device
+  // cache yet, so only a colocated worker may take it.
+  std::string device = "cpu";
   TransportFlags transport;
   double drain_timeout_s = 30;
   rpc::TlsFiles tls;  // the worker's gRPC server, and the channels it dials

@@ -242,7 +242,7 @@ absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(
   }
   auto impl = std::make_unique<Impl>(options);
   impl->config = engine->config();
-  impl->block_tokens = engine->cache()->shape().block_tokens;
+  impl->block_tokens = engine->backend().cache_shape().block_tokens;
   impl->total_blocks = engine->allocator().num_blocks();
   if (options.all_position_adapters || options.colocated) {
     impl->store = std::make_unique<adapters::AdapterStore>(impl->config, options.store);
@@ -250,9 +250,16 @@ absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(
         std::make_unique<adapters::VersionedAdapters>(impl->store.get(), options.adapter_root);
   }
   Impl* raw = impl.get();
-  PREFT_RETURN_IF_ERROR(transport->Start(
-      engine->cache(), layout,
-      [raw](uint64_t id, uint32_t generation) { raw->OnDoneNotice(id, generation); }));
+  if (engine->cache() != nullptr) {
+    PREFT_RETURN_IF_ERROR(transport->Start(
+        engine->cache(), layout,
+        [raw](uint64_t id, uint32_t generation) { raw->OnDoneNotice(id, generation); }));
+  } else if (!options.colocated) {
+    // The cache is in device memory, which no KV transport reaches yet.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the engine's KV cache lives on the ", engine->backend().name(),
+        " device, which no KV transport reaches yet: run this worker colocated"));
+  }  // else colocated: the transport never moves KV (Reserve is refused), so it stays idle
   impl->endpoint = wire::MakeEndpoint(*transport, layout);
   impl->transport = std::move(transport);
   impl->loop = std::make_unique<engine::EngineLoop>(std::move(engine));

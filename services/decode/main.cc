@@ -163,6 +163,13 @@ int main(int argc, char** argv) {
     }
     f.transport.kind = "inproc";
   }
+  if (f.device != "cpu" && !f.colocated) {
+    std::fprintf(stderr,
+                 "preft-decode: --device %s needs --colocated: no KV transport reaches device "
+                 "memory yet, so a GPU worker runs whole requests\n",
+                 f.device.c_str());
+    return 2;
+  }
   if (f.colocated && f.adapters.root.empty()) {
     std::fprintf(stderr,
                  "preft-decode: --colocated needs --adapter-root (the folder the router registers "

@@ -114,5 +114,13 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;  // CLI11 prints the message; --help exits 0
   }
+  if (f.device != "cpu") {
+    std::fprintf(stderr,
+                 "preft-prefill: --device %s: the prefill tier hands its KV to decode workers, "
+                 "and no KV transport reaches device memory yet; serve on a GPU with a "
+                 "--colocated preft-decode worker\n",
+                 f.device.c_str());
+    return 2;
+  }
   return Run(f);
 }

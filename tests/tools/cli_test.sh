@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The preft CLI (and the server binaries' flags) on bad input: a clear message on stderr and a
 # non-zero exit code, never a crash.
-# Usage: cli_test.sh PREFT_BINARY WORK_DIR ROUTER_BINARY DECODE_BINARY
+# Usage: cli_test.sh PREFT_BINARY WORK_DIR ROUTER_BINARY DECODE_BINARY PREFILL_BINARY
 set -u
 preft=$1
 work=$2
 router=$3
 decode=$4
+prefill=$5
 rm -rf "$work" && mkdir -p "$work"
 failures=0
 checks=0
@@ -77,6 +78,13 @@ expect_of "$router" 2 "--prefill is required \(or --colocated" -- --model "$work
 expect_of "$decode" 2 "--colocated needs --adapter-root" -- --model "$work/m" --colocated
 expect_of "$decode" 2 "--colocated moves no KV between processes: leave out --transport \(or give inproc\), not ucx" -- --model "$work/m" --colocated --adapter-root "$work" --transport ucx
 expect_of "$decode" 2 "excludes" -- --model "$work/m" --colocated --adapters all-positions --adapter-root "$work"
+# --device: a GPU worker runs whole requests (no KV transport reaches device memory yet).
+expect_of "$decode" 2 "--device: tpu not in" -- --model "$work/m" --device tpu
+expect_of "$decode" 2 "--device cuda needs --colocated" -- --model "$work/m" --device cuda
+expect_of "$prefill" 2 "no KV transport reaches device memory yet; serve on a GPU with a --colocated" -- --model "$work/m" --device cuda
+if ! nvidia-smi > /dev/null 2>&1; then  # with a GPU this worker would start serving
+  expect_of "$decode" 1 "--device cuda: " -- --model "$work/m" --colocated --adapter-root "$work" --device cuda
+fi
 # Same seed, same tokens.
 a=$("$preft" generate --model "$work/m" --prompt-ids 5,6,7 --temperature 1 --seed 9 --max-tokens 8 --json)
 checks=$((checks + 1))

@@ -2,12 +2,18 @@
 # scripts/local-cluster.sh end to end: five processes over UCX (with PREFT_COLOCATED=1 the
 # colocated deployment: a router and two colocated workers), a registered adapter, requests
 # through `preft client` equal to `preft generate`, bad requests with their gRPC codes, and a
-# graceful stop that leaves no process behind.
+# graceful stop that leaves no process behind. With PREFT_DEVICE=cuda (and PREFT_COLOCATED=1)
+# the workers and the reference `preft generate` run on the GPU; exit 77 (skipped) without one.
 # Usage: local_cluster_test.sh SOURCE_DIR BUILD_DIR WORK_DIR
 set -u
 src=$1
 build=$2
 work=$3
+device=${PREFT_DEVICE:-cpu}
+if [[ "$device" != cpu ]] && ! nvidia-smi > /dev/null 2>&1; then
+  echo "SKIP: PREFT_DEVICE=$device but no GPU is visible"
+  exit 77
+fi
 rm -rf "$work" && mkdir -p "$work/adapters"
 export RUN_DIR="$work/run"
 preft="$build/tools/preft"
@@ -29,11 +35,11 @@ for spec in "none prompt" "u1 prompt" "u1 all"; do
   read -r adapter positions <<< "$spec"
   if [[ $adapter == none ]]; then
     got=$("${client[@]}" generate --prompt "hello cluster" --max-tokens 10 --ignore-eos --json)
-    want=$("$preft" generate --model "$work/model" --prompt "hello cluster" --max-tokens 10 --ignore-eos --json)
+    want=$("$preft" generate --model "$work/model" --device "$device" --prompt "hello cluster" --max-tokens 10 --ignore-eos --json)
   else
     got=$("${client[@]}" generate --model u1 --adapter-positions "$positions" --prompt "hello cluster" \
           --max-tokens 10 --ignore-eos --json)
-    want=$("$preft" generate --model "$work/model" --adapter "$work/adapters/u1" \
+    want=$("$preft" generate --model "$work/model" --device "$device" --adapter "$work/adapters/u1" \
            --adapter-positions "$positions" --prompt "hello cluster" --max-tokens 10 --ignore-eos --json)
   fi
   g=$(sed -n 's/.*"token_ids":\(\[[^]]*\]\).*/\1/p' <<< "$got")
