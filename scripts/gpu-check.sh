@@ -1,36 +1,55 @@
 #!/usr/bin/env bash
 # The CUDA backend's checks on a GPU machine, in one command that prints its tables: the `gpu`
 # tests (every CUDA kernel against the CPU kernel it mirrors; the whole forward with every
-# adapter mode against the CPU model), bench/cuda_bench (copy bandwidth, bf16 GEMM rate,
-# projections and low-rank kernels against their bounds) and bench/cuda_model_bench (decode
+# adapter mode against the CPU model; the engine), bench/cuda_bench (copy bandwidth, bf16 GEMM
+# rate, projections and low-rank kernels against their bounds), bench/cuda_model_bench (decode
 # at batch 1 against the bandwidth bound, 64 and 256 sequences, and the paper's 512-adapter
-# setting on llama3.1-8b and qwen2.5-0.5b). Sized to finish in under 8 minutes.
+# setting on llama3.1-8b and qwen2.5-0.5b) and, where the cluster's binaries are there, the
+# served table on the GPU (bench/serve/matrix.py: router + one colocated --device cuda worker,
+# qwen2.5-0.5b, 64 adapters, every mode). Sized to finish in under 8 minutes.
 #
 #   scripts/gpu-check.sh [BUILD_DIR]        on a GPU machine with the project's packages
 #                                           (scripts/install-deps.sh --cuda): build and run
 #   scripts/gpu-check.sh --bundle DIR       here, without a GPU: build the GPU binaries and
 #                                           copy them, with the shared libraries they need
-#                                           that a bare CUDA image lacks, into DIR
-#   scripts/gpu-check.sh --run-bundle DIR   on a bare CUDA machine (only the CUDA toolkit and
-#                                           driver): run what --bundle made
+#                                           that a bare CUDA image lacks, into DIR, and pack
+#                                           DIR.tgz
+#   scripts/gpu-check.sh --run-bundle DIR[.tgz]   on a bare CUDA machine (only the CUDA
+#                                           toolkit and driver): run what --bundle made
 # A bundle under build-gpu/ (ignored by git) travels to a lent machine as a carried path:
-#   here:  scripts/gpu-check.sh --bundle build-gpu/bundle          (~46 MB, stripped: OpenBLAS, libgomp, Abseil, PCRE2)
-#   there: scripts/gpu-check.sh --run-bundle build-gpu/bundle      (carry: build-gpu/bundle)
+#   here:  scripts/gpu-check.sh --bundle build-gpu/bundle            (~35 MB packed)
+#   there: scripts/gpu-check.sh --run-bundle build-gpu/bundle.tgz    (carry: build-gpu/bundle.tgz)
+# SERVE=0 skips the served table; MODEL_BENCH_FLAGS passes flags to cuda_model_bench.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-gpu_targets=(cuda_ops_test device_model_test cuda_engine_test cuda_bench cuda_model_bench)
+gpu_tests=(cuda_ops_test device_model_test cuda_engine_test)
+gpu_benches=(cuda_bench cuda_model_bench)
+cluster=(tools/preft services/decode/preft-decode services/router/preft-router)
 
 build() {
   local dir=$1
   cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPREFT_ENABLE_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90;80}" >/dev/null
-  cmake --build "$dir" --target "${gpu_targets[@]}"
+  cmake --build "$dir" --target "${gpu_tests[@]}" "${gpu_benches[@]}" preft preft-decode \
+    preft-router
 }
 
-# Runs the tests and benchmarks whose binaries are in $1 (tests) and $2 (benchmarks).
+# The served table: one colocated GPU worker behind the router, through the public API.
+serve() {
+  local build=$1 out=/tmp/preft-serve/out
+  command -v python3 >/dev/null || { echo "no python3: served table skipped"; return 0; }
+  echo "== served, colocated on the GPU (bench/serve/matrix.py)"
+  timeout 300 python3 bench/serve/matrix.py --build "$build" --model /tmp/preft-serve/model \
+    --preset qwen2.5-0.5b --dtype bf16 --adapter-dir /tmp/preft-serve/adapters --out "$out" \
+    --deployments colocated --device cuda --adapters 64 --concurrency 64 --requests 128 \
+    --prompt-tokens 128 --max-tokens 128
+}
+
+# Runs the tests and benchmarks whose binaries are in $1 (tests) and $2 (benchmarks), then
+# the served table when $3 holds the cluster's binaries in their build layout.
 run_checks() {
-  local tests=$1 bench=$2
+  local tests=$1 bench=$2 cluster_build=${3:-}
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   local rc=0
   echo "== gpu tests"
@@ -43,6 +62,9 @@ run_checks() {
     echo "== cuda_model_bench --preset $preset"
     timeout 150 "$bench/cuda_model_bench" --preset "$preset" ${MODEL_BENCH_FLAGS:-} || rc=$?
   done
+  if [[ -n "$cluster_build" && -x "$cluster_build/tools/preft" && "${SERVE:-1}" == 1 ]]; then
+    serve "$cluster_build" || rc=$?
+  fi
   return $rc
 }
 
@@ -50,14 +72,17 @@ case "${1:-}" in
   --bundle)
     out=${2:?usage: gpu-check.sh --bundle DIR}
     build build-gpu
-    rm -rf "$out" && mkdir -p "$out/lib"
-    cp build-gpu/tests/gpu/cuda_ops_test build-gpu/tests/gpu/device_model_test \
-      build-gpu/tests/gpu/cuda_engine_test \
-      build-gpu/bench/cuda_bench build-gpu/bench/cuda_model_bench "$out/"
-    strip --strip-unneeded "$out"/cuda_* "$out"/device_model_test
+    rm -rf "$out" "$out.tgz" && mkdir -p "$out/lib"
+    for t in "${gpu_tests[@]}"; do cp "build-gpu/tests/gpu/$t" "$out/"; done
+    for b in "${gpu_benches[@]}"; do cp "build-gpu/bench/$b" "$out/"; done
+    for c in "${cluster[@]}"; do  # in their build layout, as bench/serve/matrix.py finds them
+      mkdir -p "$out/build/$(dirname "$c")" && cp "build-gpu/$c" "$out/build/$c"
+    done
+    bins=("$out"/cuda_* "$out"/device_model_test "${cluster[@]/#/$out/build/}")
+    strip --strip-unneeded "${bins[@]}"
     # Libraries beyond glibc and CUDA's own (the CUDA image has the toolkit; cuBLAS is too
-    # large to carry): OpenBLAS, OpenMP, gfortran and the like.
-    for bin in "$out"/cuda_* "$out"/device_model_test; do
+    # large to carry): OpenBLAS, OpenMP, gRPC, protobuf, UCX and the like.
+    for bin in "${bins[@]}"; do
       ldd "$bin" | awk '/=> \// {print $1, $3}' | while read -r name path; do
         case "$name" in
           libc.so*|libm.so*|libpthread*|libdl.so*|librt.so*|ld-linux*|libcuda.so*|libcudart*|libcublas*|libstdc++*|libgcc_s*) ;;
@@ -65,17 +90,22 @@ case "${1:-}" in
         esac
       done
     done
-    du -sh "$out"
+    tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")"
+    du -sh "$out" "$out.tgz"
     ;;
   --run-bundle)
-    dir=${2:?usage: gpu-check.sh --run-bundle DIR}
+    dir=${2:?usage: gpu-check.sh --run-bundle DIR[.tgz]}
+    if [[ "$dir" == *.tgz ]]; then
+      mkdir -p /tmp/preft-bundle && tar xzf "$dir" -C /tmp/preft-bundle
+      dir=/tmp/preft-bundle/$(basename "$dir" .tgz)
+    fi
     cuda_libs=$(find /usr/local /usr/lib /opt \( -name 'libcublas.so.13' -o -name 'libcudart.so.13' \) -printf '%h\n' 2>/dev/null | sort -u | paste -sd:)
     export LD_LIBRARY_PATH="$dir/lib:${cuda_libs}:${LD_LIBRARY_PATH:-}"
-    run_checks "$dir" "$dir"
+    run_checks "$dir" "$dir" "$dir/build"
     ;;
   *)
     dir=${1:-build-gpu}
     build "$dir"
-    run_checks "$dir/tests/gpu" "$dir/bench"
+    run_checks "$dir/tests/gpu" "$dir/bench" "$dir"
     ;;
 esac

@@ -212,8 +212,16 @@ def make_adapters(args, kind, n):
     return names
 
 
-def register(router, names, adapter_dir):
-    from preft_client import Client
+def register(args, router, names, adapter_dir):
+    try:
+        from preft_client import Client
+    except ImportError:  # no Python gRPC here (a bare GPU image): the C++ client, one call each
+        for name in names:
+            subprocess.run([f"{args.build}/tools/preft", "client", "--server", router,
+                            "register", "--name", name,
+                            "--path", os.path.abspath(os.path.join(adapter_dir, name))],
+                           check=True, stdout=subprocess.DEVNULL)
+        return
     with Client(router) as c:
         for name in names:
             c.register_adapter(name, os.path.abspath(os.path.join(adapter_dir, name)))
@@ -242,7 +250,7 @@ def measure_cell(args, cell, deployment, mode, n, concurrency, requests):
     cluster = Cluster(args, os.path.join(args.out, "logs", cell), deployment, decode_adapters,
                       os.path.abspath(args.adapter_dir))
     try:
-        register(cluster.router, names, args.adapter_dir)
+        register(args, cluster.router, names, args.adapter_dir)
         before = acquires(cluster.workers)
         sampler = Sampler(cluster.decode_metrics)
         sampler.start()
