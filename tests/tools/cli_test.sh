@@ -82,8 +82,10 @@ expect_of "$decode" 2 "excludes" -- --model "$work/m" --colocated --adapters all
 expect_of "$decode" 2 "--device: tpu not in" -- --model "$work/m" --device tpu
 expect_of "$decode" 2 "--device cuda needs --colocated" -- --model "$work/m" --device cuda
 expect_of "$prefill" 2 "no KV transport reaches device memory yet; serve on a GPU with a --colocated" -- --model "$work/m" --device cuda
-if ! nvidia-smi > /dev/null 2>&1; then  # with a GPU this worker would start serving
+expect 2 "--device cuda needs --colocated" -- serve --model "$work/m" --device cuda
+if ! nvidia-smi > /dev/null 2>&1; then  # with a GPU these would start serving
   expect_of "$decode" 1 "--device cuda: " -- --model "$work/m" --colocated --adapter-root "$work" --device cuda
+  expect 1 "device cuda: no CUDA device" -- serve --model "$work/m" --colocated --device cuda --listen 127.0.0.1:0
 fi
 # Same seed, same tokens.
 a=$("$preft" generate --model "$work/m" --prompt-ids 5,6,7 --temperature 1 --seed 9 --max-tokens 8 --json)

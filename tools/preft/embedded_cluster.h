@@ -41,6 +41,9 @@ struct EmbeddedClusterOptions {
   int64_t decode_kv_bytes = int64_t{512} << 20;
   int64_t max_batch_tokens = 512;
   int threads = 0;  // per engine; 0: all cores
+  // "cuda": each (colocated) worker's forward on the first GPU, its KV cache of
+  // decode_kv_bytes in device memory. Colocated only: no KV transport reaches device memory.
+  std::string device = "cpu";
   serving::TransportFlags transport = InprocTransportFlags();
   decode::DecodeServiceOptions decode;
   prefill::PrefillServiceOptions prefill;  // adapter_root is filled from above

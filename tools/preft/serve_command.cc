@@ -23,12 +23,20 @@ struct ServeFlags {
   int64_t prefill_kv_mib = 256;
   int64_t decode_kv_mib = 512;
   int threads = 0;
+  std::string device = "cpu";
   std::string decode_adapters = "none";
   bool colocated = false;
   double drain_timeout_s = 30;
 };
 
 int RunServe(const ServeFlags& f) {
+  if (f.device != "cpu" && !f.colocated) {
+    std::fprintf(stderr,
+                 "preft serve: --device %s needs --colocated: no KV transport reaches device "
+                 "memory yet, so GPU workers run whole requests\n",
+                 f.device.c_str());
+    return 2;
+  }
   if (!std::filesystem::exists(f.model + "/config.json")) {
     // The default folder is the demo model: made on first run.
     const std::string preset = f.preset.empty() && f.model == ServeFlags().model ? "tiny" : f.preset;
@@ -58,6 +66,7 @@ int RunServe(const ServeFlags& f) {
   o.prefill_kv_bytes = f.prefill_kv_mib << 20;
   o.decode_kv_bytes = f.decode_kv_mib << 20;
   o.threads = f.threads;
+  o.device = f.device;
   o.decode.all_position_adapters = f.decode_adapters == "all-positions";
   o.colocated = f.colocated;
   o.decode.adapter_root = f.adapter_root;
@@ -104,6 +113,11 @@ void RegisterServeCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--prefill-kv-mib", flags->prefill_kv_mib)->check(CLI::PositiveNumber);
   cmd->add_option("--decode-kv-mib", flags->decode_kv_mib)->check(CLI::PositiveNumber);
   cmd->add_option("--threads", flags->threads, "compute threads per engine (0: all cores)");
+  cmd->add_option("--device", flags->device,
+                  "where the workers' forward runs: cpu, or cuda (the first GPU; with "
+                  "--colocated, until a KV transport reaches device memory)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   CLI::Option* adapters =
       cmd->add_option("--adapters", flags->decode_adapters,
                       "decode workers: none (PreFT) or all-positions (also the multi-LoRA "
