@@ -19,7 +19,8 @@
 # A bundle under build-gpu/ (ignored by git) travels to a lent machine as a carried path:
 #   here:  scripts/gpu-check.sh --bundle build-gpu/bundle            (~35 MB packed)
 #   there: scripts/gpu-check.sh --run-bundle build-gpu/bundle.tgz    (carry: build-gpu/bundle.tgz)
-# SERVE=0 skips the served table; MODEL_BENCH_FLAGS passes flags to cuda_model_bench.
+# SERVE=0 skips the served table (SERVE_TIMEOUT_S bounds it, default 300); MODEL_BENCH_FLAGS
+# passes flags to cuda_model_bench.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -40,7 +41,7 @@ serve() {
   local build=$1 out=/tmp/preft-serve/out
   command -v python3 >/dev/null || { echo "no python3: served table skipped"; return 0; }
   echo "== served, colocated on the GPU (bench/serve/matrix.py)"
-  timeout 300 python3 bench/serve/matrix.py --build "$build" --model /tmp/preft-serve/model \
+  timeout "${SERVE_TIMEOUT_S:-300}" python3 bench/serve/matrix.py --build "$build" --model /tmp/preft-serve/model \
     --preset qwen2.5-0.5b --dtype bf16 --adapter-dir /tmp/preft-serve/adapters --out "$out" \
     --deployments colocated --device cuda --adapters 64 --concurrency 64 --requests 128 \
     --prompt-tokens 128 --max-tokens 128
