@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <tuple>
 #include <utility>
 
@@ -762,6 +763,12 @@ absl::Status DeviceModel::Launch(const Step& step, DeviceKvCache* cache, const L
                     const float* bias, float* y) {
     return Cuda(blas_->Linear(x, m, w, n, k, bias, y), "linear");
   };
+  // Projections that read one x (q, k, v; gate, up): x rounded once, or one GEMV launch.
+  auto linear_shared = [&](const float* x, int64_t m, int64_t k,
+                           std::initializer_list<cuda::LinearOutput> outs) {
+    return Cuda(blas_->LinearShared(x, m, k, outs.begin(), static_cast<int>(outs.size())),
+                "linear");
+  };
 
   PREFT_RETURN_IF_ERROR(Cuda(cuda::GatherRows(embed_, DType::kBF16, d, tokens, T, x_, stream_),
                              "embedding"));
@@ -771,9 +778,10 @@ absl::Status DeviceModel::Launch(const Step& step, DeviceKvCache* cache, const L
   for (int64_t li = 0; li < c.num_layers; ++li) {
     const DeviceLayer& l = layers_[li];
     PREFT_RETURN_IF_ERROR(Cuda(cuda::RmsNorm(x_, l.input_norm, T, d, eps, h_, stream_), "norm"));
-    PREFT_RETURN_IF_ERROR(linear(h_, T, l.q, q_out, d, l.q_bias, q_));
-    PREFT_RETURN_IF_ERROR(linear(h_, T, l.k, kv_out, d, l.k_bias, k_));
-    PREFT_RETURN_IF_ERROR(linear(h_, T, l.v, kv_out, d, l.v_bias, v_));
+    PREFT_RETURN_IF_ERROR(linear_shared(h_, T, d,
+                                        {{l.q, q_out, l.q_bias, q_},
+                                         {l.k, kv_out, l.k_bias, k_},
+                                         {l.v, kv_out, l.v_bias, v_}}));
     PREFT_RETURN_IF_ERROR(apply_lora(li, h_, d,
                                      {{Projection::kQ, q_, q_out},
                                       {Projection::kK, k_, kv_out},
@@ -796,8 +804,8 @@ absl::Status DeviceModel::Launch(const Step& step, DeviceKvCache* cache, const L
 
     PREFT_RETURN_IF_ERROR(
         Cuda(cuda::RmsNorm(x_, l.post_attention_norm, T, d, eps, h_, stream_), "norm"));
-    PREFT_RETURN_IF_ERROR(linear(h_, T, l.gate, inter, d, nullptr, gate_));
-    PREFT_RETURN_IF_ERROR(linear(h_, T, l.up, inter, d, nullptr, up_));
+    PREFT_RETURN_IF_ERROR(
+        linear_shared(h_, T, d, {{l.gate, inter, nullptr, gate_}, {l.up, inter, nullptr, up_}}));
     PREFT_RETURN_IF_ERROR(apply_lora(li, h_, d,
                                      {{Projection::kGate, gate_, inter},
                                       {Projection::kUp, up_, inter}}));

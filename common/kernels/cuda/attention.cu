@@ -111,21 +111,26 @@ constexpr int kDecodeDims = kMaxHeadDim / kDecodeThreads;
 
 __global__ void __launch_bounds__(kDecodeThreads)
     DecodeAttentionKernel(const AttentionSeq* seqs, PagedKvLayout kv, int group, float scale,
-                          int64_t window, float* parts) {
+                          int64_t window, float* parts, bool per_query) {
   __shared__ float q[kMaxGroup][kMaxHeadDim];
   __shared__ float partial[kMaxGroup][kDecodeThreads];  // per-thread slices of each dot
   __shared__ float p[kMaxGroup][kDecodeThreads];        // [g][t]: this cache block's weights
   __shared__ float corr[kMaxGroup];
   __shared__ float final_m[kMaxGroup], final_l[kMaxGroup];
   const AttentionSeq seq = seqs[blockIdx.x];
-  if (seq.num_new == 0) return;
-  const int kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+  // Decode: the sequence's one new token, blockIdx.z its split. Prompts (per_query): new
+  // token blockIdx.z, whole context in one split.
+  const int64_t qi = per_query ? static_cast<int64_t>(blockIdx.z) : seq.num_new - 1;
+  if (qi < 0 || qi >= seq.num_new) return;
+  const int kvh = blockIdx.y;
+  const int split = per_query ? 0 : blockIdx.z, splits = per_query ? 1 : gridDim.z;
   const int hd = static_cast<int>(kv.head_dim), bt = static_cast<int>(kv.block_tokens);
   const int num_heads = group * static_cast<int>(kv.num_kv_heads);
-  const int64_t pos = seq.context_len - 1;
+  const int64_t pos = seq.context_len - seq.num_new + qi;
   const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+  const float* q_row = seq.q + qi * num_heads * hd;
   for (int i = threadIdx.x; i < group * hd; i += kDecodeThreads) {
-    q[i / hd][i % hd] = seq.q[(kvh * group + i / hd) * hd + i % hd];
+    q[i / hd][i % hd] = q_row[(kvh * group + i / hd) * hd + i % hd];
   }
   __syncthreads();
 
@@ -218,7 +223,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     if (g >= group) break;
     const int head = kvh * group + g;
     float* dst = splits == 1
-                     ? seq.out + static_cast<int64_t>(head) * hd
+                     ? seq.out + (qi * num_heads + head) * hd
                      : parts + ((static_cast<int64_t>(blockIdx.x) * num_heads + head) * splits + split) * (hd + 2);
 #pragma unroll
     for (int r = 0; r < kDecodeDims; ++r) {
@@ -305,13 +310,21 @@ int PagedAttention(const AttentionSeq* seqs, int64_t num_seqs, int64_t max_new,
     const int group = static_cast<int>(num_heads / layout.num_kv_heads);
     const dim3 grid(static_cast<unsigned>(num_seqs), static_cast<unsigned>(layout.num_kv_heads),
                     static_cast<unsigned>(splits));
-    DecodeAttentionKernel<<<grid, kDecodeThreads, 0, AsStream(stream)>>>(seqs, layout, group,
-                                                                        scale, window, workspace);
+    DecodeAttentionKernel<<<grid, kDecodeThreads, 0, AsStream(stream)>>>(
+        seqs, layout, group, scale, window, workspace, false);
     if (splits > 1) {
       const dim3 heads(static_cast<unsigned>(num_seqs), static_cast<unsigned>(num_heads));
       CombineKernel<<<heads, kDecodeThreads, 0, AsStream(stream)>>>(
           seqs, static_cast<int>(num_heads), static_cast<int>(layout.head_dim), splits, workspace);
     }
+    return LaunchStatus();
+  }
+  if (DecodeKernelFits(layout, num_heads)) {  // prompts: the same kernel, a block per query
+    const dim3 grid(static_cast<unsigned>(num_seqs), static_cast<unsigned>(layout.num_kv_heads),
+                    static_cast<unsigned>(max_new));
+    DecodeAttentionKernel<<<grid, kDecodeThreads, 0, AsStream(stream)>>>(
+        seqs, layout, static_cast<int>(num_heads / layout.num_kv_heads), scale, window, nullptr,
+        true);
     return LaunchStatus();
   }
   const dim3 grid(static_cast<unsigned>(num_seqs), static_cast<unsigned>(num_heads),

@@ -27,6 +27,8 @@ int WriteKv(const float* k, const float* v, const int64_t* slots, int64_t num_to
 // two tokens up to 32 take a flash-decoding kernel instead: one block per (sequence, KV head,
 // split) reads each K and V once for the whole group, and long contexts are split across
 // blocks (enough to fill the device) whose partial softmaxes are merged in `workspace`.
+// Prompt calls within the same limits take that kernel too, a block per (sequence, KV head,
+// query), unsplit.
 // AttentionWorkspaceFloats says how many floats that call needs (0: none, workspace may be
 // null); it depends only on the arguments, so a recorded graph's workspace stays right.
 inline constexpr int kMaxDecodeSplits = 64;

@@ -104,31 +104,45 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-constexpr int kChunk = 64;  // input columns staged per pass
-constexpr int kOutputsPerThread = kTileRows * kMaxTileRank / kThreads;
+constexpr int kChunk = 64;     // input columns staged per pass
+constexpr int kMicroRows = 4;  // a shrink thread's tile: 4 rows x 2 ranks
+constexpr int kMicroRanks = 2;
 
-// One block per (tile, target). Shrink: the tile's x rows and the shrink matrix are staged
-// chunk by chunk in shared memory, and each thread accumulates up to kOutputsPerThread of the
-// tile's rows x rank dot products. Expand: each thread owns output columns and adds every
-// row's sum over the rank, reading each expand element once for the whole tile.
-__global__ void LowRankTileKernel(const float* x, int64_t x_stride,
-                                  const LowRankPair* const* tables, const LowRankItem* items,
-                                  const LowRankTile* tiles, LowRankTargets targets) {
+// One block per (tile, target), for tiles of up to kTileRows rows and rank <= kMaxTileRank.
+// Shrink: x rows and the shrink matrix are staged chunk by chunk in shared memory; each
+// thread accumulates a 4-row x 2-rank tile of z over its share of the chunk's columns (with
+// few ranks, 2 or 4 thread groups split the columns and their sums are added at the end),
+// so each shared load feeds more than one FMA. Expand: z is kept transposed in shared memory
+// and each thread owns 2 adjacent output columns for every row of the tile (64 f32
+// accumulators), reading 4 rows of z per 16-byte shared load and each expand element once
+// per tile.
+__global__ void __launch_bounds__(kThreads)
+    LowRankTileKernel(const float* x, int64_t x_stride, const LowRankPair* const* tables,
+                      const LowRankItem* items, const LowRankTile* tiles, LowRankTargets targets) {
   __shared__ float xs[kTileRows][kChunk + 1];  // +1: rows fall in different banks
   __shared__ float ss[kMaxTileRank][kChunk + 1];
-  __shared__ float z[kTileRows][kMaxTileRank];
+  __shared__ __align__(16) float zt[kMaxTileRank][kTileRows];  // z transposed: [k][r]
+  __shared__ float part[kThreads * kMicroRows * kMicroRanks];  // [split][r][k], n x rank each
   __shared__ int32_t rows[kTileRows];
   const LowRankTile tile = tiles[blockIdx.x];
   const LowRankTargets::Target t = targets.target[blockIdx.y];
   const LowRankPair p = tables[items[tile.first].adapter][t.entry];
-  if (p.shrink == nullptr || p.rank > kMaxTileRank) return;
-  const int n = tile.count, rank = static_cast<int>(p.rank), outputs = n * rank;
-  if (threadIdx.x < n) rows[threadIdx.x] = items[tile.first + threadIdx.x].row;
+  if (p.shrink == nullptr || p.rank <= 0 || p.rank > kMaxTileRank) return;
+  const int n = tile.count, rank = static_cast<int>(p.rank);
+  if (threadIdx.x < kTileRows) rows[threadIdx.x] = threadIdx.x < n ? items[tile.first + threadIdx.x].row : -1;
+
+  // Shrink micro tiles: (row group, rank pair); splits of the chunk's columns fill the block.
+  const int row_groups = (n + kMicroRows - 1) / kMicroRows;
+  const int rank_pairs = (rank + kMicroRanks - 1) / kMicroRanks;
+  const int tiles_count = row_groups * rank_pairs;
+  const int splits = tiles_count * 4 <= kThreads ? 4 : tiles_count * 2 <= kThreads ? 2 : 1;
+  const int mine = threadIdx.x % tiles_count, split = threadIdx.x / tiles_count;
+  const bool shrinks = threadIdx.x < tiles_count * splits;
+  const int r0 = (mine / rank_pairs) * kMicroRows, k0 = (mine % rank_pairs) * kMicroRanks;
+  const int cols = kChunk / splits, c_lo = split * cols;
   __syncthreads();
 
-  float acc[kOutputsPerThread];
-#pragma unroll
-  for (int j = 0; j < kOutputsPerThread; ++j) acc[j] = 0.f;
+  float acc[kMicroRows][kMicroRanks] = {};
   for (int64_t i0 = 0; i0 < p.in; i0 += kChunk) {
     for (int e = threadIdx.x; e < n * kChunk; e += kThreads) {
       const int r = e / kChunk, i = e % kChunk;
@@ -139,41 +153,81 @@ __global__ void LowRankTileKernel(const float* x, int64_t x_stride,
       ss[k][i] = i0 + i < p.in ? LoadAsF32(p.shrink, p.dtype, k * p.in + i0 + i) : 0.f;
     }
     __syncthreads();
+    if (shrinks) {
+      for (int i = c_lo; i < c_lo + cols; ++i) {
+        float xv[kMicroRows], sv[kMicroRanks];
 #pragma unroll
-    for (int j = 0; j < kOutputsPerThread; ++j) {
-      const int o = threadIdx.x + j * kThreads;
-      if (o < outputs) {
-        const int r = o / rank, k = o % rank;
-        float s = 0.f;
-        for (int i = 0; i < kChunk; ++i) s += xs[r][i] * ss[k][i];
-        acc[j] += s;
+        for (int a = 0; a < kMicroRows; ++a) xv[a] = r0 + a < n ? xs[r0 + a][i] : 0.f;
+#pragma unroll
+        for (int b = 0; b < kMicroRanks; ++b) sv[b] = k0 + b < rank ? ss[k0 + b][i] : 0.f;
+#pragma unroll
+        for (int a = 0; a < kMicroRows; ++a) {
+#pragma unroll
+          for (int b = 0; b < kMicroRanks; ++b) acc[a][b] += xv[a] * sv[b];
+        }
       }
     }
     __syncthreads();  // the next chunk overwrites xs and ss
   }
+  if (shrinks) {
 #pragma unroll
-  for (int j = 0; j < kOutputsPerThread; ++j) {
-    const int o = threadIdx.x + j * kThreads;
-    if (o < outputs) {
-      const int r = o / rank, k = o % rank;
-      z[r][k] = acc[j] + (p.shrink_bias != nullptr ? p.shrink_bias[k] : 0.f);
+    for (int a = 0; a < kMicroRows; ++a) {
+#pragma unroll
+      for (int b = 0; b < kMicroRanks; ++b) {
+        if (r0 + a < n && k0 + b < rank) part[(split * n + r0 + a) * rank + k0 + b] = acc[a][b];
+      }
     }
   }
+  __syncthreads();
+  for (int e = threadIdx.x; e < kTileRows * kMaxTileRank; e += kThreads) {
+    const int r = e % kTileRows, k = e / kTileRows;
+    if (k >= rank) break;
+    float z = 0.f;
+    if (r < n) {
+      for (int s = 0; s < splits; ++s) z += part[(s * n + r) * rank + k];
+      z += p.shrink_bias != nullptr ? p.shrink_bias[k] : 0.f;
+    }
+    zt[k][r] = z;  // rows past n are 0: their accumulators stay 0 and are never stored
+  }
   __syncthreads();  // every x row was read (staged) before any y row (perhaps x's) is written
-  for (int64_t c = threadIdx.x; c < p.out; c += kThreads) {
-    float y[kTileRows];
+
+  const bool pairs_ok = p.out % 2 == 0 && (reinterpret_cast<uintptr_t>(p.expand) & 3) == 0 &&
+                        p.dtype != DType::kF32;
+  for (int64_t c = 2 * static_cast<int64_t>(threadIdx.x); c < p.out; c += 2 * kThreads) {
+    float y0[kTileRows], y1[kTileRows];
 #pragma unroll
-    for (int r = 0; r < kTileRows; ++r) y[r] = 0.f;
+    for (int r = 0; r < kTileRows; ++r) y0[r] = y1[r] = 0.f;
     for (int k = 0; k < rank; ++k) {
-      const float e = LoadAsF32(p.expand, p.dtype, k * p.out + c);
+      float e0, e1;
+      if (pairs_ok) {
+        const uint32_t word = *reinterpret_cast<const uint32_t*>(
+            static_cast<const uint16_t*>(p.expand) + k * p.out + c);
+        const float2 f = p.dtype == DType::kBF16
+                             ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&word))
+                             : __half22float2(*reinterpret_cast<const __half2*>(&word));
+        e0 = f.x;
+        e1 = f.y;
+      } else {
+        e0 = LoadAsF32(p.expand, p.dtype, k * p.out + c);
+        e1 = c + 1 < p.out ? LoadAsF32(p.expand, p.dtype, k * p.out + c + 1) : 0.f;
+      }
+      const float4* zk = reinterpret_cast<const float4*>(zt[k]);
 #pragma unroll
-      for (int r = 0; r < kTileRows; ++r) {
-        if (r < n) y[r] += z[r][k] * e;
+      for (int r4 = 0; r4 < kTileRows / 4; ++r4) {
+        const float4 z = zk[r4];
+        y0[4 * r4] += z.x * e0, y1[4 * r4] += z.x * e1;
+        y0[4 * r4 + 1] += z.y * e0, y1[4 * r4 + 1] += z.y * e1;
+        y0[4 * r4 + 2] += z.z * e0, y1[4 * r4 + 2] += z.z * e1;
+        y0[4 * r4 + 3] += z.w * e0, y1[4 * r4 + 3] += z.w * e1;
       }
     }
 #pragma unroll
     for (int r = 0; r < kTileRows; ++r) {
-      if (r < n) t.y[rows[r] * t.y_stride + c] += p.scale * y[r];
+      if (r < n) {
+        float* yr = t.y + rows[r] * t.y_stride + c;
+        yr[0] += p.scale * y0[r];
+        if (c + 1 < p.out) yr[1] += p.scale * y1[r];
+      }
     }
   }
 }
