@@ -490,7 +490,21 @@ absl::Status Engine::Step() {
     if (last_chunk) sampled.push_back(s);
   }
   step_report_.num_sequences = static_cast<int64_t>(work.size());
-  PREFT_RETURN_IF_ERROR(backend_->Forward(batch, &logits_));
+  // A backend that samples where its logits are (a GPU) returns only the tokens, unless a
+  // row's request wants logprobs, which are computed here from the logits.
+  bool on_device = backend_->samples_on_device() && !sampled.empty();
+  for (const Sequence* s : sampled) on_device = on_device && !s->request.sampling.logprobs;
+  if (on_device) {
+    row_sampling_.clear();
+    for (const Sequence* s : sampled) {
+      const SamplingParams& sp = s->request.sampling;
+      row_sampling_.push_back({sp.temperature, sp.top_p, sp.min_p, sp.top_k, s->seed,
+                               static_cast<uint64_t>(s->num_generated())});
+    }
+    PREFT_RETURN_IF_ERROR(backend_->ForwardSample(batch, row_sampling_, &device_tokens_));
+  } else {
+    PREFT_RETURN_IF_ERROR(backend_->Forward(batch, &logits_));
+  }
   now_ = absl::Now();
   step_report_.forward = now_ - start;
   step_report_.generated_tokens = static_cast<int64_t>(sampled.size());
@@ -502,11 +516,14 @@ absl::Status Engine::Step() {
   std::map<Sequence*, int32_t> prefill_done;  // prefill-only: hand over instead of decoding
   std::map<Sequence*, const float*> rows;
   for (size_t r = 0; r < sampled.size(); ++r) {
-    rows[sampled[r]] = logits_.data() + r * vocab;
     Sequence* s = sampled[r];
-    const float* row = logits_.data() + r * vocab;
-    const int32_t token = SampleToken(row, vocab, s->request.sampling, s->seed,
-                                      static_cast<uint64_t>(s->num_generated()), &sample_scratch_);
+    // Without logits (sampled on the device) no row asked for logprobs, the rows' only use.
+    const float* row = on_device ? nullptr : logits_.data() + r * vocab;
+    rows[s] = row;
+    const int32_t token =
+        on_device ? device_tokens_[r]
+                  : SampleToken(row, vocab, s->request.sampling, s->seed,
+                                static_cast<uint64_t>(s->num_generated()), &sample_scratch_);
     ++s->sampled;
     if (s->request.on_prefilled) {
       prefill_done[s] = token;

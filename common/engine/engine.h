@@ -128,6 +128,8 @@ class Engine {
   absl::Time now_;          // when the tokens being appended were sampled
   base::AlignedVector<float> logits_;
   std::vector<std::pair<float, int32_t>> sample_scratch_;
+  std::vector<model::RowSampling> row_sampling_;  // rows sampled by the backend
+  std::vector<int32_t> device_tokens_;
 };
 
 }  // namespace preft::engine

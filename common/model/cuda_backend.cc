@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status_macros.h"
+#include "common/kernels/cuda/sampling.cuh"
 
 namespace preft::model {
 
@@ -23,6 +24,17 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Model& mo
   PREFT_ASSIGN_OR_RETURN(b->cache_,
                          DeviceKvCache::Create(b->device_->CacheShape(blocks, options.block_tokens)));
   return b;
+}
+
+absl::Status CudaBackend::ForwardSample(const ForwardBatch& batch,
+                                        const std::vector<RowSampling>& rows,
+                                        std::vector<int32_t>* tokens) {
+  std::vector<kernels::cuda::SampleSpec> specs(rows.size());
+  for (size_t r = 0; r < rows.size(); ++r) {
+    specs[r] = {rows[r].temperature, rows[r].top_p, rows[r].min_p,
+                rows[r].top_k,       rows[r].seed,  rows[r].step};
+  }
+  return device_->ForwardSample(batch, cache_.get(), &slots_, specs, tokens);
 }
 
 }  // namespace preft::model

@@ -2,7 +2,8 @@
 
 // The engine's forward on an NVIDIA GPU: a DeviceModel (weights uploaded from the host
 // model), a device KV cache sized from free memory, and device slots (a byte budget, LRU) for
-// the adapters that batches name. Logits come back to the host, where the engine samples as on the CPU. The
+// the adapters that batches name. Tokens are sampled on the device (the CPU sampler's choice,
+// so only they cross to the host); Forward still returns logits for steps that need them. The
 // KV cache stays on the device: no host_cache(), so this backend serves colocated engines
 // (preft generate, one engine per worker) until the GPU KV transport exists.
 
@@ -34,6 +35,9 @@ class CudaBackend : public ForwardBackend {
   absl::Status Forward(const ForwardBatch& batch, base::AlignedVector<float>* logits) override {
     return device_->Forward(batch, cache_.get(), &slots_, logits);
   }
+  bool samples_on_device() const override { return true; }
+  absl::Status ForwardSample(const ForwardBatch& batch, const std::vector<RowSampling>& rows,
+                             std::vector<int32_t>* tokens) override;
   kernels::DType adapter_dtype() const override { return kernels::DType::kBF16; }
   const char* name() const override { return "cuda"; }
 

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/base/aligned_vector.h"
@@ -15,6 +16,17 @@
 #include "common/model/model.h"
 
 namespace preft::model {
+
+// How one logit row is sampled, for backends that sample where the logits are (the engine's
+// SamplingParams, and the request's seed and step for the counter-based uniform).
+struct RowSampling {
+  float temperature = 0.f;  // <= 1e-5: greedy
+  float top_p = 1.f;
+  float min_p = 0.f;
+  int32_t top_k = 0;
+  uint64_t seed = 0;
+  uint64_t step = 0;
+};
 
 class ForwardBackend {
  public:
@@ -26,6 +38,16 @@ class ForwardBackend {
   // Runs `batch`, writing its K/V into the backend's cache; the logits of batch.logit_rows go
   // to `logits` ([rows, vocab], host memory).
   virtual absl::Status Forward(const ForwardBatch& batch, base::AlignedVector<float>* logits) = 0;
+  // Backends that can sample where the logits are (a GPU: no logits copied to the host) say
+  // so, and ForwardSample runs `batch` and returns only each logit row's token, sampled with
+  // rows[r] exactly as the engine's host sampler would. The engine keeps Forward for steps
+  // that need the logits themselves (logprobs).
+  virtual bool samples_on_device() const { return false; }
+  virtual absl::Status ForwardSample(const ForwardBatch& batch,
+                                     const std::vector<RowSampling>& rows,
+                                     std::vector<int32_t>* tokens) {
+    return absl::UnimplementedError("this backend samples on the host: call Forward");
+  }
   // The dtype adapters are converted to for compute (the form the adapter store keeps).
   virtual kernels::DType adapter_dtype() const = 0;
   // The KV cache in host memory, which the KV transport reads and writes; null when the cache

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "common/engine/sampler.h"
 #include "tests/engine/tiny_engine_fixture.h"
 
 namespace preft::engine {
@@ -56,6 +57,89 @@ TEST_F(EngineTest, RunsOverAnExplicitBackendAndChecksItsBlockSize) {
   auto refused = Engine::Create(*std::move(odd), tokenizer_, EngineOptions{});
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(refused.status().message().find("32 tokens"), std::string::npos) << refused.status();
+}
+
+// A CPU backend that says it samples where its logits are: ForwardSample runs the forward
+// and samples each row with the RowSampling the engine passed. The engine's path for such a
+// backend (a GPU's, where SampleRows samples on the device) is checked here against its host
+// path: the same tokens, and Forward (logits) only for steps where a row wants logprobs.
+class RowSamplingCpuBackend : public model::ForwardBackend {
+ public:
+  explicit RowSamplingCpuBackend(std::unique_ptr<model::CpuBackend> cpu) : cpu_(std::move(cpu)) {}
+  const model::ModelConfig& config() const override { return cpu_->config(); }
+  const kv::KvCacheShape& cache_shape() const override { return cpu_->cache_shape(); }
+  absl::Status Forward(const model::ForwardBatch& batch,
+                       base::AlignedVector<float>* logits) override {
+    ++forward_calls;
+    return cpu_->Forward(batch, logits);
+  }
+  bool samples_on_device() const override { return true; }
+  absl::Status ForwardSample(const model::ForwardBatch& batch,
+                             const std::vector<model::RowSampling>& rows,
+                             std::vector<int32_t>* tokens) override {
+    ++sample_calls;
+    if (rows.size() != batch.logit_rows.size()) return absl::InternalError("rows != logit rows");
+    absl::Status s = cpu_->Forward(batch, &logits_);
+    if (!s.ok()) return s;
+    const int64_t vocab = config().vocab_size;
+    tokens->resize(rows.size());
+    for (size_t r = 0; r < rows.size(); ++r) {
+      SamplingParams p;
+      p.temperature = rows[r].temperature;
+      p.top_p = rows[r].top_p;
+      p.min_p = rows[r].min_p;
+      p.top_k = rows[r].top_k;
+      (*tokens)[r] = SampleToken(logits_.data() + r * vocab, vocab, p, rows[r].seed,
+                                 rows[r].step, &scratch_);
+    }
+    return absl::OkStatus();
+  }
+  kernels::DType adapter_dtype() const override { return cpu_->adapter_dtype(); }
+  kv::KvCache* host_cache() override { return cpu_->host_cache(); }
+  const char* name() const override { return "cpu-row-sampling"; }
+
+  int forward_calls = 0;
+  int sample_calls = 0;
+
+ private:
+  std::unique_ptr<model::CpuBackend> cpu_;
+  base::AlignedVector<float> logits_;
+  std::vector<std::pair<float, int32_t>> scratch_;
+};
+
+TEST_F(EngineTest, BackendSamplingGivesTheHostSamplersTokens) {
+  std::vector<Request> batch;
+  for (int i = 0; i < 6; ++i) {
+    Request r = MakeRequest("r" + std::to_string(i), 9 + 5 * i, 12, i % 3 == 0 ? 0.f : 0.9f, 30 + i);
+    r.sampling.top_k = i == 2 ? 7 : 0;
+    r.sampling.min_p = i == 4 ? 0.05f : 0.f;
+    batch.push_back(std::move(r));
+  }
+  for (const bool logprobs : {false, true}) {
+    SCOPED_TRACE(logprobs ? "one request wants logprobs" : "no logprobs");
+    std::vector<Request> reqs = batch;
+    if (logprobs) reqs[1].sampling.logprobs = 2;
+    auto cpu = model::CpuBackend::Create(model_, 256, 16);
+    ASSERT_TRUE(cpu.ok());
+    auto owned = std::make_unique<RowSamplingCpuBackend>(*std::move(cpu));
+    RowSamplingCpuBackend* backend = owned.get();
+    EngineOptions o;
+    o.scheduler.max_batch_tokens = 40;  // prompt chunks beside decode rows
+    auto device = Engine::Create(std::move(owned), tokenizer_, o);
+    ASSERT_TRUE(device.ok()) << device.status();
+    auto host = MakeEngine(256, 40);
+    auto want = host->Generate(reqs);
+    auto got = (*device)->Generate(reqs);
+    ASSERT_TRUE(want.ok() && got.ok());
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      EXPECT_EQ((*got)[i].token_ids, (*want)[i].token_ids) << "request " << i;
+      EXPECT_EQ((*got)[i].logprobs.size(), (*want)[i].logprobs.size()) << "request " << i;
+    }
+    // Logits cross only for steps that sample nothing (prompt chunks) or, with logprobs,
+    // while request 1 generates its 12 tokens.
+    EXPECT_GE(backend->sample_calls, logprobs ? 1 : 12);
+    if (logprobs) EXPECT_GE(backend->forward_calls, 12);
+  }
 }
 
 TEST_F(EngineTest, TokensAreIdenticalAloneAndInABusyBatch) {
