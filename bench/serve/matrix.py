@@ -90,7 +90,8 @@ class Cluster:
                   "--threads", str(args.threads), "--max-batch-tokens", str(args.max_batch_tokens)]
         store = ["--adapter-root", adapter_root,
                  "--adapter-host-bytes", str(args.adapter_host_mib << 20),
-                 "--adapter-compute-bytes", str(args.adapter_compute_mib << 20)]
+                 "--adapter-compute-bytes", str(args.adapter_compute_mib << 20),
+                 "--adapter-loader-threads", str(args.adapter_loader_threads)]
         kv = ["--kv-bytes", str(args.kv_mib << 20)]
         # A colocated worker moves no KV: its transport stays in process.
         transport = args.transport if deployment == "disaggregated" else "inproc"
@@ -437,6 +438,8 @@ def main():
     p.add_argument("--prefill-kv-mib", type=int, default=512)
     p.add_argument("--adapter-host-mib", type=int, default=2048)
     p.add_argument("--adapter-compute-mib", type=int, default=2048)
+    p.add_argument("--adapter-loader-threads", type=int, default=1,
+                   help="per worker: adapters loaded from disk at once")
     p.add_argument("--transport", default="ucx", choices=["ucx", "grpc"])
     p.add_argument("--ucx-tls", default="posix,self")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],

@@ -137,6 +137,10 @@ void AddAdapterStoreFlags(CLI::App& app, AdapterStoreFlags* f) {
   app.add_option("--max-rank", f->max_rank, "adapters of a higher rank are refused")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_option("--adapter-loader-threads", f->loader_threads,
+                 "adapters loaded from disk at once (each load also takes a core)")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
 }
 
 adapters::AdapterStoreOptions StoreOptions(const AdapterStoreFlags& f, kernels::DType compute_dtype) {
@@ -144,6 +148,7 @@ adapters::AdapterStoreOptions StoreOptions(const AdapterStoreFlags& f, kernels::
   o.host_bytes = f.host_bytes;
   o.compute_bytes = f.compute_bytes;
   o.load.max_rank = f.max_rank;
+  o.loader_threads = f.loader_threads;
   o.load.dtype = compute_dtype;
   return o;
 }

@@ -73,6 +73,7 @@ struct AdapterStoreFlags {
   int64_t host_bytes = int64_t{4} << 30;
   int64_t compute_bytes = int64_t{1} << 30;
   int64_t max_rank = 128;
+  int loader_threads = 1;  // adapters loaded from disk at once
 };
 void AddAdapterStoreFlags(CLI::App& app, AdapterStoreFlags* flags);
 // The store's options, computing in `compute_dtype` (the model's weight dtype).
