@@ -168,39 +168,43 @@ absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& f) {
   }
   PREFT_ASSIGN_OR_RETURN(w.model, LoadModel(f.model));
   engine::EngineOptions o;
-  o.kv_bytes = f.kv_bytes > 0 ? f.kv_bytes : int64_t{1} << 30;
+  // Unset: 1 GiB on the CPU; on a GPU (0) a share of its free memory.
+  o.kv_bytes = f.kv_bytes > 0 ? f.kv_bytes : f.device == "cpu" ? int64_t{1} << 30 : 0;
   o.kv_blocks = f.kv_blocks;
   o.scheduler.max_batch_tokens = f.max_batch_tokens;
   o.num_threads = f.threads;
-  if (f.device == "cuda") {
+  PREFT_ASSIGN_OR_RETURN(
+      w.engine, MakeEngine(w.model.model.get(), w.model.tokenizer.get(), f.device, o));
+  w.engine->set_observer(w.engine_metrics.get());
+  return w;
+}
+
+absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(model::Model* model,
+                                                           const model::Tokenizer* tokenizer,
+                                                           const std::string& device,
+                                                           const engine::EngineOptions& options) {
+  if (device == "cpu") return engine::Engine::Create(model, tokenizer, options);
 #ifdef PREFT_HAVE_CUDA
+  if (device == "cuda") {
     model::CudaBackend::Options co;
-    co.kv_blocks = f.kv_blocks;  // else --kv-bytes, else a share of the free device memory
-    if (co.kv_blocks == 0 && f.kv_bytes > 0) {
-      const model::ModelConfig& c = w.model.model->config();
+    co.kv_blocks = options.kv_blocks;
+    if (co.kv_blocks == 0 && options.kv_bytes > 0) {
+      const model::ModelConfig& c = model->config();
       const kv::KvCacheShape one{c.num_layers, 1, co.block_tokens, c.num_kv_heads, c.head_dim};
-      co.kv_blocks = std::max<int64_t>(
-          1, f.kv_bytes / static_cast<int64_t>(one.bytes_per_block_all_layers()));
+      co.kv_blocks = std::max<int64_t>(1, options.kv_bytes / one.bytes_per_block_all_layers());
     }
     absl::StatusOr<std::unique_ptr<model::CudaBackend>> backend =
-        model::CudaBackend::Create(*w.model.model, co);
+        model::CudaBackend::Create(*model, co);
     if (!backend.ok()) {
       return absl::Status(backend.status().code(),
                           absl::StrCat("--device cuda: ", backend.status().message()));
     }
-    PREFT_ASSIGN_OR_RETURN(
-        w.engine, engine::Engine::Create(*std::move(backend), w.model.tokenizer.get(), o));
-#else
-    return absl::FailedPreconditionError(
-        "--device cuda: this build has no CUDA support (configure with PREFT_ENABLE_CUDA=ON "
-        "where nvcc and cuBLAS are installed)");
-#endif
-  } else {
-    PREFT_ASSIGN_OR_RETURN(
-        w.engine, engine::Engine::Create(w.model.model.get(), w.model.tokenizer.get(), o));
+    return engine::Engine::Create(*std::move(backend), tokenizer, options);
   }
-  w.engine->set_observer(w.engine_metrics.get());
-  return w;
+#endif
+  return absl::FailedPreconditionError(absl::StrCat(
+      "--device ", device, ": this build has no such backend (cuda needs PREFT_ENABLE_CUDA=ON "
+      "where nvcc and cuBLAS are installed)"));
 }
 
 transport::KvLayout LayoutFor(engine::Engine& engine, const std::string& fingerprint) {

@@ -92,6 +92,14 @@ struct WorkerEngine {
 };
 absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& flags);
 
+// An engine over `model` on `device`: "cpu" (the model's own forward, `options` as given) or
+// "cuda" (a CudaBackend whose KV cache holds options.kv_blocks blocks, else kv_bytes when
+// positive, else a share of the free device memory). Errors start with "--device DEVICE: ".
+absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(model::Model* model,
+                                                           const model::Tokenizer* tokenizer,
+                                                           const std::string& device,
+                                                           const engine::EngineOptions& options);
+
 // The engine cache's layout under `fingerprint`.
 transport::KvLayout LayoutFor(engine::Engine& engine, const std::string& fingerprint);
 

@@ -6,9 +6,6 @@
 #include "absl/strings/str_cat.h"
 #include "common/base/status_macros.h"
 #include "common/rpc/server.h"
-#ifdef PREFT_HAVE_CUDA
-#include "common/model/cuda_backend.h"
-#endif
 #include "services/wire/grpc_kv_transport.h"
 
 namespace preft::tools {
@@ -23,25 +20,7 @@ absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(model::Model* model,
   e.kv_bytes = kv_bytes;
   e.scheduler.max_batch_tokens = o.max_batch_tokens;
   e.num_threads = o.threads;
-  if (o.device == "cpu") return engine::Engine::Create(model, tokenizer, e);
-#ifdef PREFT_HAVE_CUDA
-  if (o.device == "cuda") {
-    model::CudaBackend::Options co;
-    const model::ModelConfig& c = model->config();
-    const kv::KvCacheShape one{c.num_layers, 1, co.block_tokens, c.num_kv_heads, c.head_dim};
-    co.kv_blocks = std::max<int64_t>(1, kv_bytes / one.bytes_per_block_all_layers());
-    absl::StatusOr<std::unique_ptr<model::CudaBackend>> backend =
-        model::CudaBackend::Create(*model, co);
-    if (!backend.ok()) {
-      return absl::Status(backend.status().code(),
-                          absl::StrCat("device cuda: ", backend.status().message()));
-    }
-    return engine::Engine::Create(*std::move(backend), tokenizer, e);
-  }
-#endif
-  return absl::FailedPreconditionError(absl::StrCat(
-      "device ", o.device, ": this build has no such backend (cuda needs PREFT_ENABLE_CUDA=ON "
-      "where nvcc and cuBLAS are installed)"));
+  return serving::MakeEngine(model, tokenizer, o.device, e);
 }
 
 }  // namespace
