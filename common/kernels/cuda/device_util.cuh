@@ -28,6 +28,25 @@ __device__ inline float LoadAsF32(const void* base, DType dtype, int64_t i) {
   return 0.f;
 }
 
+// Eight bf16 or f16 values (one 16-byte load: `raw`) widened to f32.
+__device__ inline void Widen8(uint4 raw, DType dtype, float v[8]) {
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f =
+        dtype == DType::kBF16
+            ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[j]))
+            : __half22float2(*reinterpret_cast<const __half2*>(&words[j]));
+    v[2 * j] = f.x;
+    v[2 * j + 1] = f.y;
+  }
+}
+
+// Whether p may be read in 16-byte vectors.
+__host__ __device__ inline bool Aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+
 __device__ inline float WarpSum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
   return v;

@@ -51,15 +51,8 @@ __global__ void __launch_bounds__(kGemvThreads)
   for (int r = 0; r < M; ++r) acc[r] = 0.f;
 #pragma unroll 4
   for (int64_t i = lane * 8; i < k; i += 32 * 8) {
-    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(wr + i));
-    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
     float w[8];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[j]));
-      w[2 * j] = f.x;
-      w[2 * j + 1] = f.y;
-    }
+    Widen8(__ldg(reinterpret_cast<const uint4*>(wr + i)), DType::kBF16, w);
 #pragma unroll
     for (int r = 0; r < M; ++r) {
       const float4 a = __ldg(reinterpret_cast<const float4*>(x + r * k + i));
@@ -77,8 +70,6 @@ __global__ void __launch_bounds__(kGemvThreads)
     for (int r = 0; r < M; ++r) out.y[r * out.n + row] = acc[r] + b;
   }
 }
-
-bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 }  // namespace
 

@@ -22,23 +22,7 @@ __device__ inline void Load8(const void* base, DType dtype, int64_t i, float v[k
     v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
     return;
   }
-  const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + i);
-  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    float2 f;
-    if (dtype == DType::kBF16) {
-      f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[j]));
-    } else {
-      f = __half22float2(*reinterpret_cast<const __half2*>(&words[j]));
-    }
-    v[2 * j] = f.x;
-    v[2 * j + 1] = f.y;
-  }
-}
-
-__device__ inline bool Aligned16(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+  Widen8(*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + i), dtype, v);
 }
 
 // BGMV: one block per (item, target, output chunk). Each warp takes rank rows of the shrink
