@@ -12,9 +12,7 @@
 #include "common/engine/engine.h"
 #include "common/model/model.h"
 #include "common/model/tokenizer.h"
-#ifdef PREFT_HAVE_CUDA
-#include "common/model/cuda_backend.h"
-#endif
+#include "common/serving/worker_setup.h"
 #include "nlohmann/json.hpp"
 #include "tools/preft/commands.h"
 
@@ -172,20 +170,11 @@ int RunGenerate(const GenerateFlags& f) {
   }
 
   engine::EngineOptions options;
-  options.kv_bytes = f.kv_mib << 20;
+  // --kv-mib sizes the CPU's cache; a GPU's takes a share of its free memory.
+  options.kv_bytes = f.device == "cpu" ? f.kv_mib << 20 : 0;
   options.num_threads = f.threads;
-  absl::StatusOr<std::unique_ptr<engine::Engine>> eng;
-  if (f.device == "cuda") {
-#ifdef PREFT_HAVE_CUDA
-    auto backend = model::CudaBackend::Create(**model, {});
-    if (!backend.ok()) return Fail("--device cuda: " + std::string(backend.status().message()));
-    eng = engine::Engine::Create(*std::move(backend), tokenizer.get(), options);
-#else
-    return Fail("--device cuda: this build has no CUDA support (configure with PREFT_ENABLE_CUDA)");
-#endif
-  } else {
-    eng = engine::Engine::Create(model->get(), tokenizer.get(), options);
-  }
+  absl::StatusOr<std::unique_ptr<engine::Engine>> eng =
+      serving::MakeEngine(model->get(), tokenizer.get(), f.device, options);
   if (!eng.ok()) return Fail(std::string(eng.status().message()));
   const auto start = std::chrono::steady_clock::now();
   auto results = (*eng)->Generate(std::move(reqs));
