@@ -81,8 +81,9 @@ absl::StatusOr<std::unique_ptr<model::AdapterWeights>> LoadAdapter(const std::st
     }
     return absl::NotFoundError(absl::StrCat(weights_path, ": not found"));
   }
+  // Read, not mapped: every tensor is copied into the adapter's own storage once.
   PREFT_ASSIGN_OR_RETURN(std::unique_ptr<model::SafetensorsFile> weights,
-                         model::SafetensorsFile::Open(weights_path));
+                         model::SafetensorsFile::Read(weights_path));
 
   if (peft_type == "LORA") return internal::LoadLora(config, *weights, base, options);
   return internal::LoadDireft(config, *weights, base, options);

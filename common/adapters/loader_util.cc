@@ -179,15 +179,31 @@ bool AllFinite(const void* data, kernels::DType dtype, int64_t n) {
   return false;
 }
 
-// dst [cols, rows] = src [rows, cols] transposed, elements of one dtype copied as bits.
+// dst [cols, rows] = src [rows, cols] transposed, elements of one dtype copied as bits. Rows
+// go four at a time for 2-byte elements, so each store writes 8 bytes (a LoRA B [out, r] is
+// most of an adapter's bytes: one element per store took ~15% of a load).
 template <class Bits>
 void TransposeBits(const void* src, int64_t rows, int64_t cols, void* dst) {
   const auto* in = static_cast<const uint8_t*>(src);
   auto* out = static_cast<Bits*>(dst);
-  for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t j = 0; j < cols; ++j) {
-      std::memcpy(&out[j * rows + i], in + (i * cols + j) * sizeof(Bits), sizeof(Bits));
+  auto element = [&](int64_t i, int64_t j) {
+    Bits v;
+    std::memcpy(&v, in + (i * cols + j) * sizeof(Bits), sizeof(Bits));
+    return v;
+  };
+  int64_t i = 0;
+  if constexpr (sizeof(Bits) == 2) {
+    for (; i + 4 <= rows; i += 4) {
+      for (int64_t j = 0; j < cols; ++j) {
+        const uint64_t packed = uint64_t{element(i, j)} | uint64_t{element(i + 1, j)} << 16 |
+                                uint64_t{element(i + 2, j)} << 32 |
+                                uint64_t{element(i + 3, j)} << 48;
+        std::memcpy(&out[j * rows + i], &packed, 8);
+      }
     }
+  }
+  for (; i < rows; ++i) {
+    for (int64_t j = 0; j < cols; ++j) out[j * rows + i] = element(i, j);
   }
 }
 

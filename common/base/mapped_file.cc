@@ -9,10 +9,13 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <sstream>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/base/status_macros.h"
 
 namespace preft::base {
 namespace {
@@ -41,21 +44,70 @@ void* MapInHugePages(int fd, size_t size) {
   return p;
 }
 
-}  // namespace
+// Buffers of recent Reads, kept for the next: a fresh buffer's page faults and zeroing cost
+// about as much as the read itself (a 17.6 MB adapter: ~1.8 ms of each). A few are kept
+// (one per loader thread suffices), none over kMaxPooledBytes.
+class ReadBufferPool {
+ public:
+  static ReadBufferPool& Get() {
+    static ReadBufferPool* pool = new ReadBufferPool;  // never destroyed: used at exit
+    return *pool;
+  }
+  // A buffer of at least `size` bytes, not initialised; its capacity in *capacity.
+  std::unique_ptr<uint8_t[]> Take(size_t size, size_t* capacity) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto it = free_.begin(); it != free_.end(); ++it) {
+        if (it->capacity >= size) {
+          std::unique_ptr<uint8_t[]> b = std::move(it->data);
+          *capacity = it->capacity;
+          free_.erase(it);
+          return b;
+        }
+      }
+    }
+    *capacity = size;
+    return std::make_unique_for_overwrite<uint8_t[]>(size);
+  }
+  void Give(std::unique_ptr<uint8_t[]> data, size_t capacity) {
+    if (capacity > kMaxPooledBytes) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_.size() >= kMaxPooled) free_.erase(free_.begin());  // the oldest goes
+    free_.push_back({std::move(data), capacity});
+  }
 
-absl::StatusOr<std::unique_ptr<MappedFile>> MappedFile::Open(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
+ private:
+  static constexpr size_t kMaxPooled = 4;
+  static constexpr size_t kMaxPooledBytes = size_t{256} << 20;
+  struct Buffer {
+    std::unique_ptr<uint8_t[]> data;
+    size_t capacity;
+  };
+  std::mutex mu_;
+  std::vector<Buffer> free_;
+};
+
+// Opens `path` read-only and returns its size; a regular file or an error naming the path.
+absl::StatusOr<size_t> OpenRegular(const std::string& path, int* fd) {
+  *fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (*fd < 0) {
     int err = errno;
     auto msg = absl::StrCat(path, ": cannot open: ", std::strerror(err));
     return err == ENOENT ? absl::NotFoundError(msg) : absl::PermissionDeniedError(msg);
   }
   struct stat st;
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
+  if (::fstat(*fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(*fd);
     return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
   }
-  size_t size = static_cast<size_t>(st.st_size);
+  return static_cast<size_t>(st.st_size);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<MappedFile>> MappedFile::Open(const std::string& path) {
+  int fd = -1;
+  PREFT_ASSIGN_OR_RETURN(const size_t size, OpenRegular(path, &fd));
   const uint8_t* data = nullptr;
   if (size > 0) {
     void* p = size >= kHugePageMinBytes ? MapInHugePages(fd, size)
@@ -70,6 +122,39 @@ absl::StatusOr<std::unique_ptr<MappedFile>> MappedFile::Open(const std::string& 
   }
   ::close(fd);  // The mapping keeps the file alive.
   return std::unique_ptr<MappedFile>(new MappedFile(path, data, size));
+}
+
+// Measured in this project's VM: the first pass over a freshly mapped 17.6 MB adapter file
+// (already in the page cache, MAP_POPULATE) ran at ~2 GB/s, a second pass at ~25; a pread of
+// the same file into memory at ~6 GB/s. Files read once are cheaper copied than mapped.
+absl::StatusOr<std::unique_ptr<MappedFile>> MappedFile::Read(const std::string& path) {
+  int fd = -1;
+  PREFT_ASSIGN_OR_RETURN(const size_t size, OpenRegular(path, &fd));
+  if (size == 0) {
+    ::close(fd);
+    return std::unique_ptr<MappedFile>(new MappedFile(path, nullptr, 0));
+  }
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+  size_t capacity = 0;
+  std::unique_ptr<uint8_t[]> copy = ReadBufferPool::Get().Take(size, &capacity);
+  size_t done = 0;
+  while (done < size) {
+    const ssize_t n = ::pread(fd, copy.get() + done, size - done, static_cast<off_t>(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = n < 0 ? errno : 0;
+      ::close(fd);
+      return absl::DataLossError(absl::StrCat(
+          path, ": read failed after ", done, " of ", size, " bytes",
+          err != 0 ? absl::StrCat(": ", std::strerror(err)) : " (file shrank while read)"));
+    }
+    done += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  auto file = std::unique_ptr<MappedFile>(new MappedFile(path, copy.get(), size));
+  file->copy_ = std::move(copy);
+  file->copy_capacity_ = capacity;
+  return file;
 }
 
 size_t MappedFile::HugePageBytes() const {
@@ -92,7 +177,11 @@ size_t MappedFile::HugePageBytes() const {
 }
 
 MappedFile::~MappedFile() {
-  if (data_ != nullptr) ::munmap(const_cast<uint8_t*>(data_), size_);
+  if (copy_ != nullptr) {
+    ReadBufferPool::Get().Give(std::move(copy_), copy_capacity_);
+  } else if (data_ != nullptr) {
+    ::munmap(const_cast<uint8_t*>(data_), size_);
+  }
 }
 
 absl::StatusOr<std::string> ReadFileToString(const std::string& path) {

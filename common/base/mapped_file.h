@@ -9,12 +9,15 @@
 
 namespace preft::base {
 
-// A read-only memory mapping of a whole file. Pages are shared with the page cache, so
+// A read-only image of a whole file. Open maps it: pages are shared with the page cache, so
 // weights read through it cost no second copy; large files are mapped in huge pages where
-// the kernel supports it (see mapped_file.cc). Immutable after Open; thread-safe to read.
+// the kernel supports it (see mapped_file.cc). Read copies it into private memory instead,
+// for small files that are read once and copied elsewhere (adapters). Immutable after
+// Open/Read; thread-safe to read.
 class MappedFile {
  public:
   static absl::StatusOr<std::unique_ptr<MappedFile>> Open(const std::string& path);
+  static absl::StatusOr<std::unique_ptr<MappedFile>> Read(const std::string& path);
   ~MappedFile();
   MappedFile(const MappedFile&) = delete;
   MappedFile& operator=(const MappedFile&) = delete;
@@ -32,6 +35,8 @@ class MappedFile {
   std::string path_;
   const uint8_t* data_;
   size_t size_;
+  std::unique_ptr<uint8_t[]> copy_;  // Read's image (data_ points into it); null when mapped
+  size_t copy_capacity_ = 0;
 };
 
 // Reads a whole (small) file into a string, e.g. a JSON config.

@@ -65,12 +65,21 @@ std::string Show(const Json& v) {
 
 int64_t TensorSpec::num_bytes() const { return CheckedBytes(shape, dtype); }
 
-absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
-  PREFT_ASSIGN_OR_RETURN(std::unique_ptr<base::MappedFile> mapped, base::MappedFile::Open(path));
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::FromImage(
+    absl::StatusOr<std::unique_ptr<base::MappedFile>> image) {
+  PREFT_ASSIGN_OR_RETURN(std::unique_ptr<base::MappedFile> mapped, std::move(image));
   PREFT_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file,
-                         Parse(path, mapped->data(), mapped->size()));
+                         Parse(mapped->path(), mapped->data(), mapped->size()));
   file->file_ = std::move(mapped);
   return file;
+}
+
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
+  return FromImage(base::MappedFile::Open(path));
+}
+
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Read(const std::string& path) {
+  return FromImage(base::MappedFile::Read(path));
 }
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Parse(std::string source,

@@ -40,6 +40,9 @@ class SafetensorsFile {
   // inside the data section and not overlapping. Errors are InvalidArgument (DataLoss for
   // truncation) and start with the path.
   static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
+  // As Open, but reads the file into private memory (base::MappedFile::Read): for small files
+  // whose tensors are copied once and dropped (adapters).
+  static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Read(const std::string& path);
 
   // Parses an in-memory image (the fuzz target's entry); `data` must outlive the result.
   static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Parse(std::string source,
@@ -56,6 +59,8 @@ class SafetensorsFile {
 
  private:
   SafetensorsFile() = default;
+  static absl::StatusOr<std::unique_ptr<SafetensorsFile>> FromImage(
+      absl::StatusOr<std::unique_ptr<base::MappedFile>> image);
 
   std::string path_;
   size_t size_bytes_ = 0;

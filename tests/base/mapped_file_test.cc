@@ -47,6 +47,37 @@ TEST(MappedFileTest, LargeFileReadsBackThroughTheHugePagePath) {
   ::unlink(path.c_str());
 }
 
+// Read copies instead of mapping, into buffers reused from earlier Reads: a later, smaller
+// file must read back as itself, and images alive together must not share bytes.
+TEST(MappedFileTest, ReadCopiesTheFileAndReusesNoStaleBytes) {
+  const std::string big = TempPath("read_big"), small = TempPath("read_small");
+  const std::string want_big = Pattern(300'000), want_small(5'000, 'x');
+  ASSERT_TRUE(WriteStringToFile(big, want_big).ok());
+  ASSERT_TRUE(WriteStringToFile(small, want_small).ok());
+  for (int round = 0; round < 3; ++round) {
+    auto a = MappedFile::Read(big);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_EQ((*a)->size(), want_big.size());
+    EXPECT_EQ(std::memcmp((*a)->data(), want_big.data(), want_big.size()), 0);
+    EXPECT_EQ((*a)->HugePageBytes(), 0u);
+    a->reset();  // its buffer goes back for the next Read
+    auto b = MappedFile::Read(small);
+    auto c = MappedFile::Read(big);
+    ASSERT_TRUE(b.ok() && c.ok());
+    ASSERT_EQ((*b)->size(), want_small.size());
+    EXPECT_EQ(std::memcmp((*b)->data(), want_small.data(), want_small.size()), 0);
+    EXPECT_EQ(std::memcmp((*c)->data(), want_big.data(), want_big.size()), 0);
+    EXPECT_NE((*b)->data(), (*c)->data());
+  }
+  auto empty_path = TempPath("read_empty");
+  ASSERT_TRUE(WriteStringToFile(empty_path, "").ok());
+  auto empty = MappedFile::Read(empty_path);
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  EXPECT_EQ((*empty)->size(), 0u);
+  EXPECT_EQ((*empty)->data(), nullptr);
+  for (const auto& p : {big, small, empty_path}) ::unlink(p.c_str());
+}
+
 TEST(MappedFileTest, EmptyFileHasNoData) {
   const std::string path = TempPath("empty");
   ASSERT_TRUE(WriteStringToFile(path, "").ok());
@@ -70,6 +101,12 @@ TEST(MappedFileTest, BadPathsAreNamedInTheError) {
   EXPECT_EQ(dir.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(dir.status().message().find("not a regular file"), std::string::npos)
       << dir.status();
+
+  auto read_missing = MappedFile::Read(missing);
+  EXPECT_EQ(read_missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(read_missing.status().message().find(missing), std::string::npos);
+  EXPECT_EQ(MappedFile::Read(::testing::TempDir()).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -258,6 +258,32 @@ TEST(SafetensorsTest, OpensReferenceFixture) {
   EXPECT_EQ((*f)->size_bytes(), std::filesystem::file_size(path));
 }
 
+// Read (adapters) copies the file instead of mapping it: the same tensors, bytes and errors.
+TEST(SafetensorsTest, ReadMatchesOpen) {
+  std::string path = std::string(PREFT_SHARED_DIR) + "/fixtures/tiny-llama/model.safetensors";
+  auto mapped = SafetensorsFile::Open(path);
+  auto read = SafetensorsFile::Read(path);
+  ASSERT_TRUE(mapped.ok() && read.ok()) << read.status();
+  ASSERT_EQ((*read)->tensors().size(), (*mapped)->tensors().size());
+  for (const auto& [name, t] : (*mapped)->tensors()) {
+    const TensorInfo* r = (*read)->Find(name);
+    ASSERT_NE(r, nullptr) << name;
+    EXPECT_EQ(r->shape, t.shape);
+    EXPECT_EQ(r->dtype, t.dtype);
+    ASSERT_EQ(r->num_bytes, t.num_bytes);
+    EXPECT_NE(r->data, t.data);
+    EXPECT_EQ(std::memcmp(r->data, t.data, t.num_bytes), 0) << name;
+  }
+  std::string header = R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})";
+  std::string cut = TempPath("cut_read.safetensors");
+  ASSERT_TRUE(base::WriteStringToFile(cut, Image(header, 10)).ok());
+  auto f = SafetensorsFile::Read(cut);
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(f.status().message(), AllOf(HasSubstr("cut_read.safetensors"), HasSubstr("truncated")));
+  EXPECT_EQ(SafetensorsFile::Read(TempPath("nope.safetensors")).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
 TEST(SafetensorsTest, MissingFileIsNotFound) {
   auto f = SafetensorsFile::Open(TempPath("nope.safetensors"));
   EXPECT_EQ(f.status().code(), absl::StatusCode::kNotFound);
