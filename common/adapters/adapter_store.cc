@@ -97,7 +97,6 @@ class StoreCore : public std::enable_shared_from_this<StoreCore> {
                          int64_t compute_bytes) const;
   // Parses `dir` for the host tier (in the compute dtype), on the calling thread.
   absl::StatusOr<WeightsPtr> LoadHost(const std::string& name, const std::string& dir) const;
-  WeightsPtr ToCompute(const WeightsPtr& host) const;
 
   AdapterLease MakeLease(const VersionPtr& v) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TouchHost(const VersionPtr& v) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -159,11 +158,6 @@ absl::StatusOr<WeightsPtr> StoreCore::LoadHost(const std::string& name,
                           : absl::StrCat("adapter '", name, "' (", dir, "): ", s.message()));
 }
 
-WeightsPtr StoreCore::ToCompute(const WeightsPtr& host) const {
-  if (options_.load.dtype == kernels::DType::kF32) return host;  // shared, counted in both
-  return WeightsPtr(host->ConvertTo(options_.load.dtype));
-}
-
 absl::Status StoreCore::CheckFits(const std::string& name, const std::string& dir,
                                   int64_t host_bytes, int64_t compute_bytes) const {
   if (host_bytes > options_.host_bytes) {
@@ -191,7 +185,7 @@ absl::StatusOr<int64_t> StoreCore::Update(const std::string& name, const std::st
     entry_id = it->second.id;
   }
   PREFT_ASSIGN_OR_RETURN(WeightsPtr host, LoadHost(name, dir));
-  WeightsPtr compute = ToCompute(host);
+  WeightsPtr compute = host;  // one object in both tiers (see the header)
   const int64_t host_bytes = static_cast<int64_t>(host->bytes());
   const int64_t compute_bytes = static_cast<int64_t>(compute->bytes());
   if (absl::Status s = CheckFits(name, dir, host_bytes, compute_bytes); !s.ok()) return s;
@@ -301,7 +295,7 @@ void StoreCore::RunFlight(const VersionPtr& v, WeightsPtr host, const std::strin
   }
   WeightsPtr compute;
   if (status.ok()) {
-    compute = ToCompute(host);
+    compute = host;
     status = CheckFits(v->name, dir, static_cast<int64_t>(host->bytes()),
                        static_cast<int64_t>(compute->bytes()));
   }

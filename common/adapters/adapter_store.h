@@ -1,10 +1,13 @@
 #pragma once
 
 // Pages adapters through three tiers, each with a byte budget and LRU eviction:
-//   disk (registered folders) -> host memory (parsed, in the model's dtype) -> compute slots
-//   (a copy of it in one huge-page arena; what a forward reads). An adapter leased by a running request is pinned in its
-//   compute slot; concurrent requests for a missing adapter share one load; loads run on the
-//   store's own threads, so the engine thread never waits on disk.
+//   disk (registered folders) -> host memory (parsed, in the model's dtype, in one huge-page
+//   arena) -> compute slots (what a forward may read). On the CPU a compute slot is the host
+//   copy itself, counted in both budgets: a second copy in the same memory would only cost
+//   its copying (a device backend keeps its own copies of the slots it uses). An adapter
+//   leased by a running request is pinned in its compute slot; concurrent requests for a
+//   missing adapter share one load; loads run on the store's own threads, so the engine
+//   thread never waits on disk.
 // Every Acquire refreshes the version's place in both LRU lists (a hot adapter keeps its host
 // copy too). A copy waiting for compute room is held outside the budget until admitted.
 // Versions: Update() swaps an adapter's weights atomically under a new version; leases taken
@@ -57,8 +60,8 @@ struct AdapterStoreStats {
   int64_t compute_evictions = 0;
   int64_t host_evictions = 0;
   // Bytes held in each tier (AdapterWeights::bytes()). Compute counts every compute copy,
-  // pinned copies of superseded versions included; with an f32 compute dtype the host and
-  // compute tiers share one object and count its bytes in both.
+  // pinned copies of superseded versions included; the host and compute tiers share one
+  // object and count its bytes in both.
   int64_t compute_bytes_used = 0;
   int64_t host_bytes_used = 0;
   int64_t pinned = 0;  // versions with live leases (superseded versions included)
