@@ -183,6 +183,36 @@ def acquires(workers):
     return total
 
 
+STEP_SERIES = ("preft:forward_seconds_sum", "preft:forward_seconds_count",
+               "preft:iteration_tokens_total_sum")
+
+
+def step_totals(workers):
+    """The decode workers' engine-step counters, summed: where a step's time goes (the
+    forward against the whole inter-token gap) without a profiler."""
+    total = dict.fromkeys(STEP_SERIES, 0.0)
+    for a in workers:
+        s = Metrics.scrape(a)
+        for name in STEP_SERIES:
+            total[name] += Metrics.total(s, name)
+    return total
+
+
+def step_summary(before, after, seconds, workers):
+    steps = after["preft:forward_seconds_count"] - before["preft:forward_seconds_count"]
+    busy = after["preft:forward_seconds_sum"] - before["preft:forward_seconds_sum"]
+    tokens = after["preft:iteration_tokens_total_sum"] - before["preft:iteration_tokens_total_sum"]
+    return {
+        "steps": steps,
+        # schedule + forward + sample, per step (preft:forward_seconds)
+        "step_ms_mean": 1e3 * busy / steps if steps else None,
+        "tokens_per_step": tokens / steps if steps else None,
+        # share of the cell each decode engine spent in steps; the rest is token delivery,
+        # waiting for work and the loop itself
+        "step_busy": busy / (seconds * max(1, len(workers))) if seconds else None,
+    }
+
+
 def make_model(args):
     if os.path.exists(os.path.join(args.model, "config.json")):
         return
@@ -253,6 +283,7 @@ def measure_cell(args, cell, deployment, mode, n, concurrency, requests):
     try:
         register(args, cluster.router, names, args.adapter_dir)
         before = acquires(cluster.workers)
+        steps_before = step_totals(cluster.decode_metrics)
         sampler = Sampler(cluster.decode_metrics)
         sampler.start()
         cmd = [f"{args.build}/tools/preft", "bench", "--server", cluster.router, "--json",
@@ -273,6 +304,7 @@ def measure_cell(args, cell, deployment, mode, n, concurrency, requests):
         result = json.loads(bench.stdout)
         time.sleep(1.2)  # the workers refresh their gauges and store counters every 0.5 s
         after = acquires(cluster.workers)
+        steps_after = step_totals(cluster.decode_metrics)
     finally:
         cluster.stop()
     got = {r: after[r] - before[r] for r in ACQUIRE_RESULTS}
@@ -283,9 +315,15 @@ def measure_cell(args, cell, deployment, mode, n, concurrency, requests):
         "kv_usage_max": max(sampler.usage, default=0),
         "adapter_acquires": got,
         "adapter_hit_rate": got["compute_hit"] / total if total else None,
+        "decode_steps": step_summary(steps_before, steps_after, result.get("seconds"),
+                                     cluster.decode_metrics),
     })
+    st = result["decode_steps"]
+    step = (f", decode step {st['step_ms_mean']:.1f} ms x {st['steps']:.0f} "
+            f"({st['tokens_per_step']:.1f} tokens, busy {100 * st['step_busy']:.0f}%)"
+            if st["steps"] else "")
     log(f"cell {cell}: {result['output_tokens_per_s']:.1f} tok/s, "
-        f"TTFT p50 {result['ttft_ms']['p50']:.0f} ms, ITL p50 {result['itl_ms']['p50']:.1f} ms")
+        f"TTFT p50 {result['ttft_ms']['p50']:.0f} ms, ITL p50 {result['itl_ms']['p50']:.1f} ms{step}")
     return result
 
 
@@ -329,6 +367,8 @@ def flatten(c):
     for k in ("ttft_ms", "itl_ms", "e2e_ms"):
         for q, v in c[k].items():
             row[f"{k[:-3]}_{q}_ms"] = v
+    for k, v in c.get("decode_steps", {}).items():
+        row[f"decode_{k}"] = v
     return row
 
 
@@ -336,7 +376,7 @@ CSV_FIELDS = ["deployment", "mode", "num_adapters", "concurrency", "requests", "
               "generated_tokens", "seconds", "output_tokens_per_s", "requests_per_s",
               "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms",
               "itl_p99_ms", "e2e_p50_ms", "kv_usage_mean", "kv_usage_max", "adapter_hit_rate",
-              "rounds"]
+              "decode_step_ms_mean", "decode_tokens_per_step", "decode_step_busy", "rounds"]
 
 
 def plot(out, cells, top_c, load_n):

@@ -54,6 +54,12 @@ def main():
                   f"{name}: hit rate")
         check(0 <= c["kv_usage_mean"] <= c["kv_usage_max"] <= 1, f"{name}: KV usage")
         check(c["ttft_ms"]["p50"] <= c["ttft_ms"]["p99"], f"{name}: TTFT percentiles")
+        st = c["decode_steps"]
+        # Every token after the first is one decode step's row (the first may come from a
+        # prefill worker), and steps never take more than the cell's time.
+        check(st["steps"] > 0 and st["tokens_per_step"] * st["steps"] >= 50 - 10,
+              f"{name}: decode steps {st}")
+        check(0 < st["step_busy"] <= 1 and st["step_ms_mean"] > 0, f"{name}: step time {st}")
     ratios = {(x["deployment"], x["mode"], x["concurrency"]): x for x in r["ratios"]}
     tps = {(c["deployment"], c["mode"], c["concurrency"]): c["output_tokens_per_s"] for c in cells}
     for d in deployments.split(","):
