@@ -640,16 +640,20 @@ absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
   }
 
   // Metadata: plan, size the device copy, then fill the host image with device addresses.
+  // The block tables go last: every address a kernel takes as an argument then depends on
+  // the step's shape alone, not on how many blocks its sequences hold, so a decode graph
+  // serves every step of its shape (with the table size in the key, a batch whose sequences
+  // cross block boundaries at different steps recorded a new graph almost every step).
   Meta at;
   Placer plan;
   at.tokens = plan.Place(T * sizeof(int32_t));
   at.positions = plan.Place(T * sizeof(int32_t));
   at.slots = plan.Place(T * sizeof(int64_t));
   at.logit_rows = plan.Place(R * sizeof(int32_t));
-  at.block_tables = plan.Place(total_blocks * sizeof(int32_t));
   at.seqs = plan.Place(S * sizeof(kernels::AttentionSeq));
   lora.Plan(&plan);
   direft.Plan(&plan);
+  at.block_tables = plan.Place(total_blocks * sizeof(int32_t));
   PREFT_RETURN_IF_ERROR(Reserve(&meta_, plan.size()));
   meta_host_.assign(plan.size(), 0);
   auto host = [&](size_t off) { return meta_host_.data() + off; };
@@ -703,8 +707,7 @@ absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
 
   // Decode steps replay a graph recorded for their shape (the kernels' arguments are fixed
   // by the shape, the cache and the buffers, all in the key; the data is in meta_).
-  std::vector<int64_t> key = {T, R, S, total_blocks,
-                              reinterpret_cast<int64_t>(cache->layer_base(0)),
+  std::vector<int64_t> key = {T, R, S, reinterpret_cast<int64_t>(cache->layer_base(0)),
                               reinterpret_cast<int64_t>(meta_.get()),
                               reinterpret_cast<int64_t>(scratch_.get()),
                               reinterpret_cast<int64_t>(attention_parts_.get())};
@@ -727,6 +730,7 @@ absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
     PREFT_RETURN_IF_ERROR(launched);
     PREFT_RETURN_IF_ERROR(Cuda(ended, "graph capture"));
     it = graphs_.emplace(key, exec).first;
+    ++graph_captures_;
   }
   return Cuda(cuda::GraphLaunch(it->second, stream_), "graph launch");
 }

@@ -183,6 +183,8 @@ class DeviceModel {
   // Decode steps (one new token per sequence) record a CUDA graph per shape and replay it,
   // one launch instead of ~13 per layer. Off by default.
   void UseGraphs(bool on) { use_graphs_ = on; }
+  // Decode graphs recorded so far (each costs a capture and an instantiation on the host).
+  int64_t graph_captures() const { return graph_captures_; }
 
   // From now on every forward first fills its device scratch with 0xff (NaN), so a test sees
   // any value a kernel should have written and did not.
@@ -246,6 +248,7 @@ class DeviceModel {
   bool use_graphs_ = false;
   std::map<std::vector<int64_t>, void*> graphs_;  // shape key -> cudaGraphExec_t
   int64_t graphs_blas_generation_ = -1;
+  int64_t graph_captures_ = 0;
 };
 
 }  // namespace preft::model
