@@ -38,6 +38,7 @@ class CudaBackend : public ForwardBackend {
   bool samples_on_device() const override { return true; }
   absl::Status ForwardSample(const ForwardBatch& batch, const std::vector<RowSampling>& rows,
                              std::vector<int32_t>* tokens) override;
+  void PrepareAdapter(const AdapterWeights& adapter) override { slots_.Prefetch(&adapter); }
   kernels::DType adapter_dtype() const override { return kernels::DType::kBF16; }
   const char* name() const override { return "cuda"; }
 

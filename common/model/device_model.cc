@@ -233,7 +233,56 @@ absl::Status DeviceKvCache::PoisonForTesting() {
 
 // ---- DeviceAdapter ----
 
-absl::StatusOr<std::unique_ptr<DeviceAdapter>> DeviceAdapter::Upload(const AdapterWeights& a) {
+// ---- UploadStage ----
+
+absl::StatusOr<std::unique_ptr<UploadStage>> UploadStage::Create() {
+  PREFT_RETURN_IF_ERROR(NeedDevice());
+  std::unique_ptr<UploadStage> stage(new UploadStage());
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::StreamCreate(&stage->stream_), "upload stream"));
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::EventCreate(&stage->copied_), "upload event"));
+  return stage;
+}
+
+UploadStage::~UploadStage() {
+  if (stream_ != nullptr) cuda::StreamSynchronize(stream_);
+  if (pinned_ != nullptr) cuda::HostFree(pinned_);
+  if (copied_ != nullptr) cuda::EventDestroy(copied_);
+  if (stream_ != nullptr) cuda::StreamDestroy(stream_);
+}
+
+absl::StatusOr<uint8_t*> UploadStage::Buffer(size_t bytes) {
+  // An event never recorded counts as done.
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::EventSynchronize(copied_), "upload"));
+  if (bytes > size_) {
+    if (pinned_ != nullptr) cuda::HostFree(pinned_);
+    pinned_ = nullptr;
+    size_ = 0;
+    void* p = nullptr;
+    // Grown in steps, so adapters of slightly different sizes do not re-pin each time.
+    const size_t want = std::max(bytes + bytes / 4, size_t{1} << 20);
+    PREFT_RETURN_IF_ERROR(Cuda(cuda::HostAlloc(&p, want), "page-locked staging"));
+    pinned_ = static_cast<uint8_t*>(p);
+    size_ = want;
+  }
+  return pinned_;
+}
+
+absl::Status UploadStage::Copy(void* dst, size_t bytes, void* done) {
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::CopyToDevice(dst, pinned_, bytes, stream_), "upload"));
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::EventRecord(copied_, stream_), "upload"));
+  return Cuda(cuda::EventRecord(done, stream_), "upload");
+}
+
+// ---- DeviceAdapter ----
+
+DeviceAdapter::~DeviceAdapter() {
+  // Freeing data_ waits for the device, so a queued copy into it is finished first.
+  data_ = DeviceBuffer();
+  if (ready_ != nullptr) cuda::EventDestroy(ready_);
+}
+
+absl::StatusOr<std::unique_ptr<DeviceAdapter>> DeviceAdapter::Upload(const AdapterWeights& a,
+                                                                     UploadStage* stage) {
   PREFT_RETURN_IF_ERROR(NeedDevice());
   const int64_t layers = a.num_layers();
   auto pair_of = [&](int64_t l, int slot) -> const LowRank* {
@@ -267,8 +316,16 @@ absl::StatusOr<std::unique_ptr<DeviceAdapter>> DeviceAdapter::Upload(const Adapt
   out->max_rank_ = a.max_rank();
   PREFT_ASSIGN_OR_RETURN(out->data_, DeviceBuffer::Allocate(plan.size()));
   // Pass 2: stage everything on the host with device addresses in the table; one copy.
-  std::vector<uint8_t> staging(plan.size(), 0);
-  auto* table = reinterpret_cast<cuda::LowRankPair*>(staging.data() + table_at);
+  // (Padding between the pieces is never read: it may hold anything.)
+  std::vector<uint8_t> pageable;
+  uint8_t* staging = nullptr;
+  if (stage != nullptr) {
+    PREFT_ASSIGN_OR_RETURN(staging, stage->Buffer(plan.size()));
+  } else {
+    pageable.assign(plan.size(), 0);
+    staging = pageable.data();
+  }
+  auto* table = reinterpret_cast<cuda::LowRankPair*>(staging + table_at);
   for (int64_t l = 0; l < layers; ++l) {
     for (int slot = 0; slot < kEntriesPerLayer; ++slot) {
       const LowRank* lr = pair_of(l, slot);
@@ -280,20 +337,25 @@ absl::StatusOr<std::unique_ptr<DeviceAdapter>> DeviceAdapter::Upload(const Adapt
       }
       const Placed& p = placed[Entry(l, slot)];
       const size_t es = kernels::DTypeSize(lr->shrink.dtype);
-      std::memcpy(&staging[p.shrink], lr->shrink.data, lr->shrink.rows * lr->shrink.cols * es);
-      std::memcpy(&staging[p.expand], lr->expand.data, lr->expand.rows * lr->expand.cols * es);
+      std::memcpy(staging + p.shrink, lr->shrink.data, lr->shrink.rows * lr->shrink.cols * es);
+      std::memcpy(staging + p.expand, lr->expand.data, lr->expand.rows * lr->expand.cols * es);
       if (lr->shrink_bias != nullptr) {
-        std::memcpy(&staging[p.bias], lr->shrink_bias, lr->rank() * sizeof(float));
+        std::memcpy(staging + p.bias, lr->shrink_bias, lr->rank() * sizeof(float));
       }
       pair = {out->data_.as<uint8_t>(p.shrink), out->data_.as<uint8_t>(p.expand),
               lr->shrink.dtype, lr->rank(), lr->shrink.cols, lr->expand.cols,
               lr->shrink_bias != nullptr ? out->data_.as<float>(p.bias) : nullptr, lr->scale};
     }
   }
-  PREFT_RETURN_IF_ERROR(Cuda(
-      cuda::CopyToDevice(out->data_.get(), staging.data(), staging.size(), nullptr), "copy"));
-  PREFT_RETURN_IF_ERROR(Cuda(cuda::StreamSynchronize(nullptr), "synchronize"));
   out->table_ = out->data_.as<cuda::LowRankPair>(table_at);
+  if (stage != nullptr) {
+    PREFT_RETURN_IF_ERROR(Cuda(cuda::EventCreate(&out->ready_), "upload event"));
+    PREFT_RETURN_IF_ERROR(stage->Copy(out->data_.get(), plan.size(), out->ready_));
+    return out;
+  }
+  PREFT_RETURN_IF_ERROR(
+      Cuda(cuda::CopyToDevice(out->data_.get(), staging, plan.size(), nullptr), "copy"));
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::StreamSynchronize(nullptr), "synchronize"));
   return out;
 }
 
@@ -357,14 +419,17 @@ absl::StatusOr<const DeviceAdapter*> DeviceAdapterSlots::Get(const AdapterWeight
     lru_.Touch(key);
     return it->second.get();
   }
+  if (stage_ == nullptr) {
+    PREFT_ASSIGN_OR_RETURN(stage_, UploadStage::Create());
+  }
   // The device copy holds the matrices in their dtype plus biases and a table: about the host
   // size, which is what room is made for.
   Drop(lru_.MakeRoom(host->bytes()));
-  absl::StatusOr<std::unique_ptr<DeviceAdapter>> a = DeviceAdapter::Upload(*host);
+  absl::StatusOr<std::unique_ptr<DeviceAdapter>> a = DeviceAdapter::Upload(*host, stage_.get());
   if (absl::IsResourceExhausted(a.status())) {
     // Something else took the device memory: drop every copy this step does not use, retry.
     Drop(lru_.ShrinkTo(0));
-    a = DeviceAdapter::Upload(*host);
+    a = DeviceAdapter::Upload(*host, stage_.get());
   }
   if (!a.ok()) return a.status();
   const DeviceAdapter* raw = a->get();
@@ -373,6 +438,8 @@ absl::StatusOr<const DeviceAdapter*> DeviceAdapterSlots::Get(const AdapterWeight
   ++uploads_;
   return raw;
 }
+
+void DeviceAdapterSlots::Prefetch(const AdapterWeights* host) { (void)Get(host); }
 
 void DeviceAdapterSlots::BeginStep(const std::vector<const AdapterWeights*>& used) {
   lru_.BeginStep();
@@ -621,6 +688,14 @@ absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
     }
   }
   adapters->BeginStep(used);
+  // Uploads run on their own stream: this step's kernels wait (on the device) for the copies
+  // of its adapters. Outside any graph capture, so a replayed graph is ordered after them.
+  for (const AdapterWeights* a : used) {
+    PREFT_ASSIGN_OR_RETURN(const DeviceAdapter* da, adapters->Get(a));
+    if (da->ready_event() != nullptr) {
+      PREFT_RETURN_IF_ERROR(Cuda(cuda::StreamWaitEvent(stream_, da->ready_event()), "upload wait"));
+    }
+  }
   LowRankWork lora, direft;
   int64_t total_blocks = 0;
   {

@@ -79,17 +79,43 @@ class DeviceKvCache {
   DeviceBuffer data_;
 };
 
+// Where adapter uploads stage their bytes: one page-locked buffer and a stream of their own,
+// so a copy runs while the device computes, and the host's part is one memcpy (a copy from
+// pageable memory is staged by the driver and blocks). Not thread-safe.
+class UploadStage {
+ public:
+  static absl::StatusOr<std::unique_ptr<UploadStage>> Create();
+  ~UploadStage();
+  UploadStage(const UploadStage&) = delete;
+  UploadStage& operator=(const UploadStage&) = delete;
+
+  // The staging buffer, at least `bytes`, once the previous copy out of it is done.
+  absl::StatusOr<uint8_t*> Buffer(size_t bytes);
+  // Queues the copy of the buffer's first `bytes` to `dst` and records `done` after it.
+  absl::Status Copy(void* dst, size_t bytes, void* done);
+
+ private:
+  UploadStage() = default;
+  void* stream_ = nullptr;
+  void* copied_ = nullptr;  // event: the last copy out of pinned_ is done
+  uint8_t* pinned_ = nullptr;
+  size_t size_ = 0;
+};
+
 // One adapter in device memory: its matrices and a table of pairs, kEntriesPerLayer per layer
 // (the seven LoRA projections, then the DiReFT update), that the low-rank kernel indexes.
 class DeviceAdapter {
  public:
+  ~DeviceAdapter();
   static constexpr int kEntriesPerLayer = kNumProjections + 1;
   static constexpr int64_t Entry(int64_t layer, int slot) { return layer * kEntriesPerLayer + slot; }
   static constexpr int kDireftSlot = kNumProjections;
 
   // Copies `a` (matrices in their dtype, biases f32). InvalidArgument for a rank over
-  // kernels::cuda::kMaxLowRank.
-  static absl::StatusOr<std::unique_ptr<DeviceAdapter>> Upload(const AdapterWeights& a);
+  // kernels::cuda::kMaxLowRank. Through `stage` the copy is queued and ready_event() marks
+  // its end (a stream that reads the adapter waits on it); without, it is done on return.
+  static absl::StatusOr<std::unique_ptr<DeviceAdapter>> Upload(const AdapterWeights& a,
+                                                               UploadStage* stage = nullptr);
   // Random bf16 matrices made on the device (benchmarks: 512 adapters of an 8B model without
   // writing them): LoRA of `rank` on all seven projections of every layer, scale 1, or DiReFT
   // of `rank` on every layer.
@@ -101,9 +127,12 @@ class DeviceAdapter {
   const kernels::cuda::LowRankPair* table() const { return table_; }  // device
   size_t bytes() const { return data_.size(); }
   int64_t max_rank() const { return max_rank_; }
+  // The event recorded after a staged upload's copy (a cudaEvent_t); null when none is due.
+  void* ready_event() const { return ready_; }
 
  private:
   DeviceAdapter() = default;
+  void* ready_ = nullptr;
   AdapterKind kind_ = AdapterKind::kLora;
   DeviceBuffer data_;  // matrices, biases, then the table
   const kernels::cuda::LowRankPair* table_ = nullptr;
@@ -126,7 +155,12 @@ class DeviceAdapterSlots {
   void BeginStep(const std::vector<const AdapterWeights*>& used);
   // The device copy of `host`, uploaded (after making room) when absent. ResourceExhausted
   // when the device has no memory left even after dropping every copy outside this step.
+  // The upload is queued on a stream of its own: a stream that reads the copy must first
+  // wait on its ready_event() (DeviceModel's forward does).
   absl::StatusOr<const DeviceAdapter*> Get(const AdapterWeights* host);
+  // Get ahead of the step that needs it (a request naming `host` was queued), so the copy
+  // overlaps the steps before; errors are left for that step's Get to report.
+  void Prefetch(const AdapterWeights* host);
   // Makes `key` resolve to an adapter built on the device (benchmarks).
   void Put(const AdapterWeights* key, std::unique_ptr<DeviceAdapter> adapter);
   void Evict(const AdapterWeights* host);
@@ -141,6 +175,7 @@ class DeviceAdapterSlots {
   void Drop(const std::vector<uint64_t>& serials);
 
   base::StepLru lru_;
+  std::unique_ptr<UploadStage> stage_;  // made at the first upload (it needs a device)
   absl::flat_hash_map<uint64_t, std::unique_ptr<DeviceAdapter>> slots_;
   int64_t uploads_ = 0;
   int64_t evictions_ = 0;

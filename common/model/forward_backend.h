@@ -48,6 +48,10 @@ class ForwardBackend {
                                      std::vector<int32_t>* tokens) {
     return absl::UnimplementedError("this backend samples on the host: call Forward");
   }
+  // A request naming `adapter` was queued: a backend that keeps its own copies of adapters
+  // (a GPU's) may start copying it now, so the copy overlaps the steps before its first use.
+  // Errors wait for the forward that uses the adapter.
+  virtual void PrepareAdapter(const AdapterWeights& adapter) {}
   // The dtype adapters are converted to for compute (the form the adapter store keeps).
   virtual kernels::DType adapter_dtype() const = 0;
   // The KV cache in host memory, which the KV transport reads and writes; null when the cache

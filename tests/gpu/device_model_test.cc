@@ -271,6 +271,13 @@ TEST_P(DeviceModelConsistencyTest, AdapterSlotsEvictUnderTheirBudgetAndStayCorre
   step({d.get()}, "d after b was freed");
   EXPECT_EQ(slots.uploads(), 4);
   EXPECT_LE(slots.bytes(), slots.budget());
+  // Queued ahead (a request naming it arrived): uploaded on its own stream before the step
+  // that uses it, which waits for the copy on the device and uploads nothing more.
+  std::unique_ptr<AdapterWeights> e = make_lora(seed_ + 13);
+  slots.Prefetch(e.get());
+  EXPECT_EQ(slots.uploads(), 5);
+  step({e.get()}, "e after its prefetch");
+  EXPECT_EQ(slots.uploads(), 5);
 }
 
 TEST_P(DeviceModelConsistencyTest, GreedyOnDeviceMatchesHostArgmaxAndLogprob) {

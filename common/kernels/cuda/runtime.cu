@@ -39,6 +39,22 @@ int StreamCreate(void** stream) {
 }
 int StreamDestroy(void* stream) { return cudaStreamDestroy(AsStream(stream)); }
 int StreamSynchronize(void* stream) { return cudaStreamSynchronize(AsStream(stream)); }
+int HostAlloc(void** ptr, size_t bytes) { return cudaMallocHost(ptr, bytes); }
+int HostFree(void* ptr) { return cudaFreeHost(ptr); }
+int EventCreate(void** event) {
+  cudaEvent_t e = nullptr;
+  const cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+  *event = e;
+  return err;
+}
+int EventDestroy(void* event) { return cudaEventDestroy(static_cast<cudaEvent_t>(event)); }
+int EventRecord(void* event, void* stream) {
+  return cudaEventRecord(static_cast<cudaEvent_t>(event), AsStream(stream));
+}
+int StreamWaitEvent(void* stream, void* event) {
+  return cudaStreamWaitEvent(AsStream(stream), static_cast<cudaEvent_t>(event), 0);
+}
+int EventSynchronize(void* event) { return cudaEventSynchronize(static_cast<cudaEvent_t>(event)); }
 int GraphCaptureBegin(void* stream) {
   return cudaStreamBeginCapture(AsStream(stream), cudaStreamCaptureModeThreadLocal);
 }

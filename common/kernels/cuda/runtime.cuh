@@ -28,6 +28,19 @@ int StreamCreate(void** stream);
 int StreamDestroy(void* stream);
 int StreamSynchronize(void* stream);
 
+// Page-locked host memory: copies from it to the device run asynchronously (a copy from
+// pageable memory is staged by the driver and returns only once staged).
+int HostAlloc(void** ptr, size_t bytes);
+int HostFree(void* ptr);
+
+// Events order work across streams: Record marks the point `stream` has reached, WaitEvent
+// makes `stream` wait on the device (the host never blocks) until that point is passed.
+int EventCreate(void** event);
+int EventDestroy(void* event);
+int EventRecord(void* event, void* stream);
+int StreamWaitEvent(void* stream, void* event);
+int EventSynchronize(void* event);
+
 // CUDA graphs: the work queued on `stream` between CaptureBegin and CaptureEnd is recorded,
 // not run, and *exec becomes an executable graph (a cudaGraphExec_t) that GraphLaunch replays
 // with one launch. CaptureEnd always ends the capture; *exec is null on error.
