@@ -179,6 +179,13 @@ absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& f) {
   return w;
 }
 
+absl::Status CheckDeviceDeployment(const std::string& device, bool colocated) {
+  if (device == "cpu" || colocated) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--device ", device, " needs --colocated: no KV transport reaches device memory yet, so "
+      "a GPU worker runs whole requests"));
+}
+
 absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(model::Model* model,
                                                            const model::Tokenizer* tokenizer,
                                                            const std::string& device,

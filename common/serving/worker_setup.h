@@ -100,6 +100,11 @@ absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(model::Model* model,
                                                            const std::string& device,
                                                            const engine::EngineOptions& options);
 
+// InvalidArgument unless `device` can serve in this deployment: a device other than "cpu"
+// needs a colocated worker (no KV transport reaches device memory yet, so a GPU worker runs
+// whole requests). The message starts with "--device DEVICE needs --colocated".
+absl::Status CheckDeviceDeployment(const std::string& device, bool colocated);
+
 // The engine cache's layout under `fingerprint`.
 transport::KvLayout LayoutFor(engine::Engine& engine, const std::string& fingerprint);
 

@@ -163,11 +163,8 @@ int main(int argc, char** argv) {
     }
     f.transport.kind = "inproc";
   }
-  if (f.device != "cpu" && !f.colocated) {
-    std::fprintf(stderr,
-                 "preft-decode: --device %s needs --colocated: no KV transport reaches device "
-                 "memory yet, so a GPU worker runs whole requests\n",
-                 f.device.c_str());
+  if (absl::Status s = preft::serving::CheckDeviceDeployment(f.device, f.colocated); !s.ok()) {
+    std::fprintf(stderr, "preft-decode: %s\n", std::string(s.message()).c_str());
     return 2;
   }
   if (f.colocated && f.adapters.root.empty()) {

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/base/status_macros.h"
 #include "common/rpc/server.h"
+#include "common/serving/worker_setup.h"
 #include "services/wire/grpc_kv_transport.h"
 
 namespace preft::tools {
@@ -27,11 +28,7 @@ absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(model::Model* model,
 
 absl::StatusOr<std::unique_ptr<EmbeddedCluster>> EmbeddedCluster::Start(
     EmbeddedClusterOptions o) {
-  if (o.device != "cpu" && !o.colocated) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "device ", o.device, " needs colocated workers: no KV transport reaches device memory "
-        "yet"));
-  }
+  PREFT_RETURN_IF_ERROR(serving::CheckDeviceDeployment(o.device, o.colocated));
   if (o.colocated) {
     o.num_prefill = 0;
     o.decode.colocated = true;

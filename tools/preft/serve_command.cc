@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "common/model/make_model.h"
+#include "common/serving/worker_setup.h"
 #include "tools/preft/commands.h"
 #include "tools/preft/embedded_cluster.h"
 
@@ -30,11 +31,8 @@ struct ServeFlags {
 };
 
 int RunServe(const ServeFlags& f) {
-  if (f.device != "cpu" && !f.colocated) {
-    std::fprintf(stderr,
-                 "preft serve: --device %s needs --colocated: no KV transport reaches device "
-                 "memory yet, so GPU workers run whole requests\n",
-                 f.device.c_str());
+  if (absl::Status s = serving::CheckDeviceDeployment(f.device, f.colocated); !s.ok()) {
+    std::fprintf(stderr, "preft serve: %s\n", std::string(s.message()).c_str());
     return 2;
   }
   if (!std::filesystem::exists(f.model + "/config.json")) {
