@@ -78,6 +78,22 @@ class Metrics:
         return sum(v for n, l, v in samples if n == name and label in l)
 
 
+def cpu_count(spec):
+    """CPUs in a taskset list such as "0-3,6"."""
+    n = 0
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        n += int(hi or lo) - int(lo) + 1
+    return n
+
+
+def pinned(argv, cpus):
+    """`argv` confined to `cpus` (taskset), its engine with one thread per CPU."""
+    argv = list(argv)
+    argv[argv.index("--threads") + 1] = str(cpu_count(cpus))
+    return ["taskset", "-c", cpus, *argv]
+
+
 class Cluster:
     """The real binaries on 127.0.0.1; each process logs to LOGS/<name>.log."""
 
@@ -106,6 +122,10 @@ class Cluster:
             router += ["--colocated"]
         elif decode_adapters:
             decode += ["--adapters", "all-positions", *store]
+        pin = {}
+        if deployment == "disaggregated" and args.tier_cpus:
+            pin = dict(zip(("prefill", "decode"), args.tier_cpus.split(":")))
+            decode = pinned(decode, pin["decode"])
         decodes = [self.start(f"decode-{i}", decode) for i in range(args.decode_workers)]
         self.decode_metrics = [self.address(n, metrics=True) for n in decodes]
         router += ["--decode", ",".join(self.address(n) for n in decodes)]
@@ -116,6 +136,8 @@ class Cluster:
                        "--transport", args.transport]
             if args.transport == "ucx":
                 prefill += ["--ucx-tls", args.ucx_tls]
+            if pin:
+                prefill = pinned(prefill, pin["prefill"])
             prefills = [self.start(f"prefill-{i}", prefill) for i in range(args.prefill_workers)]
             self.prefill_metrics = [self.address(n, metrics=True) for n in prefills]
             router += ["--prefill", ",".join(self.address(n) for n in prefills)]
@@ -473,6 +495,10 @@ def main():
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
     p.add_argument("--threads", type=int, default=0, help="per engine (0: all cores)")
+    p.add_argument("--tier-cpus", metavar="PREFILL:DECODE", default="",
+                   help="disaggregated cells: the prefill and decode workers on these CPUs "
+                        "(taskset lists, e.g. 0:1), as on machines of their own; by default "
+                        "every process shares every core")
     p.add_argument("--max-batch-tokens", type=int, default=512)
     p.add_argument("--kv-mib", type=int, default=1024, help="decode (or colocated) KV pool")
     p.add_argument("--prefill-kv-mib", type=int, default=512)
@@ -501,6 +527,14 @@ def main():
                  "transport reaches device memory yet)")
     if args.repeat < 1:
         sys.exit(f"matrix: --repeat must be at least 1, not {args.repeat}")
+    if args.tier_cpus:
+        lists = args.tier_cpus.split(":")
+        try:
+            if len(lists) != 2 or min(cpu_count(c) for c in lists) < 1:
+                raise ValueError
+        except ValueError:
+            sys.exit(f"matrix: --tier-cpus wants PREFILL:DECODE CPU lists (e.g. 0:1 or 0-7:8-15), "
+                     f"not '{args.tier_cpus}'")
     os.makedirs(args.out, exist_ok=True)
     make_model(args)
     plan = [(conc, ints(args.adapters), args.requests) for conc in ints(args.concurrency)]

@@ -22,7 +22,7 @@ def main():
            "--deployments", deployments, "--adapters", "3", "--concurrency", "2,4",
            "--requests", "10", "--prompt-tokens", "8:24", "--max-tokens", "5",
            "--kv-mib", "32", "--prefill-kv-mib", "32", "--adapter-host-mib", "16",
-           "--adapter-compute-mib", "16", "--threads", "1"]
+           "--adapter-compute-mib", "16", "--threads", "1", "--tier-cpus", "0:0"]
     out = subprocess.run(cmd, capture_output=True, text=True)
     print(out.stdout)
     if out.returncode != 0:
@@ -30,6 +30,9 @@ def main():
         return 1
     failures = []
     check = lambda ok, what: ok or failures.append(what)  # noqa: E731
+    bad = subprocess.run(cmd[:-1] + ["0-1"], capture_output=True, text=True)
+    check(bad.returncode != 0 and "--tier-cpus wants PREFILL:DECODE" in bad.stderr,
+          f"a bad --tier-cpus is refused: {bad.stderr[-300:]}")
     r = json.load(open(f"{work}/out/results.json"))
     cells = r["cells"]
     modes = ["base", "lorap", "direftp", "lora", "direft"]
