@@ -306,6 +306,7 @@ def measure_cell(args, cell, deployment, mode, n, concurrency, requests):
         register(args, cluster.router, names, args.adapter_dir)
         before = acquires(cluster.workers)
         steps_before = step_totals(cluster.decode_metrics)
+        prefill_before = step_totals(cluster.prefill_metrics)
         sampler = Sampler(cluster.decode_metrics)
         sampler.start()
         cmd = [f"{args.build}/tools/preft", "bench", "--server", cluster.router, "--json",
@@ -327,6 +328,7 @@ def measure_cell(args, cell, deployment, mode, n, concurrency, requests):
         time.sleep(1.2)  # the workers refresh their gauges and store counters every 0.5 s
         after = acquires(cluster.workers)
         steps_after = step_totals(cluster.decode_metrics)
+        prefill_after = step_totals(cluster.prefill_metrics)
     finally:
         cluster.stop()
     got = {r: after[r] - before[r] for r in ACQUIRE_RESULTS}
@@ -340,10 +342,17 @@ def measure_cell(args, cell, deployment, mode, n, concurrency, requests):
         "decode_steps": step_summary(steps_before, steps_after, result.get("seconds"),
                                      cluster.decode_metrics),
     })
+    if cluster.prefill_metrics:
+        result["prefill_steps"] = step_summary(prefill_before, prefill_after,
+                                               result.get("seconds"), cluster.prefill_metrics)
     st = result["decode_steps"]
     step = (f", decode step {st['step_ms_mean']:.1f} ms x {st['steps']:.0f} "
             f"({st['tokens_per_step']:.1f} tokens, busy {100 * st['step_busy']:.0f}%)"
             if st["steps"] else "")
+    pt = result.get("prefill_steps")
+    if pt and pt["steps"]:
+        step += (f", prefill step {pt['step_ms_mean']:.1f} ms x {pt['steps']:.0f} "
+                 f"({pt['tokens_per_step']:.1f} tokens, busy {100 * pt['step_busy']:.0f}%)")
     log(f"cell {cell}: {result['output_tokens_per_s']:.1f} tok/s, "
         f"TTFT p50 {result['ttft_ms']['p50']:.0f} ms, ITL p50 {result['itl_ms']['p50']:.1f} ms{step}")
     return result
@@ -389,8 +398,9 @@ def flatten(c):
     for k in ("ttft_ms", "itl_ms", "e2e_ms"):
         for q, v in c[k].items():
             row[f"{k[:-3]}_{q}_ms"] = v
-    for k, v in c.get("decode_steps", {}).items():
-        row[f"decode_{k}"] = v
+    for tier in ("decode", "prefill"):
+        for k, v in (c.get(f"{tier}_steps") or {}).items():
+            row[f"{tier}_{k}"] = v
     return row
 
 
@@ -398,7 +408,8 @@ CSV_FIELDS = ["deployment", "mode", "num_adapters", "concurrency", "requests", "
               "generated_tokens", "seconds", "output_tokens_per_s", "requests_per_s",
               "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms",
               "itl_p99_ms", "e2e_p50_ms", "kv_usage_mean", "kv_usage_max", "adapter_hit_rate",
-              "decode_step_ms_mean", "decode_tokens_per_step", "decode_step_busy", "rounds"]
+              "decode_step_ms_mean", "decode_tokens_per_step", "decode_step_busy",
+              "prefill_step_ms_mean", "prefill_tokens_per_step", "prefill_step_busy", "rounds"]
 
 
 def plot(out, cells, top_c, load_n):

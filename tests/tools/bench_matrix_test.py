@@ -63,6 +63,11 @@ def main():
         check(st["steps"] > 0 and st["tokens_per_step"] * st["steps"] >= 50 - 10,
               f"{name}: decode steps {st}")
         check(0 < st["step_busy"] <= 1 and st["step_ms_mean"] > 0, f"{name}: step time {st}")
+        pt = c.get("prefill_steps")
+        check((pt is not None) == (c["deployment"] == "disaggregated"), f"{name}: prefill steps")
+        if pt:  # every prompt token goes through a prefill step
+            check(pt["steps"] > 0 and pt["tokens_per_step"] * pt["steps"] >= 10 * 8
+                  and 0 < pt["step_busy"] <= 1, f"{name}: prefill steps {pt}")
     ratios = {(x["deployment"], x["mode"], x["concurrency"]): x for x in r["ratios"]}
     tps = {(c["deployment"], c["mode"], c["concurrency"]): c["output_tokens_per_s"] for c in cells}
     for d in deployments.split(","):
