@@ -231,8 +231,6 @@ absl::Status DeviceKvCache::PoisonForTesting() {
   return Cuda(cuda::StreamSynchronize(nullptr), "synchronize");
 }
 
-// ---- DeviceAdapter ----
-
 // ---- UploadStage ----
 
 absl::StatusOr<std::unique_ptr<UploadStage>> UploadStage::Create() {
