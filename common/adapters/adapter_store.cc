@@ -93,8 +93,8 @@ class StoreCore : public std::enable_shared_from_this<StoreCore> {
 
   void RunFlight(const VersionPtr& v, WeightsPtr host, const std::string& dir,
                  std::vector<Ready>* ready);
-  absl::Status CheckFits(const std::string& name, const std::string& dir, int64_t host_bytes,
-                         int64_t compute_bytes) const;
+  // `bytes` of one object, which both tiers hold (see the header).
+  absl::Status CheckFits(const std::string& name, const std::string& dir, int64_t bytes) const;
   // Parses `dir` for the host tier (in the compute dtype), on the calling thread.
   absl::StatusOr<WeightsPtr> LoadHost(const std::string& name, const std::string& dir) const;
 
@@ -159,15 +159,15 @@ absl::StatusOr<WeightsPtr> StoreCore::LoadHost(const std::string& name,
 }
 
 absl::Status StoreCore::CheckFits(const std::string& name, const std::string& dir,
-                                  int64_t host_bytes, int64_t compute_bytes) const {
-  if (host_bytes > options_.host_bytes) {
+                                  int64_t bytes) const {
+  if (bytes > options_.host_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "adapter '", name, "' (", dir, ") needs ", host_bytes,
+        "adapter '", name, "' (", dir, ") needs ", bytes,
         " bytes of host memory, more than the store's whole host budget of ", options_.host_bytes));
   }
-  if (compute_bytes > options_.compute_bytes) {
+  if (bytes > options_.compute_bytes) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("adapter '", name, "' (", dir, ") needs ", compute_bytes,
+        absl::StrCat("adapter '", name, "' (", dir, ") needs ", bytes,
                      " bytes in a compute slot, more than the store's whole compute budget of ",
                      options_.compute_bytes));
   }
@@ -184,11 +184,9 @@ absl::StatusOr<int64_t> StoreCore::Update(const std::string& name, const std::st
     }
     entry_id = it->second.id;
   }
-  PREFT_ASSIGN_OR_RETURN(WeightsPtr host, LoadHost(name, dir));
-  WeightsPtr compute = host;  // one object in both tiers (see the header)
-  const int64_t host_bytes = static_cast<int64_t>(host->bytes());
-  const int64_t compute_bytes = static_cast<int64_t>(compute->bytes());
-  if (absl::Status s = CheckFits(name, dir, host_bytes, compute_bytes); !s.ok()) return s;
+  PREFT_ASSIGN_OR_RETURN(WeightsPtr weights, LoadHost(name, dir));
+  const int64_t bytes = static_cast<int64_t>(weights->bytes());
+  if (absl::Status s = CheckFits(name, dir, bytes); !s.ok()) return s;
 
   absl::MutexLock lock(&mu_);
   auto it = entries_.find(name);
@@ -203,11 +201,11 @@ absl::StatusOr<int64_t> StoreCore::Update(const std::string& name, const std::st
   v->number = ++e.last_version;
   Retire(e.current);
   e.current = v;
-  InsertHost(v, std::move(host));
+  InsertHost(v, weights);
   // Into a slot only when one is free: an update should not push out adapters in use, nor
   // overtake Acquires waiting for room.
-  if (room_.empty() && stats_.compute_bytes_used + compute_bytes <= options_.compute_bytes) {
-    InstallCompute(v, std::move(compute));
+  if (room_.empty() && stats_.compute_bytes_used + bytes <= options_.compute_bytes) {
+    InstallCompute(v, std::move(weights));
   }
   return v->number;
 }
@@ -293,12 +291,7 @@ void StoreCore::RunFlight(const VersionPtr& v, WeightsPtr host, const std::strin
       status = loaded.status();
     }
   }
-  WeightsPtr compute;
-  if (status.ok()) {
-    compute = host;
-    status = CheckFits(v->name, dir, static_cast<int64_t>(host->bytes()),
-                       static_cast<int64_t>(compute->bytes()));
-  }
+  if (status.ok()) status = CheckFits(v->name, dir, static_cast<int64_t>(host->bytes()));
 
   absl::MutexLock lock(&mu_);
   if (stopping_) {
@@ -311,8 +304,8 @@ void StoreCore::RunFlight(const VersionPtr& v, WeightsPtr host, const std::strin
     return;
   }
   ++(from_disk ? stats_.disk_loads : stats_.host_hits);
+  v->pending = host;  // the compute tier's copy is the host tier's object
   if (from_disk && !v->retired) InsertHost(v, std::move(host));
-  v->pending = std::move(compute);
   if (!room_.empty() || !Admit(v, ready)) {
     v->flight = Flight::kWaitingRoom;
     room_.push_back(v);
