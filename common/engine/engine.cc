@@ -138,11 +138,9 @@ absl::Status Engine::Add(Request request) {
   }
   if (const model::AdapterWeights* a = request.adapter.weights.get()) {
     seq->adapter_positions = request.adapter.positions.value_or(a->default_positions);
-  }
-  seq->request = std::move(request);
-  if (const model::AdapterWeights* a = seq->request.adapter.weights.get()) {
     backend_->PrepareAdapter(*a);
   }
+  seq->request = std::move(request);
   if (seq->request.imported) return AddImported(std::move(seq));
   waiting_.push_back(std::move(seq));
   return absl::OkStatus();
