@@ -143,7 +143,6 @@ class Cluster:
             router += ["--prefill", ",".join(self.address(n) for n in prefills)]
         self.start("router", router)
         self.router = self.address("router")
-        self.workers = self.decode_metrics + self.prefill_metrics
 
     def start(self, name, argv):
         f = open(os.path.join(self.logs, f"{name}.log"), "w")
@@ -195,29 +194,25 @@ class Sampler(threading.Thread):
                 pass
 
 
-def acquires(workers):
-    """Adapter store acquires by result, summed over `workers`' metrics endpoints."""
-    total = dict.fromkeys(ACQUIRE_RESULTS, 0.0)
-    for a in workers:
-        s = Metrics.scrape(a)
-        for r in ACQUIRE_RESULTS:
-            total[r] += Metrics.total(s, "preft:adapter_acquires_total", f'result="{r}"')
-    return total
-
-
 STEP_SERIES = ("preft:forward_seconds_sum", "preft:forward_seconds_count",
                "preft:iteration_tokens_total_sum")
 
 
-def step_totals(workers):
-    """The decode workers' engine-step counters, summed: where a step's time goes (the
-    forward against the whole inter-token gap) without a profiler."""
-    total = dict.fromkeys(STEP_SERIES, 0.0)
-    for a in workers:
-        s = Metrics.scrape(a)
-        for name in STEP_SERIES:
-            total[name] += Metrics.total(s, name)
-    return total
+def counters(cluster):
+    """One scrape of every worker: adapter store acquires by result (all workers), and each
+    tier's engine-step counters (where a step's time goes, the forward against the whole
+    inter-token gap, without a profiler), summed."""
+    out = {"acquires": dict.fromkeys(ACQUIRE_RESULTS, 0.0)}
+    for tier, workers in (("decode", cluster.decode_metrics), ("prefill", cluster.prefill_metrics)):
+        steps = out[tier] = dict.fromkeys(STEP_SERIES, 0.0)
+        for a in workers:
+            s = Metrics.scrape(a)
+            for r in ACQUIRE_RESULTS:
+                out["acquires"][r] += Metrics.total(s, "preft:adapter_acquires_total",
+                                                    f'result="{r}"')
+            for name in STEP_SERIES:
+                steps[name] += Metrics.total(s, name)
+    return out
 
 
 def step_summary(before, after, seconds, workers):
@@ -229,8 +224,8 @@ def step_summary(before, after, seconds, workers):
         # schedule + forward + sample, per step (preft:forward_seconds)
         "step_ms_mean": 1e3 * busy / steps if steps else None,
         "tokens_per_step": tokens / steps if steps else None,
-        # share of the cell each decode engine spent in steps; the rest is token delivery,
-        # waiting for work and the loop itself
+        # share of the cell each of the tier's engines spent in steps; the rest is token
+        # delivery, waiting for work and the loop itself
         "step_busy": busy / (seconds * max(1, len(workers))) if seconds else None,
     }
 
@@ -304,9 +299,7 @@ def measure_cell(args, cell, deployment, mode, n, concurrency, requests):
                       os.path.abspath(args.adapter_dir))
     try:
         register(args, cluster.router, names, args.adapter_dir)
-        before = acquires(cluster.workers)
-        steps_before = step_totals(cluster.decode_metrics)
-        prefill_before = step_totals(cluster.prefill_metrics)
+        before = counters(cluster)
         sampler = Sampler(cluster.decode_metrics)
         sampler.start()
         cmd = [f"{args.build}/tools/preft", "bench", "--server", cluster.router, "--json",
@@ -326,12 +319,10 @@ def measure_cell(args, cell, deployment, mode, n, concurrency, requests):
             raise RuntimeError(f"preft bench failed in {cell}: {bench.stderr.strip()}")
         result = json.loads(bench.stdout)
         time.sleep(1.2)  # the workers refresh their gauges and store counters every 0.5 s
-        after = acquires(cluster.workers)
-        steps_after = step_totals(cluster.decode_metrics)
-        prefill_after = step_totals(cluster.prefill_metrics)
+        after = counters(cluster)
     finally:
         cluster.stop()
-    got = {r: after[r] - before[r] for r in ACQUIRE_RESULTS}
+    got = {r: after["acquires"][r] - before["acquires"][r] for r in ACQUIRE_RESULTS}
     total = sum(got.values())
     result.update({
         "deployment": deployment, "mode": mode, "num_adapters": n, "concurrency": concurrency,
@@ -339,11 +330,11 @@ def measure_cell(args, cell, deployment, mode, n, concurrency, requests):
         "kv_usage_max": max(sampler.usage, default=0),
         "adapter_acquires": got,
         "adapter_hit_rate": got["compute_hit"] / total if total else None,
-        "decode_steps": step_summary(steps_before, steps_after, result.get("seconds"),
+        "decode_steps": step_summary(before["decode"], after["decode"], result.get("seconds"),
                                      cluster.decode_metrics),
     })
     if cluster.prefill_metrics:
-        result["prefill_steps"] = step_summary(prefill_before, prefill_after,
+        result["prefill_steps"] = step_summary(before["prefill"], after["prefill"],
                                                result.get("seconds"), cluster.prefill_metrics)
     st = result["decode_steps"]
     step = (f", decode step {st['step_ms_mean']:.1f} ms x {st['steps']:.0f} "
