@@ -7,7 +7,8 @@
 //    projections; DiReFT rank 4 on every layer), prompt P, G new tokens, in lockstep: prompts
 //    prefilled in chunks, then decode steps over every sequence. End-to-end tokens/s of base,
 //    LoRAP, DiReFTP (adapter on the prompt only; decode on the base model), LoRA (multi-LoRA,
-//    every position) and DiReFT, and PreFT / multi-LoRA.
+//    every position) and DiReFT, and PreFT / multi-LoRA;
+//  - host-to-device copy rates and a LoRA adapter's upload as the engine does it.
 //
 //   cuda_model_bench [--preset llama3.1-8b] [--requests 512] [--prompt 128] [--new 128]
 //                    [--chunk 8192] [--lora-rank 16] [--direft-rank 4] [--quick] [--no-graphs]
@@ -17,6 +18,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -74,6 +76,75 @@ double CopyBandwidth() {
   for (int i = 0; i < 10; ++i) cuda::CopyOnDevice(b.get(), a.get(), bytes, nullptr);
   cuda::StreamSynchronize(nullptr);
   return 2.0 * bytes * 10 / (Now() - t0) / 1e9;
+}
+
+// Host-to-device rate in GB/s of `bytes` from page-locked or pageable memory.
+double HostToDevice(size_t bytes, bool pinned) {
+  auto dev = Check(preft::model::DeviceBuffer::Allocate(bytes), "allocate");
+  void* host = nullptr;
+  std::vector<uint8_t> pageable;
+  if (pinned) {
+    if (cuda::HostAlloc(&host, bytes) != 0) return 0;
+  } else {
+    pageable.assign(bytes, 1);
+    host = pageable.data();
+  }
+  std::memset(host, 1, bytes);
+  cuda::CopyToDevice(dev.get(), host, bytes, nullptr);
+  cuda::StreamSynchronize(nullptr);
+  const double t0 = Now();
+  for (int i = 0; i < 5; ++i) cuda::CopyToDevice(dev.get(), host, bytes, nullptr);
+  cuda::StreamSynchronize(nullptr);
+  const double gbps = 5.0 * bytes / (Now() - t0) / 1e9;
+  if (pinned) cuda::HostFree(host);
+  return gbps;
+}
+
+// A host LoRA adapter of `rank` on all seven projections of every layer (zero weights: only
+// its size matters here).
+std::unique_ptr<AdapterWeights> HostLora(const preft::model::ModelConfig& c, int64_t rank) {
+  auto a = std::make_unique<AdapterWeights>(AdapterKind::kLora, c.num_layers);
+  const int64_t d = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
+  const int64_t in[] = {d, d, d, q, d, d, c.intermediate_size};
+  const int64_t out[] = {q, kv, kv, d, c.intermediate_size, c.intermediate_size, d};
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    for (int p = 0; p < preft::model::kNumProjections; ++p) {
+      auto& lr = a->mutable_lora(l, static_cast<preft::model::Projection>(p));
+      lr.shrink = a->AllocateMatrix(preft::kernels::DType::kBF16, rank, in[p]);
+      lr.expand = a->AllocateMatrix(preft::kernels::DType::kBF16, rank, out[p]);
+    }
+  }
+  return a;
+}
+
+// What serving a new adapter costs the GPU worker: host-to-device rates, then LoRA uploads
+// through DeviceAdapterSlots as the engine does them (page-locked staging, a side stream):
+// the time the calling (engine) thread is held, and the time until the copy is on the device.
+void UploadFigures(const preft::model::ModelConfig& c, int64_t rank) {
+  const size_t bytes = size_t{64} << 20;
+  const double pinned = HostToDevice(bytes, true), pageable = HostToDevice(bytes, false);
+  std::printf("| host to device, page-locked (64 MiB) | %.1f GB/s | - | - | - |\n", pinned);
+  std::printf("| host to device, pageable (64 MiB) | %.1f GB/s | - | - | - |\n", pageable);
+  DeviceAdapterSlots slots;
+  std::vector<std::unique_ptr<AdapterWeights>> hosts;
+  for (int i = 0; i < 17; ++i) hosts.push_back(HostLora(c, rank));
+  Check(slots.Get(hosts[0].get()), "upload");  // makes the stage
+  cuda::StreamSynchronize(nullptr);
+  std::vector<double> held, done;
+  for (size_t i = 1; i < hosts.size(); ++i) {
+    const double t0 = Now();
+    const DeviceAdapter* a = Check(slots.Get(hosts[i].get()), "upload");
+    const double t1 = Now();
+    if (a->ready_event() != nullptr) cuda::EventSynchronize(a->ready_event());
+    held.push_back(t1 - t0);
+    done.push_back(Now() - t0);
+  }
+  const double mb = hosts[0]->bytes() / 1e6, ideal_ms = hosts[0]->bytes() / (pinned * 1e9) * 1e3;
+  std::printf("| LoRA r%ld upload (%.1f MB), caller held | %.2f ms | - | - | - |\n",
+              static_cast<long>(rank), mb, Median(held) * 1e3);
+  std::printf("| LoRA r%ld upload (%.1f MB), on the device | %.2f ms | page-locked copy %.2f ms | %.2f | - |\n",
+              static_cast<long>(rank), mb, Median(done) * 1e3, ideal_ms,
+              Median(done) * 1e3 / ideal_ms);
 }
 
 struct Seq {
@@ -203,6 +274,7 @@ int main(int argc, char** argv) {
               static_cast<long>(need_blocks));
   std::printf("| figure | value | reference (same run) | ratio | target |\n|---|---|---|---|---|\n");
   std::printf("| copy bandwidth | %.0f GB/s (read + write) | - | - | - |\n", bw);
+  UploadFigures(config, lora_rank);
 
   // Decode on the base model at 1, 64 and 256 sequences (batch 1 also without graphs).
   struct DecodeRun {
