@@ -118,24 +118,25 @@ std::unique_ptr<AdapterWeights> HostLora(const preft::model::ModelConfig& c, int
 }
 
 // What serving a new adapter costs the GPU worker: host-to-device rates, then LoRA uploads
-// through DeviceAdapterSlots as the engine does them (page-locked staging, a side stream):
-// the time the calling (engine) thread is held, and the time until the copy is on the device.
+// through DeviceAdapterSlots as the engine starts them (Prefetch: staged off the calling
+// thread, copied on a side stream): the time the calling (engine) thread is held, and the
+// time until the copy is on the device (Ready).
 void UploadFigures(const preft::model::ModelConfig& c, int64_t rank) {
   const size_t bytes = size_t{64} << 20;
   const double pinned = HostToDevice(bytes, true), pageable = HostToDevice(bytes, false);
   std::printf("| host to device, page-locked (64 MiB) | %.1f GB/s | - | - | - |\n", pinned);
   std::printf("| host to device, pageable (64 MiB) | %.1f GB/s | - | - | - |\n", pageable);
   DeviceAdapterSlots slots;
-  std::vector<std::unique_ptr<AdapterWeights>> hosts;
+  std::vector<std::shared_ptr<const AdapterWeights>> hosts;
   for (int i = 0; i < 17; ++i) hosts.push_back(HostLora(c, rank));
-  Check(slots.Get(hosts[0].get()), "upload");  // makes the stage
-  cuda::StreamSynchronize(nullptr);
+  Check(slots.Get(hosts[0].get()), "upload");  // makes the uploader
   std::vector<double> held, done;
   for (size_t i = 1; i < hosts.size(); ++i) {
     const double t0 = Now();
-    const DeviceAdapter* a = Check(slots.Get(hosts[i].get()), "upload");
+    slots.Prefetch(hosts[i]);
     const double t1 = Now();
-    if (a->ready_event() != nullptr) cuda::EventSynchronize(a->ready_event());
+    while (!slots.Ready(hosts[i])) {
+    }
     held.push_back(t1 - t0);
     done.push_back(Now() - t0);
   }

@@ -45,6 +45,7 @@ struct Engine::Sequence {
   model::AdapterPositions adapter_positions = model::AdapterPositions::kAll;
   std::vector<uint8_t> mask;  // per-step scratch: adapter mask of the tokens computed now
   bool imported = false;      // prompt KV computed elsewhere: never recomputed here
+  bool adapter_ready = false;  // the backend said so once (it stays ready while in use)
   // For the observer (RequestReport).
   absl::Time arrival;
   absl::Time scheduled = absl::InfinitePast();
@@ -138,7 +139,7 @@ absl::Status Engine::Add(Request request) {
   }
   if (const model::AdapterWeights* a = request.adapter.weights.get()) {
     seq->adapter_positions = request.adapter.positions.value_or(a->default_positions);
-    backend_->PrepareAdapter(*a);
+    backend_->PrepareAdapter(request.adapter.weights);
   }
   seq->request = std::move(request);
   if (seq->request.imported) return AddImported(std::move(seq));
@@ -396,9 +397,15 @@ absl::Status Engine::Step() {
     running_views.push_back({static_cast<int64_t>(s->tokens.size()), s->num_computed,
                              static_cast<int64_t>(s->blocks.size())});
   }
+  bool adapters_in_flight = false;
   for (const auto& s : waiting_) {
+    if (!s->adapter_ready) {
+      const auto& weights = s->request.adapter.weights;
+      s->adapter_ready = weights == nullptr || backend_->AdapterReady(weights);
+      adapters_in_flight = adapters_in_flight || !s->adapter_ready;
+    }
     waiting_views.push_back({static_cast<int64_t>(s->tokens.size()), s->num_computed,
-                             static_cast<int64_t>(s->blocks.size())});
+                             static_cast<int64_t>(s->blocks.size()), s->adapter_ready});
   }
   const ScheduleDecision d = Schedule(options_.scheduler, running_views, waiting_views,
                                       allocator_.num_free(), allocator_.num_blocks());
@@ -454,6 +461,9 @@ absl::Status Engine::Step() {
   waiting_ = std::move(still_waiting);
   if (work.empty()) {
     if (observer_ != nullptr && step_report_.preemptions > 0) observer_->OnStep(step_report_);
+    // Only prompts whose adapters are still being copied: let the copies run instead of
+    // asking again at once (the loop calls Step while there is work).
+    if (adapters_in_flight) absl::SleepFor(absl::Microseconds(200));
     return absl::OkStatus();
   }
 

@@ -43,7 +43,8 @@ ScheduleDecision Schedule(const SchedulerConfig& config, const std::vector<Seque
   }
   int64_t num_running = static_cast<int64_t>(running.size() - d.preempted.size());
 
-  // Waiting sequences, FCFS: stop at the first that does not fit (no overtaking).
+  // Waiting sequences, FCFS: stop at the first that does not fit (no overtaking), but pass
+  // over one whose adapter is still on its way (it costs the others nothing to wait for).
   for (int64_t j = 0; j < static_cast<int64_t>(waiting.size()); ++j) {
     const SequenceView& s = waiting[j];
     if (BlocksFor(s.num_tokens + 1, bt) > total_blocks) {  // prompt + first token
@@ -51,6 +52,7 @@ ScheduleDecision Schedule(const SchedulerConfig& config, const std::vector<Seque
       continue;
     }
     if (budget <= 0 || num_running >= config.max_running) break;
+    if (!s.ready) continue;
     const int64_t remaining = s.num_tokens - s.num_computed;
     const int64_t n = std::min(remaining, budget);
     const int64_t need = std::max<int64_t>(0, BlocksFor(s.num_computed + n, bt) - s.num_blocks);

@@ -3,7 +3,7 @@
 // Continuous-batching scheduler as a pure function: given the sequences and free KV blocks,
 // decide which tokens run in the next forward. Decode tokens go first (bounded latency);
 // prompt chunks fill the rest of the token budget (chunked prefill); admission is FCFS by
-// free KV blocks; when running sequences outgrow the cache the newest is preempted
+// free KV blocks, passing over prompts whose adapters are not ready yet; when running sequences outgrow the cache the newest is preempted
 // (recomputed later).
 
 #include <cstdint>
@@ -21,6 +21,7 @@ struct SequenceView {
   int64_t num_tokens = 0;    // prompt + generated so far: all must end up in the cache
   int64_t num_computed = 0;  // tokens already in the cache
   int64_t num_blocks = 0;    // blocks held
+  bool ready = true;         // waiting only: its adapter can be used now (not still copying)
 };
 
 struct ScheduleItem {

@@ -38,7 +38,12 @@ class CudaBackend : public ForwardBackend {
   bool samples_on_device() const override { return true; }
   absl::Status ForwardSample(const ForwardBatch& batch, const std::vector<RowSampling>& rows,
                              std::vector<int32_t>* tokens) override;
-  void PrepareAdapter(const AdapterWeights& adapter) override { slots_.Prefetch(&adapter); }
+  void PrepareAdapter(const std::shared_ptr<const AdapterWeights>& adapter) override {
+    slots_.Prefetch(adapter);
+  }
+  bool AdapterReady(const std::shared_ptr<const AdapterWeights>& adapter) override {
+    return slots_.Ready(adapter);
+  }
   kernels::DType adapter_dtype() const override { return kernels::DType::kBF16; }
   const char* name() const override { return "cuda"; }
 

@@ -279,80 +279,86 @@ DeviceAdapter::~DeviceAdapter() {
   if (ready_ != nullptr) cuda::EventDestroy(ready_);
 }
 
-absl::StatusOr<std::unique_ptr<DeviceAdapter>> DeviceAdapter::Upload(const AdapterWeights& a,
-                                                                     UploadStage* stage) {
+namespace {
+
+// The pair in table entry (layer, slot) of `a`, or null when that entry is unused.
+const LowRank* PairOf(const AdapterWeights& a, int64_t layer, int slot) {
+  if (a.kind() == AdapterKind::kDireft) {
+    return slot == DeviceAdapter::kDireftSlot ? &a.direft(layer) : nullptr;
+  }
+  return slot < kNumProjections ? &a.lora(layer, static_cast<Projection>(slot)) : nullptr;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DeviceAdapter>> DeviceAdapter::Allocate(const AdapterWeights& a) {
   PREFT_RETURN_IF_ERROR(NeedDevice());
   const int64_t layers = a.num_layers();
-  auto pair_of = [&](int64_t l, int slot) -> const LowRank* {
-    if (a.kind() == AdapterKind::kDireft) return slot == kDireftSlot ? &a.direft(l) : nullptr;
-    return slot < kNumProjections ? &a.lora(l, static_cast<Projection>(slot)) : nullptr;
-  };
-  // Pass 1: place every matrix and bias, then the table.
-  struct Placed {
-    size_t shrink = 0, expand = 0, bias = 0;
-  };
-  std::vector<Placed> placed(layers * kEntriesPerLayer);
+  std::unique_ptr<DeviceAdapter> out(new DeviceAdapter());
+  out->placed_.resize(layers * kEntriesPerLayer);
   Placer plan;
   for (int64_t l = 0; l < layers; ++l) {
     for (int slot = 0; slot < kEntriesPerLayer; ++slot) {
-      const LowRank* lr = pair_of(l, slot);
+      const LowRank* lr = PairOf(a, l, slot);
       if (lr == nullptr || lr->empty()) continue;
       if (lr->rank() > cuda::kMaxLowRank) {
         return absl::InvalidArgumentError(absl::StrCat("adapter rank ", lr->rank(),
                                                        " exceeds the CUDA kernels' limit of ",
                                                        cuda::kMaxLowRank));
       }
-      Placed& p = placed[Entry(l, slot)];
+      if (lr->shrink.dtype != lr->expand.dtype) {
+        return absl::InvalidArgumentError("adapter shrink and expand matrices differ in dtype");
+      }
+      Placed& p = out->placed_[Entry(l, slot)];
       p.shrink = plan.Place(lr->shrink.rows * lr->shrink.cols * kernels::DTypeSize(lr->shrink.dtype));
       p.expand = plan.Place(lr->expand.rows * lr->expand.cols * kernels::DTypeSize(lr->expand.dtype));
       if (lr->shrink_bias != nullptr) p.bias = plan.Place(lr->rank() * sizeof(float));
     }
   }
-  const size_t table_at = plan.Place(placed.size() * sizeof(cuda::LowRankPair));
-  std::unique_ptr<DeviceAdapter> out(new DeviceAdapter());
+  out->table_at_ = plan.Place(out->placed_.size() * sizeof(cuda::LowRankPair));
   out->kind_ = a.kind();
   out->max_rank_ = a.max_rank();
   PREFT_ASSIGN_OR_RETURN(out->data_, DeviceBuffer::Allocate(plan.size()));
-  // Pass 2: stage everything on the host with device addresses in the table; one copy.
-  // (Padding between the pieces is never read: it may hold anything.)
-  std::vector<uint8_t> pageable;
-  uint8_t* staging = nullptr;
-  if (stage != nullptr) {
-    PREFT_ASSIGN_OR_RETURN(staging, stage->Buffer(plan.size()));
-  } else {
-    pageable.assign(plan.size(), 0);
-    staging = pageable.data();
-  }
-  auto* table = reinterpret_cast<cuda::LowRankPair*>(staging + table_at);
-  for (int64_t l = 0; l < layers; ++l) {
+  out->table_ = out->data_.as<cuda::LowRankPair>(out->table_at_);
+  return out;
+}
+
+void DeviceAdapter::Fill(const AdapterWeights& a, uint8_t* staging) const {
+  // Padding between the pieces is never read: it may hold anything.
+  auto* table = reinterpret_cast<cuda::LowRankPair*>(staging + table_at_);
+  for (int64_t l = 0; l < a.num_layers(); ++l) {
     for (int slot = 0; slot < kEntriesPerLayer; ++slot) {
-      const LowRank* lr = pair_of(l, slot);
+      const LowRank* lr = PairOf(a, l, slot);
       cuda::LowRankPair& pair = table[Entry(l, slot)];
       pair = cuda::LowRankPair{};
       if (lr == nullptr || lr->empty()) continue;
-      if (lr->shrink.dtype != lr->expand.dtype) {
-        return absl::InvalidArgumentError("adapter shrink and expand matrices differ in dtype");
-      }
-      const Placed& p = placed[Entry(l, slot)];
+      const Placed& p = placed_[Entry(l, slot)];
       const size_t es = kernels::DTypeSize(lr->shrink.dtype);
       std::memcpy(staging + p.shrink, lr->shrink.data, lr->shrink.rows * lr->shrink.cols * es);
       std::memcpy(staging + p.expand, lr->expand.data, lr->expand.rows * lr->expand.cols * es);
       if (lr->shrink_bias != nullptr) {
         std::memcpy(staging + p.bias, lr->shrink_bias, lr->rank() * sizeof(float));
       }
-      pair = {out->data_.as<uint8_t>(p.shrink), out->data_.as<uint8_t>(p.expand),
+      pair = {data_.as<uint8_t>(p.shrink), data_.as<uint8_t>(p.expand),
               lr->shrink.dtype, lr->rank(), lr->shrink.cols, lr->expand.cols,
-              lr->shrink_bias != nullptr ? out->data_.as<float>(p.bias) : nullptr, lr->scale};
+              lr->shrink_bias != nullptr ? data_.as<float>(p.bias) : nullptr, lr->scale};
     }
   }
-  out->table_ = out->data_.as<cuda::LowRankPair>(table_at);
-  if (stage != nullptr) {
-    PREFT_RETURN_IF_ERROR(Cuda(cuda::EventCreate(&out->ready_), "upload event"));
-    PREFT_RETURN_IF_ERROR(stage->Copy(out->data_.get(), plan.size(), out->ready_));
-    return out;
-  }
+}
+
+absl::Status DeviceAdapter::Stage(const AdapterWeights& a, UploadStage* stage) {
+  PREFT_ASSIGN_OR_RETURN(uint8_t* staging, stage->Buffer(data_.size()));
+  Fill(a, staging);
+  if (ready_ == nullptr) PREFT_RETURN_IF_ERROR(Cuda(cuda::EventCreate(&ready_), "upload event"));
+  return stage->Copy(data_.get(), data_.size(), ready_);
+}
+
+absl::StatusOr<std::unique_ptr<DeviceAdapter>> DeviceAdapter::Upload(const AdapterWeights& a) {
+  PREFT_ASSIGN_OR_RETURN(std::unique_ptr<DeviceAdapter> out, Allocate(a));
+  std::vector<uint8_t> staging(out->data_.size(), 0);
+  out->Fill(a, staging.data());
   PREFT_RETURN_IF_ERROR(
-      Cuda(cuda::CopyToDevice(out->data_.get(), staging, plan.size(), nullptr), "copy"));
+      Cuda(cuda::CopyToDevice(out->data_.get(), staging.data(), staging.size(), nullptr), "copy"));
   PREFT_RETURN_IF_ERROR(Cuda(cuda::StreamSynchronize(nullptr), "synchronize"));
   return out;
 }
@@ -409,35 +415,129 @@ absl::StatusOr<std::unique_ptr<DeviceAdapter>> DeviceAdapter::Random(const Model
   return out;
 }
 
+// ---- AdapterUploader ----
+
+absl::StatusOr<std::unique_ptr<AdapterUploader>> AdapterUploader::Create() {
+  std::unique_ptr<AdapterUploader> u(new AdapterUploader());
+  PREFT_ASSIGN_OR_RETURN(u->stage_, UploadStage::Create());
+  u->thread_ = std::thread([raw = u.get()] { raw->Run(); });
+  return u;
+}
+
+AdapterUploader::~AdapterUploader() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void AdapterUploader::Enqueue(std::shared_ptr<const AdapterWeights> host, DeviceAdapter* dst) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_.insert(dst);
+    jobs_.push_back({std::move(host), dst});
+  }
+  cv_.notify_all();
+}
+
+bool AdapterUploader::Queued(const DeviceAdapter* dst) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !pending_.contains(dst);
+}
+
+absl::Status AdapterUploader::Wait(const DeviceAdapter* dst) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return !pending_.contains(dst); });
+  auto it = failed_.find(dst);
+  if (it == failed_.end()) return absl::OkStatus();
+  absl::Status s = std::move(it->second);
+  failed_.erase(it);
+  return s;
+}
+
+void AdapterUploader::Run() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+    if (jobs_.empty()) return;  // stopping, and every queued job is done
+    Job job = std::move(jobs_.front());
+    jobs_.pop_front();
+    lock.unlock();
+    absl::Status s = job.dst->Stage(*job.host, stage_.get());
+    job.host.reset();  // the host copy may go once staged
+    lock.lock();
+    pending_.erase(job.dst);
+    if (!s.ok()) failed_[job.dst] = std::move(s);
+    cv_.notify_all();
+  }
+}
+
 // ---- DeviceAdapterSlots ----
 
-absl::StatusOr<const DeviceAdapter*> DeviceAdapterSlots::Get(const AdapterWeights* host) {
-  const uint64_t key = host->serial();
-  if (auto it = slots_.find(key); it != slots_.end()) {
-    lru_.Touch(key);
-    return it->second.get();
-  }
-  if (stage_ == nullptr) {
-    PREFT_ASSIGN_OR_RETURN(stage_, UploadStage::Create());
+absl::StatusOr<DeviceAdapter*> DeviceAdapterSlots::StartUpload(
+    std::shared_ptr<const AdapterWeights> host) {
+  if (uploader_ == nullptr) {
+    PREFT_ASSIGN_OR_RETURN(uploader_, AdapterUploader::Create());
   }
   // The device copy holds the matrices in their dtype plus biases and a table: about the host
   // size, which is what room is made for.
   Drop(lru_.MakeRoom(host->bytes()));
-  absl::StatusOr<std::unique_ptr<DeviceAdapter>> a = DeviceAdapter::Upload(*host, stage_.get());
+  absl::StatusOr<std::unique_ptr<DeviceAdapter>> a = DeviceAdapter::Allocate(*host);
   if (absl::IsResourceExhausted(a.status())) {
     // Something else took the device memory: drop every copy this step does not use, retry.
     Drop(lru_.ShrinkTo(0));
-    a = DeviceAdapter::Upload(*host, stage_.get());
+    a = DeviceAdapter::Allocate(*host);
   }
   if (!a.ok()) return a.status();
-  const DeviceAdapter* raw = a->get();
-  lru_.Insert(key, (*a)->bytes());
-  slots_.emplace(key, *std::move(a));
+  DeviceAdapter* raw = a->get();
+  lru_.Insert(host->serial(), raw->bytes());
+  slots_.emplace(host->serial(), *std::move(a));
   ++uploads_;
+  uploader_->Enqueue(std::move(host), raw);
   return raw;
 }
 
-void DeviceAdapterSlots::Prefetch(const AdapterWeights* host) { (void)Get(host); }
+absl::StatusOr<const DeviceAdapter*> DeviceAdapterSlots::Get(const AdapterWeights* host) {
+  const uint64_t key = host->serial();
+  DeviceAdapter* a = nullptr;
+  if (auto it = slots_.find(key); it != slots_.end()) {
+    lru_.Touch(key);
+    a = it->second.get();
+  } else {
+    // Not owned: the caller's step holds `host` until this returns, after the staging.
+    PREFT_ASSIGN_OR_RETURN(a, StartUpload(std::shared_ptr<const AdapterWeights>(
+                                  std::shared_ptr<const AdapterWeights>(), host)));
+  }
+  if (uploader_ != nullptr) {
+    const absl::Status staged = uploader_->Wait(a);
+    if (!staged.ok()) {
+      Erase(key);  // a later request tries again
+      return staged;
+    }
+  }
+  return a;
+}
+
+void DeviceAdapterSlots::Prefetch(std::shared_ptr<const AdapterWeights> host) {
+  if (slots_.contains(host->serial())) {
+    lru_.Touch(host->serial());
+    return;
+  }
+  (void)StartUpload(std::move(host));  // a failure is the step's Get's to report
+}
+
+bool DeviceAdapterSlots::Ready(const std::shared_ptr<const AdapterWeights>& host) {
+  auto it = slots_.find(host->serial());
+  if (it == slots_.end()) {
+    if (!StartUpload(host).ok()) return true;  // the step's Get reports why
+    it = slots_.find(host->serial());
+  }
+  const DeviceAdapter* a = it->second.get();
+  if (uploader_ != nullptr && !uploader_->Queued(a)) return false;
+  return a->ready_event() == nullptr || !cuda::EventPending(a->ready_event());
+}
 
 void DeviceAdapterSlots::BeginStep(const std::vector<const AdapterWeights*>& used) {
   lru_.BeginStep();
@@ -454,12 +554,20 @@ void DeviceAdapterSlots::Put(const AdapterWeights* key, std::unique_ptr<DeviceAd
 
 void DeviceAdapterSlots::Evict(const AdapterWeights* host) {
   lru_.Erase(host->serial());
-  slots_.erase(host->serial());
+  Erase(host->serial());
 }
 
 void DeviceAdapterSlots::Drop(const std::vector<uint64_t>& serials) {
-  for (uint64_t s : serials) slots_.erase(s);
+  for (uint64_t s : serials) Erase(s);
   evictions_ += static_cast<int64_t>(serials.size());
+}
+
+void DeviceAdapterSlots::Erase(uint64_t serial) {
+  auto it = slots_.find(serial);
+  if (it == slots_.end()) return;
+  if (uploader_ != nullptr) (void)uploader_->Wait(it->second.get());
+  lru_.Erase(serial);
+  slots_.erase(it);
 }
 
 // ---- DeviceModel ----

@@ -5,13 +5,18 @@
 // layout (common/kernels/attention_types.h), and adapters uploaded to device slots. Built only
 // with PREFT_ENABLE_CUDA; CUDA itself stays behind common/kernels/cuda (streams are void*).
 
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "common/base/aligned_vector.h"
 #include "common/base/step_lru.h"
@@ -81,7 +86,8 @@ class DeviceKvCache {
 
 // Where adapter uploads stage their bytes: one page-locked buffer and a stream of their own,
 // so a copy runs while the device computes, and the host's part is one memcpy (a copy from
-// pageable memory is staged by the driver and blocks). Not thread-safe.
+// pageable memory is staged by the driver and blocks). Not thread-safe (AdapterUploader's
+// thread owns one).
 class UploadStage {
  public:
   static absl::StatusOr<std::unique_ptr<UploadStage>> Create();
@@ -111,11 +117,14 @@ class DeviceAdapter {
   static constexpr int64_t Entry(int64_t layer, int slot) { return layer * kEntriesPerLayer + slot; }
   static constexpr int kDireftSlot = kNumProjections;
 
-  // Copies `a` (matrices in their dtype, biases f32). InvalidArgument for a rank over
-  // kernels::cuda::kMaxLowRank. Through `stage` the copy is queued and ready_event() marks
-  // its end (a stream that reads the adapter waits on it); without, it is done on return.
-  static absl::StatusOr<std::unique_ptr<DeviceAdapter>> Upload(const AdapterWeights& a,
-                                                               UploadStage* stage = nullptr);
+  // Copies `a` (matrices in their dtype, biases f32): Allocate, then the copy, done on return.
+  static absl::StatusOr<std::unique_ptr<DeviceAdapter>> Upload(const AdapterWeights& a);
+  // Device memory for `a` and where each piece goes, nothing copied yet. InvalidArgument for
+  // a rank over kernels::cuda::kMaxLowRank or matrices of mixed dtypes.
+  static absl::StatusOr<std::unique_ptr<DeviceAdapter>> Allocate(const AdapterWeights& a);
+  // Stages `a` (the adapter Allocate planned) in `stage` and queues its copy there;
+  // ready_event() then marks the copy's end (a stream that reads the adapter waits on it).
+  absl::Status Stage(const AdapterWeights& a, UploadStage* stage);
   // Random bf16 matrices made on the device (benchmarks: 512 adapters of an 8B model without
   // writing them): LoRA of `rank` on all seven projections of every layer, scale 1, or DiReFT
   // of `rank` on every layer.
@@ -131,12 +140,56 @@ class DeviceAdapter {
   void* ready_event() const { return ready_; }
 
  private:
+  struct Placed {
+    size_t shrink = 0, expand = 0, bias = 0;
+  };
   DeviceAdapter() = default;
+  // The matrices, biases and table (with device addresses) as they are laid out on the device.
+  void Fill(const AdapterWeights& a, uint8_t* staging) const;
+
   void* ready_ = nullptr;
+  std::vector<Placed> placed_;  // per table entry (Allocate's plan)
+  size_t table_at_ = 0;
   AdapterKind kind_ = AdapterKind::kLora;
   DeviceBuffer data_;  // matrices, biases, then the table
   const kernels::cuda::LowRankPair* table_ = nullptr;
   int64_t max_rank_ = 0;
+};
+
+// Stages adapters and queues their copies on a thread of its own, so neither the memcpy into
+// page-locked memory nor a wait for the staging buffer holds the thread that runs the steps.
+// Enqueue, Queued and Wait are for one caller thread (DeviceAdapterSlots').
+class AdapterUploader {
+ public:
+  static absl::StatusOr<std::unique_ptr<AdapterUploader>> Create();
+  ~AdapterUploader();  // queued jobs finish first
+  AdapterUploader(const AdapterUploader&) = delete;
+  AdapterUploader& operator=(const AdapterUploader&) = delete;
+
+  // Queues the copy of `host` into `dst` (from DeviceAdapter::Allocate; it must outlive the
+  // job: call Wait before destroying it). `host` is held until staged.
+  void Enqueue(std::shared_ptr<const AdapterWeights> host, DeviceAdapter* dst);
+  // True once dst's copy is on the upload stream (or failed); never blocks.
+  bool Queued(const DeviceAdapter* dst);
+  // Blocks until dst's copy is on the upload stream; the staging's status.
+  absl::Status Wait(const DeviceAdapter* dst);
+
+ private:
+  struct Job {
+    std::shared_ptr<const AdapterWeights> host;
+    DeviceAdapter* dst;
+  };
+  AdapterUploader() = default;
+  void Run();
+
+  std::unique_ptr<UploadStage> stage_;  // used by thread_ alone
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> jobs_;
+  absl::flat_hash_set<const DeviceAdapter*> pending_;  // queued or being staged
+  absl::flat_hash_map<const DeviceAdapter*, absl::Status> failed_;
+  bool stop_ = false;
+  std::thread thread_;
 };
 
 // The device copies of the adapters batches name: uploaded on first use into a byte budget,
@@ -155,12 +208,16 @@ class DeviceAdapterSlots {
   void BeginStep(const std::vector<const AdapterWeights*>& used);
   // The device copy of `host`, uploaded (after making room) when absent. ResourceExhausted
   // when the device has no memory left even after dropping every copy outside this step.
-  // The upload is queued on a stream of its own: a stream that reads the copy must first
-  // wait on its ready_event() (DeviceModel's forward does).
+  // The copy is queued on a stream of its own (by the time this returns): a stream that
+  // reads it must first wait on its ready_event() (DeviceModel's forward does).
   absl::StatusOr<const DeviceAdapter*> Get(const AdapterWeights* host);
-  // Get ahead of the step that needs it (a request naming `host` was queued), so the copy
-  // overlaps the steps before; errors are left for that step's Get to report.
-  void Prefetch(const AdapterWeights* host);
+  // Starts the upload of `host` (a request naming it was queued) and returns at once: the
+  // copy overlaps the steps before its first use. Errors are left for that step's Get.
+  void Prefetch(std::shared_ptr<const AdapterWeights> host);
+  // Whether a step naming `host` would run without waiting for its copy: true once the copy
+  // is on the device (or its upload failed: the step's Get says why). Starts the upload when
+  // absent. Never blocks.
+  bool Ready(const std::shared_ptr<const AdapterWeights>& host);
   // Makes `key` resolve to an adapter built on the device (benchmarks).
   void Put(const AdapterWeights* key, std::unique_ptr<DeviceAdapter> adapter);
   void Evict(const AdapterWeights* host);
@@ -172,11 +229,16 @@ class DeviceAdapterSlots {
   int64_t evictions() const { return evictions_; }
 
  private:
+  // Allocates `host`'s slot (after making room) and queues its copy.
+  absl::StatusOr<DeviceAdapter*> StartUpload(std::shared_ptr<const AdapterWeights> host);
   void Drop(const std::vector<uint64_t>& serials);
+  void Erase(uint64_t serial);  // after its copy is queued, so no job writes freed memory
 
   base::StepLru lru_;
-  std::unique_ptr<UploadStage> stage_;  // made at the first upload (it needs a device)
   absl::flat_hash_map<uint64_t, std::unique_ptr<DeviceAdapter>> slots_;
+  // Made at the first upload (it needs a device); declared after slots_, so it finishes its
+  // jobs (which write into slots_' adapters) before they are freed.
+  std::unique_ptr<AdapterUploader> uploader_;
   int64_t uploads_ = 0;
   int64_t evictions_ = 0;
 };

@@ -49,9 +49,16 @@ class ForwardBackend {
     return absl::UnimplementedError("this backend samples on the host: call Forward");
   }
   // A request naming `adapter` was queued: a backend that keeps its own copies of adapters
-  // (a GPU's) may start copying it now, so the copy overlaps the steps before its first use.
-  // Errors wait for the forward that uses the adapter.
-  virtual void PrepareAdapter(const AdapterWeights& adapter) {}
+  // (a GPU's) may start copying it now, off the engine thread, so the copy overlaps the steps
+  // before its first use. Errors wait for the forward that uses the adapter.
+  virtual void PrepareAdapter(const std::shared_ptr<const AdapterWeights>& adapter) {}
+  // Whether a forward naming `adapter` would run without waiting for its copy to arrive. The
+  // engine admits a prompt once its adapter is ready, so a copy in flight delays that request
+  // alone, never the sequences already running. True when preparing it failed (the forward
+  // then says why); starts the preparation if none was started.
+  virtual bool AdapterReady(const std::shared_ptr<const AdapterWeights>& adapter) {
+    return true;
+  }
   // The dtype adapters are converted to for compute (the form the adapter store keeps).
   virtual kernels::DType adapter_dtype() const = 0;
   // The KV cache in host memory, which the KV transport reads and writes; null when the cache

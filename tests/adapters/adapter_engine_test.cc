@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -371,6 +372,79 @@ TEST_F(AdapterEngineTest, TokensAreIdenticalAloneAndAmong32Adapters) {
       EXPECT_GT(e->stats().preemptions, 0);
     }
   }
+}
+
+// A CPU backend whose adapter copies take a while, as a GPU's do: AdapterReady says no to its
+// first `not_ready_queries` questions about each adapter. Forward counts batches that name an
+// adapter before it was ready, and steps run while one was not.
+class SlowAdapterBackend : public model::ForwardBackend {
+ public:
+  SlowAdapterBackend(std::unique_ptr<model::CpuBackend> cpu, int not_ready_queries)
+      : cpu_(std::move(cpu)), not_ready_queries_(not_ready_queries) {}
+  const model::ModelConfig& config() const override { return cpu_->config(); }
+  const kv::KvCacheShape& cache_shape() const override { return cpu_->cache_shape(); }
+  absl::Status Forward(const model::ForwardBatch& batch,
+                       base::AlignedVector<float>* logits) override {
+    for (const auto& s : batch.sequences) {
+      if (s.adapter != nullptr && !ready_.count(s.adapter)) ++early_uses;
+    }
+    if (ready_.size() < queries_.size()) ++steps_while_copying;
+    return cpu_->Forward(batch, logits);
+  }
+  void PrepareAdapter(const std::shared_ptr<const AdapterWeights>& a) override {
+    ++prepared[a.get()];
+  }
+  bool AdapterReady(const std::shared_ptr<const AdapterWeights>& a) override {
+    if (++queries_[a.get()] <= not_ready_queries_) return false;
+    ready_.insert(a.get());
+    return true;
+  }
+  kernels::DType adapter_dtype() const override { return cpu_->adapter_dtype(); }
+  kv::KvCache* host_cache() override { return cpu_->host_cache(); }
+  const char* name() const override { return "cpu-slow-adapters"; }
+
+  int early_uses = 0;
+  int steps_while_copying = 0;
+  std::map<const AdapterWeights*, int> prepared;
+
+ private:
+  std::unique_ptr<model::CpuBackend> cpu_;
+  int not_ready_queries_;
+  std::map<const AdapterWeights*, int> queries_;
+  std::set<const AdapterWeights*> ready_;
+};
+
+// An adapter still being copied delays its own request only: the engine starts the copy when
+// the request is queued, admits the prompt once the backend says the adapter is ready, and
+// meanwhile keeps stepping the others (a base request, and one whose adapter is ready). No
+// batch names an adapter early, and every request's tokens are what it gets alone.
+TEST_F(AdapterEngineTest, AnAdapterStillCopyingDelaysOnlyItsOwnRequest) {
+  const std::string fixture = testing::TinyLlamaFixture();
+  auto lora = Load(fixture + "/lora", base_->config());
+  auto direft = Load(fixture + "/direft", base_->config());
+  ASSERT_TRUE(lora && direft);
+  const std::vector<Request> reqs = {
+      MakeRequest("base", kPrompts[1], 16),
+      MakeRequest("lorap", kPrompts[2], 8, lora, AdapterPositions::kPrompt),
+      MakeRequest("direftp", kPrompts[0], 8, direft, AdapterPositions::kPrompt)};
+  std::vector<std::vector<int32_t>> alone;
+  for (const Request& r : reqs) {
+    auto e = MakeEngine(base_);
+    alone.push_back(RunAll(e.get(), {r}).at(0).token_ids);
+  }
+  auto cpu = model::CpuBackend::Create(base_, 256, 16);
+  ASSERT_TRUE(cpu.ok());
+  auto owned = std::make_unique<SlowAdapterBackend>(*std::move(cpu), /*not_ready_queries=*/6);
+  SlowAdapterBackend* backend = owned.get();
+  auto e = Engine::Create(std::move(owned), nullptr, engine::EngineOptions{});
+  ASSERT_TRUE(e.ok()) << e.status();
+  const auto together = RunAll(e->get(), reqs);
+  ASSERT_EQ(together.size(), reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(together[i].token_ids, alone[i]) << i;
+  EXPECT_EQ(backend->early_uses, 0);
+  EXPECT_GE(backend->steps_while_copying, 5);  // the base request went on meanwhile
+  EXPECT_EQ(backend->prepared[lora.get()], 1);  // once, when queued
+  EXPECT_EQ(backend->prepared[direft.get()], 1);
 }
 
 TEST_F(AdapterEngineTest, ResultReportsAdapterVersionAndPositions) {

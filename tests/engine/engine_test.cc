@@ -138,7 +138,9 @@ TEST_F(EngineTest, BackendSamplingGivesTheHostSamplersTokens) {
     // Logits cross only for steps that sample nothing (prompt chunks) or, with logprobs,
     // while request 1 generates its 12 tokens.
     EXPECT_GE(backend->sample_calls, logprobs ? 1 : 12);
-    if (logprobs) EXPECT_GE(backend->forward_calls, 12);
+    if (logprobs) {
+      EXPECT_GE(backend->forward_calls, 12);
+    }
   }
 }
 

@@ -45,6 +45,24 @@ TEST(SchedulerTest, AdmissionIsFcfsByFreeBlocks) {
   EXPECT_TRUE(d.rejected.empty());
 }
 
+TEST(SchedulerTest, PromptWhoseAdapterIsNotReadyIsPassedOver) {
+  // The first prompt's adapter is still being copied: the second is admitted in its place,
+  // and the first neither takes budget nor blocks, nor is rejected.
+  std::vector<SequenceView> waiting = {{40, 0, 0, /*ready=*/false}, {10, 0, 0}};
+  ScheduleDecision d = Schedule(Config(512), {}, waiting, 100, 100);
+  ASSERT_EQ(d.items.size(), 1u);
+  EXPECT_FALSE(d.items[0].running);
+  EXPECT_EQ(d.items[0].index, 1);
+  EXPECT_EQ(d.items[0].num_new, 10);
+  EXPECT_TRUE(d.rejected.empty());
+  // Once ready it is admitted first again (arrival order).
+  waiting[0].ready = true;
+  d = Schedule(Config(512), {}, waiting, 100, 100);
+  ASSERT_EQ(d.items.size(), 2u);
+  EXPECT_EQ(d.items[0].index, 0);
+  EXPECT_EQ(d.items[1].index, 1);
+}
+
 TEST(SchedulerTest, PromptThatCanNeverFitIsRejected) {
   std::vector<SequenceView> waiting = {{160, 0, 0}, {10, 0, 0}};
   // 160 tokens + 1 generated need 11 blocks; the whole cache has 10.

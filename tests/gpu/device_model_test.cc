@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "common/adapters/adapter_loader.h"
 #include "common/adapters/make_adapter.h"
 #include "common/engine/sampler.h"
@@ -271,13 +272,27 @@ TEST_P(DeviceModelConsistencyTest, AdapterSlotsEvictUnderTheirBudgetAndStayCorre
   step({d.get()}, "d after b was freed");
   EXPECT_EQ(slots.uploads(), 4);
   EXPECT_LE(slots.bytes(), slots.budget());
-  // Queued ahead (a request naming it arrived): uploaded on its own stream before the step
-  // that uses it, which waits for the copy on the device and uploads nothing more.
-  std::unique_ptr<AdapterWeights> e = make_lora(seed_ + 13);
-  slots.Prefetch(e.get());
+  // Queued ahead (a request naming it arrived): staged off this thread and copied on its own
+  // stream; Ready turns true once the copy is on the device, and the step that uses it
+  // uploads nothing more.
+  std::shared_ptr<const AdapterWeights> e = make_lora(seed_ + 13);
+  slots.Prefetch(e);
   EXPECT_EQ(slots.uploads(), 5);
+  auto wait_ready = [&](const std::shared_ptr<const AdapterWeights>& w) {
+    for (int i = 0; i < 5000 && !slots.Ready(w); ++i) absl::SleepFor(absl::Milliseconds(1));
+    return slots.Ready(w);
+  };
+  EXPECT_TRUE(wait_ready(e));
   step({e.get()}, "e after its prefetch");
   EXPECT_EQ(slots.uploads(), 5);
+  // Asking whether an absent adapter is ready starts its upload; the step right after it
+  // (before the copy may have landed) waits for the copy on the device, and is still right.
+  std::shared_ptr<const AdapterWeights> f = make_lora(seed_ + 14);
+  (void)slots.Ready(f);
+  EXPECT_EQ(slots.uploads(), 6);
+  step({f.get()}, "f right after Ready started it");
+  EXPECT_EQ(slots.uploads(), 6);
+  EXPECT_TRUE(wait_ready(f));
 }
 
 TEST_P(DeviceModelConsistencyTest, GreedyOnDeviceMatchesHostArgmaxAndLogprob) {
@@ -388,7 +403,9 @@ TEST_P(DeviceModelConsistencyTest, GraphReplayEqualsEagerDecode) {
     // Contexts 10, 15, 20 grow by one a step: the second sequence gets a new block at step 2,
     // the first at step 7.
     if (step == 1) captures_after_first_decode = device_->graph_captures();
-    if (step > 1) EXPECT_EQ(device_->graph_captures(), captures_after_first_decode) << "step " << step;
+    if (step > 1) {
+      EXPECT_EQ(device_->graph_captures(), captures_after_first_decode) << "step " << step;
+    }
     for (size_t i = 0; i < seqs.size(); ++i) {
       const float* row = &eager[i * c.vocab_size];
       seqs[i].tokens.push_back(static_cast<int32_t>(std::max_element(row, row + c.vocab_size) - row));

@@ -55,6 +55,11 @@ int StreamWaitEvent(void* stream, void* event) {
   return cudaStreamWaitEvent(AsStream(stream), static_cast<cudaEvent_t>(event), 0);
 }
 int EventSynchronize(void* event) { return cudaEventSynchronize(static_cast<cudaEvent_t>(event)); }
+bool EventPending(void* event) {
+  if (cudaEventQuery(static_cast<cudaEvent_t>(event)) != cudaErrorNotReady) return false;
+  (void)cudaGetLastError();  // "not ready" is no error: keep it from a later launch's check
+  return true;
+}
 int GraphCaptureBegin(void* stream) {
   return cudaStreamBeginCapture(AsStream(stream), cudaStreamCaptureModeThreadLocal);
 }

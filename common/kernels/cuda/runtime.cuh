@@ -40,6 +40,9 @@ int EventDestroy(void* event);
 int EventRecord(void* event, void* stream);
 int StreamWaitEvent(void* stream, void* event);
 int EventSynchronize(void* event);
+// True while the work recorded before `event` is still running (never blocks); an error
+// counts as done, for the work that uses it to report.
+bool EventPending(void* event);
 
 // CUDA graphs: the work queued on `stream` between CaptureBegin and CaptureEnd is recorded,
 // not run, and *exec becomes an executable graph (a cudaGraphExec_t) that GraphLaunch replays
