@@ -20,7 +20,8 @@
 #   here:  scripts/gpu-check.sh --bundle build-gpu/bundle            (~35 MB packed)
 #   there: scripts/gpu-check.sh --run-bundle build-gpu/bundle.tgz    (carry: build-gpu/bundle.tgz)
 # SERVE=0 skips the served table (SERVE_TIMEOUT_S bounds it, default 300); MODEL_BENCH_FLAGS
-# passes flags to cuda_model_bench.
+# passes flags to cuda_model_bench. With $OUT set (the device tool's output folder), the
+# served cells and worker logs are packed into $OUT/served.tgz.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,10 +42,14 @@ serve() {
   local build=$1 out=/tmp/preft-serve/out
   command -v python3 >/dev/null || { echo "no python3: served table skipped"; return 0; }
   echo "== served, colocated on the GPU (bench/serve/matrix.py)"
+  local rc=0
   timeout "${SERVE_TIMEOUT_S:-300}" python3 bench/serve/matrix.py --build "$build" --model /tmp/preft-serve/model \
     --preset qwen2.5-0.5b --dtype bf16 --adapter-dir /tmp/preft-serve/adapters --out "$out" \
     --deployments colocated --device cuda --adapters 64 --concurrency 64 --requests 128 \
-    --prompt-tokens 128 --max-tokens 128
+    --prompt-tokens 128 --max-tokens 128 | grep -v "make-adapter: wrote" || rc=$?
+  # One archive of the table, cells and worker logs: a lent machine returns few files.
+  if [[ -n "${OUT:-}" ]]; then tar czf "$OUT/served.tgz" -C "$(dirname "$out")" "$(basename "$out")"; fi
+  return $rc
 }
 
 # Runs the tests and benchmarks whose binaries are in $1 (tests) and $2 (benchmarks), then
