@@ -960,9 +960,15 @@ absl::Status DeviceModel::Launch(const Step& step, DeviceKvCache* cache, const L
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
   const int64_t window = c.architecture == Architecture::kMistral ? c.sliding_window : 0;
+  // A residual add is fused with the norm after it; the MLP's add waits for the next layer's
+  // input norm (or the end), unless a DiReFT update must see x first.
+  bool mlp_out_pending = false;  // tmp_ is still to be added to x_
   for (int64_t li = 0; li < c.num_layers; ++li) {
     const DeviceLayer& l = layers_[li];
-    PREFT_RETURN_IF_ERROR(Cuda(cuda::RmsNorm(x_, l.input_norm, T, d, eps, h_, stream_), "norm"));
+    PREFT_RETURN_IF_ERROR(Cuda(mlp_out_pending
+                                   ? cuda::AddRmsNorm(x_, tmp_, l.input_norm, T, d, eps, h_, stream_)
+                                   : cuda::RmsNorm(x_, l.input_norm, T, d, eps, h_, stream_),
+                               "norm"));
     PREFT_RETURN_IF_ERROR(linear_shared(h_, T, d,
                                         {{l.q, q_out, l.q_bias, q_},
                                          {l.k, kv_out, l.k_bias, k_},
@@ -971,24 +977,21 @@ absl::Status DeviceModel::Launch(const Step& step, DeviceKvCache* cache, const L
                                      {{Projection::kQ, q_, q_out},
                                       {Projection::kK, k_, kv_out},
                                       {Projection::kV, v_, kv_out}}));
-    PREFT_RETURN_IF_ERROR(Cuda(cuda::ApplyRope(positions, T, inv_freq_, hd, q_, c.num_heads, k_,
-                                               c.num_kv_heads, stream_),
-                               "rope"));
     const kernels::PagedKvLayout layout{cache->layer_base(li), cs.block_floats(),
                                         cache->v_offset(),     bt,
                                         c.num_kv_heads,        hd};
-    PREFT_RETURN_IF_ERROR(
-        Cuda(cuda::WriteKv(k_, v_, slots, T, cache->layer_base(li), layout, stream_), "KV write"));
+    PREFT_RETURN_IF_ERROR(Cuda(cuda::RopeWriteKv(positions, inv_freq_, q_, c.num_heads, k_, v_,
+                                                 slots, T, cache->layer_base(li), layout,
+                                                 stream_),
+                               "RoPE and KV write"));
     PREFT_RETURN_IF_ERROR(Cuda(cuda::PagedAttention(seqs, S, max_new, layout, c.num_heads, scale,
                                                     window, attention_parts_.as<float>(0),
                                                     stream_),
                                "attention"));
     PREFT_RETURN_IF_ERROR(linear(attn_, T, l.o, d, q_out, l.o_bias, tmp_));
     PREFT_RETURN_IF_ERROR(apply_lora(li, attn_, q_out, {{Projection::kO, tmp_, d}}));
-    PREFT_RETURN_IF_ERROR(Cuda(cuda::AddInPlace(x_, tmp_, T * d, stream_), "add"));
-
-    PREFT_RETURN_IF_ERROR(
-        Cuda(cuda::RmsNorm(x_, l.post_attention_norm, T, d, eps, h_, stream_), "norm"));
+    PREFT_RETURN_IF_ERROR(Cuda(
+        cuda::AddRmsNorm(x_, tmp_, l.post_attention_norm, T, d, eps, h_, stream_), "norm"));
     PREFT_RETURN_IF_ERROR(
         linear_shared(h_, T, d, {{l.gate, inter, nullptr, gate_}, {l.up, inter, nullptr, up_}}));
     PREFT_RETURN_IF_ERROR(apply_lora(li, h_, d,
@@ -998,14 +1001,18 @@ absl::Status DeviceModel::Launch(const Step& step, DeviceKvCache* cache, const L
         Cuda(cuda::SiluMulSeparate(gate_, up_, T * inter, gate_, stream_), "SwiGLU"));
     PREFT_RETURN_IF_ERROR(linear(gate_, T, l.down, d, inter, nullptr, tmp_));
     PREFT_RETURN_IF_ERROR(apply_lora(li, gate_, inter, {{Projection::kDown, tmp_, d}}));
-    PREFT_RETURN_IF_ERROR(Cuda(cuda::AddInPlace(x_, tmp_, T * d, stream_), "add"));
+    mlp_out_pending = direft.empty();
     if (!direft.empty()) {
+      PREFT_RETURN_IF_ERROR(Cuda(cuda::AddInPlace(x_, tmp_, T * d, stream_), "add"));
       cuda::LowRankTargets targets;
       targets.target[0] = {static_cast<int32_t>(DeviceAdapter::Entry(li, DeviceAdapter::kDireftSlot)),
                            x_, d};
       targets.num_targets = 1;
       PREFT_RETURN_IF_ERROR(direft.Launch(x_, d, targets, stream_));
     }
+  }
+  if (mlp_out_pending) {
+    PREFT_RETURN_IF_ERROR(Cuda(cuda::AddInPlace(x_, tmp_, T * d, stream_), "add"));
   }
   // Only the rows that will be sampled go through the final norm and the LM head.
   PREFT_RETURN_IF_ERROR(

@@ -410,6 +410,64 @@ TEST_F(CudaOpsTest, LowRankAddTilesMatchesCpuInPlace) {
 // then decode rows alone, which take the flash-decoding kernel (contexts split across blocks
 // and merged), for a group of 7 heads of dim 64 and a group of 4 of dim 128; a group of 9
 // is past the flash-decoding kernel and takes the per-head kernel.
+// The fused kernels give, bit for bit, what the kernels they replace give in sequence: the
+// residual add with the norm after it, and RoPE with the KV write (cache and q; each cache
+// starts from the same random bytes, so a stray or missing write shows too).
+TEST_F(CudaOpsTest, FusedKernelsEqualTheKernelsTheyReplace) {
+  const int64_t tokens = 9, dim = 896;
+  const std::vector<float> x = Random(tokens * dim, -4.f, 4.f), delta = Random(tokens * dim);
+  const std::vector<float> w = Random(dim, 0.5f, 1.5f);
+  DeviceVec<float> d_w(w), d_delta(delta), d_x1(x), d_x2(x), d_out1(tokens * dim),
+      d_out2(tokens * dim);
+  CUDA_OK(cuda::AddInPlace(d_x1.get(), d_delta.get(), tokens * dim, nullptr));
+  CUDA_OK(cuda::RmsNorm(d_x1.get(), d_w.get(), tokens, dim, 1e-6f, d_out1.get(), nullptr));
+  CUDA_OK(cuda::AddRmsNorm(d_x2.get(), d_delta.get(), d_w.get(), tokens, dim, 1e-6f,
+                           d_out2.get(), nullptr));
+  EXPECT_EQ(d_x2.ToHost(), d_x1.ToHost());
+  EXPECT_EQ(d_out2.ToHost(), d_out1.ToHost());
+  std::vector<float> sum = x, normed(tokens * dim);
+  cpu::AddInPlace(sum.data(), delta.data(), tokens * dim);
+  cpu::RmsNorm(sum.data(), w.data(), tokens, dim, 1e-6f, normed.data());
+  ExpectNear(d_out2.ToHost(), normed, 1e-5);
+
+  struct Geometry {
+    int64_t heads, kv_heads, hd;
+  };
+  for (const Geometry g : {Geometry{14, 2, 64}, Geometry{32, 8, 128}}) {
+    SCOPED_TRACE("heads " + std::to_string(g.heads) + " head_dim " + std::to_string(g.hd));
+    const int64_t bt = 16, blocks = 6, block_stride = 2 * g.kv_heads * bt * g.hd;
+    std::vector<float> inv_freq(g.hd / 2);
+    for (int64_t i = 0; i < g.hd / 2; ++i) {
+      inv_freq[i] = static_cast<float>(std::pow(5e5, -2.0 * i / g.hd));
+    }
+    std::vector<int32_t> pos(tokens);
+    std::vector<int64_t> slots(tokens);
+    for (int64_t t = 0; t < tokens; ++t) {
+      pos[t] = static_cast<int32_t>(rng_() % 100000);
+      slots[t] = t * 7 % (blocks * bt);  // distinct slots across several blocks
+    }
+    const std::vector<float> q = Random(tokens * g.heads * g.hd);
+    const std::vector<float> k = Random(tokens * g.kv_heads * g.hd);
+    const std::vector<float> v = Random(tokens * g.kv_heads * g.hd);
+    const std::vector<float> cache = Random(blocks * block_stride);
+    DeviceVec<float> d_q1(q), d_q2(q), d_k1(k), d_k2(k), d_v(v), d_inv(inv_freq);
+    DeviceVec<float> d_cache1(cache), d_cache2(cache);
+    DeviceVec<int32_t> d_pos(pos);
+    DeviceVec<int64_t> d_slots(slots);
+    const cuda::PagedKvLayout layout{nullptr, block_stride, g.kv_heads * g.hd * bt, bt,
+                                     g.kv_heads, g.hd};
+    CUDA_OK(cuda::ApplyRope(d_pos.get(), tokens, d_inv.get(), g.hd, d_q1.get(), g.heads,
+                            d_k1.get(), g.kv_heads, nullptr));
+    CUDA_OK(cuda::WriteKv(d_k1.get(), d_v.get(), d_slots.get(), tokens, d_cache1.get(), layout,
+                          nullptr));
+    CUDA_OK(cuda::RopeWriteKv(d_pos.get(), d_inv.get(), d_q2.get(), g.heads, d_k2.get(),
+                              d_v.get(), d_slots.get(), tokens, d_cache2.get(), layout, nullptr));
+    EXPECT_EQ(d_q2.ToHost(), d_q1.ToHost());
+    EXPECT_EQ(d_cache2.ToHost(), d_cache1.ToHost());
+    EXPECT_EQ(d_k2.ToHost(), k);  // left as it was
+  }
+}
+
 TEST_F(CudaOpsTest, PagedAttentionMatchesCpu) {
   struct Geometry {
     int64_t heads, kv_heads, hd;

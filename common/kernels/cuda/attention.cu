@@ -97,6 +97,36 @@ __global__ void WriteKvKernel(const float* k, const float* v, const int64_t* slo
   }
 }
 
+// One block per token: q's pairs rotated in place, then each K pair rotated on its way into
+// the block's transposed tile and V copied, as RopeKernel then WriteKvKernel.
+__global__ void RopeWriteKvKernel(const int32_t* positions, const float* inv_freq, float* q,
+                                  int64_t num_heads, const float* k, const float* v,
+                                  const int64_t* slots, float* base, PagedKvLayout kv) {
+  const int64_t t = blockIdx.x, slot = slots[t];
+  const int64_t hd = kv.head_dim, half = hd / 2, bt = kv.block_tokens;
+  const int64_t width = kv.num_kv_heads * hd;
+  const int32_t pos = positions[t];
+  for (int64_t p = threadIdx.x; p < num_heads * half; p += blockDim.x) {
+    float* qh = q + (t * num_heads + p / half) * hd;
+    const int64_t i = p % half;
+    const float2 r = RotateHalfPair(qh[i], qh[i + half], pos, inv_freq[i]);
+    qh[i] = r.x;
+    qh[i + half] = r.y;
+  }
+  float* block = base + (slot / bt) * kv.block_stride;
+  const int64_t off = slot % bt;
+  for (int64_t p = threadIdx.x; p < kv.num_kv_heads * half; p += blockDim.x) {
+    const int64_t h = p / half, i = p % half;
+    const float* kh = k + t * width + h * hd;
+    const float2 r = RotateHalfPair(kh[i], kh[i + half], pos, inv_freq[i]);
+    block[(h * hd + i) * bt + off] = r.x;
+    block[(h * hd + i + half) * bt + off] = r.y;
+  }
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
+    const int64_t h = i / hd, d = i % hd;
+    block[kv.v_offset + (h * bt + off) * hd + d] = v[t * width + i];
+  }
+}
 
 // ---- Decode (flash-decoding): one query per sequence ----
 // One block per (sequence, KV head, split): the block scores the whole GQA group of query
@@ -289,6 +319,15 @@ int WriteKv(const float* k, const float* v, const int64_t* slots, int64_t num_to
   if (num_tokens == 0) return 0;
   WriteKvKernel<<<static_cast<unsigned>(num_tokens), kThreads, 0, AsStream(stream)>>>(
       k, v, slots, layer_base, layout);
+  return LaunchStatus();
+}
+
+int RopeWriteKv(const int32_t* positions, const float* inv_freq, float* q, int64_t num_heads,
+                const float* k, const float* v, const int64_t* slots, int64_t num_tokens,
+                float* layer_base, const PagedKvLayout& layout, void* stream) {
+  if (num_tokens == 0) return 0;
+  RopeWriteKvKernel<<<static_cast<unsigned>(num_tokens), kThreads, 0, AsStream(stream)>>>(
+      positions, inv_freq, q, num_heads, k, v, slots, layer_base, layout);
   return LaunchStatus();
 }
 

@@ -47,6 +47,15 @@ __host__ __device__ inline bool Aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
 
+// HF rotate-half RoPE of one pair (a, b) = (v[i], v[i + half]) of a head at `position`, the
+// angle in double as the CPU kernel computes it: (a cos - b sin, b cos + a sin).
+__device__ inline float2 RotateHalfPair(float a, float b, int32_t position, float inv_freq) {
+  double s, c;
+  sincos(static_cast<double>(position) * inv_freq, &s, &c);
+  const float cf = static_cast<float>(c), sf = static_cast<float>(s);
+  return make_float2(a * cf - b * sf, b * cf + a * sf);
+}
+
 __device__ inline float WarpSum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
   return v;

@@ -21,13 +21,22 @@ __global__ void GatherRowsKernel(const void* table, DType dtype, int64_t cols,
   }
 }
 
-// One block per token: a block-wide sum of squares, then the scaled copy.
-__global__ void RmsNormKernel(const float* x, const float* w, int64_t dim, float eps,
-                              float* out) {
+// One block per token: a block-wide sum of squares, then the scaled copy. With kAdd the row
+// is first x + delta, written back to x (each thread rereads only what it wrote).
+template <bool kAdd>
+__global__ void RmsNormKernel(float* x, const float* delta, const float* w, int64_t dim,
+                              float eps, float* out) {
   __shared__ float partial[kThreads];
-  const float* row = x + blockIdx.x * dim;
+  float* row = x + blockIdx.x * dim;
   float acc = 0.f;
-  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) acc += row[i] * row[i];
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+    float v = row[i];
+    if constexpr (kAdd) {
+      v += delta[blockIdx.x * dim + i];
+      row[i] = v;
+    }
+    acc += v * v;
+  }
   partial[threadIdx.x] = acc;
   __syncthreads();
   for (int s = blockDim.x / 2; s > 0; s >>= 1) {
@@ -46,14 +55,11 @@ __global__ void RopeKernel(const int32_t* positions, const float* inv_freq, int6
   const int64_t pairs = (num_heads + num_kv_heads) * half;
   for (int64_t p = threadIdx.x; p < pairs; p += blockDim.x) {
     const int64_t h = p / half, i = p % half;
-    double s, c;
-    sincos(static_cast<double>(positions[t]) * inv_freq[i], &s, &c);
-    const float cf = static_cast<float>(c), sf = static_cast<float>(s);
     float* v = h < num_heads ? q + (t * num_heads + h) * head_dim
                              : k + (t * num_kv_heads + (h - num_heads)) * head_dim;
-    const float a = v[i], b = v[i + half];
-    v[i] = a * cf - b * sf;
-    v[i + half] = b * cf + a * sf;
+    const float2 r = RotateHalfPair(v[i], v[i + half], positions[t], inv_freq[i]);
+    v[i] = r.x;
+    v[i + half] = r.y;
   }
 }
 
@@ -104,8 +110,17 @@ int GatherRows(const void* table, DType dtype, int64_t cols, const int32_t* ids,
 int RmsNorm(const float* x, const float* weight, int64_t num_tokens, int64_t dim, float eps,
             float* out, void* stream) {
   if (num_tokens == 0) return 0;
-  RmsNormKernel<<<static_cast<unsigned>(num_tokens), kThreads, 0, AsStream(stream)>>>(x, weight, dim,
-                                                                              eps, out);
+  // x is only read without kAdd.
+  RmsNormKernel<false><<<static_cast<unsigned>(num_tokens), kThreads, 0, AsStream(stream)>>>(
+      const_cast<float*>(x), nullptr, weight, dim, eps, out);
+  return LaunchStatus();
+}
+
+int AddRmsNorm(float* x, const float* delta, const float* weight, int64_t num_tokens,
+               int64_t dim, float eps, float* out, void* stream) {
+  if (num_tokens == 0) return 0;
+  RmsNormKernel<true><<<static_cast<unsigned>(num_tokens), kThreads, 0, AsStream(stream)>>>(
+      x, delta, weight, dim, eps, out);
   return LaunchStatus();
 }
 

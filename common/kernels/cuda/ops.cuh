@@ -18,6 +18,11 @@ int GatherRows(const void* table, DType dtype, int64_t cols, const int32_t* ids,
 int RmsNorm(const float* x, const float* weight, int64_t num_tokens, int64_t dim, float eps,
             float* out, void* stream);
 
+// x[t] += delta[t], then out[t] = RmsNorm(x[t]): a residual add and the norm after it in one
+// pass, bit for bit AddInPlace then RmsNorm. out must not alias x or delta.
+int AddRmsNorm(float* x, const float* delta, const float* weight, int64_t num_tokens,
+               int64_t dim, float eps, float* out, void* stream);
+
 // HF rotate-half RoPE in place on q [T, num_heads, head_dim] and k [T, num_kv_heads,
 // head_dim]: pairs (i, i + head_dim/2) rotated by positions[t] * inv_freq[i] (angles in double,
 // as the CPU kernel).
