@@ -796,11 +796,13 @@ absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
   adapters->BeginStep(used);
   // Uploads run on their own stream: this step's kernels wait (on the device) for the copies
   // of its adapters. Outside any graph capture, so a replayed graph is ordered after them.
+  absl::flat_hash_map<const AdapterWeights*, const DeviceAdapter*> on_device;
   for (const AdapterWeights* a : used) {
     PREFT_ASSIGN_OR_RETURN(const DeviceAdapter* da, adapters->Get(a));
     if (da->ready_event() != nullptr) {
       PREFT_RETURN_IF_ERROR(Cuda(cuda::StreamWaitEvent(stream_, da->ready_event()), "upload wait"));
     }
+    on_device[a] = da;
   }
   LowRankWork lora, direft;
   int64_t total_blocks = 0;
@@ -809,7 +811,7 @@ absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
     for (const ForwardBatch::Sequence& s : batch.sequences) {
       total_blocks += s.num_blocks;
       if (s.adapter != nullptr) {
-        PREFT_ASSIGN_OR_RETURN(const DeviceAdapter* da, adapters->Get(s.adapter));
+        const DeviceAdapter* da = on_device.at(s.adapter);
         LowRankWork& work = s.adapter->kind() == AdapterKind::kLora ? lora : direft;
         const int32_t a = work.Adapter(da);
         for (int64_t i = t; i < t + s.num_new; ++i) {
