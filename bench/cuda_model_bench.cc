@@ -135,7 +135,7 @@ void UploadFigures(const preft::model::ModelConfig& c, int64_t rank) {
     const double t0 = Now();
     slots.Prefetch(hosts[i]);
     const double t1 = Now();
-    while (!slots.Ready(hosts[i])) {
+    while (!Check(slots.Ready(hosts[i]), "upload")) {
     }
     held.push_back(t1 - t0);
     done.push_back(Now() - t0);

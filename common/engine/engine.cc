@@ -397,13 +397,24 @@ absl::Status Engine::Step() {
     running_views.push_back({static_cast<int64_t>(s->tokens.size()), s->num_computed,
                              static_cast<int64_t>(s->blocks.size())});
   }
+  // A prompt whose adapter the backend could not prepare fails alone, before scheduling.
   bool adapters_in_flight = false;
-  for (const auto& s : waiting_) {
-    if (!s->adapter_ready) {
-      const auto& weights = s->request.adapter.weights;
-      s->adapter_ready = weights == nullptr || backend_->AdapterReady(weights);
-      adapters_in_flight = adapters_in_flight || !s->adapter_ready;
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    Sequence& s = **it;
+    if (!s.adapter_ready) {
+      const auto& weights = s.request.adapter.weights;
+      absl::StatusOr<bool> ready = weights == nullptr ? true : backend_->AdapterReady(weights);
+      if (!ready.ok()) {
+        Finish(*it, FinishReason::kError, ready.status());
+        it = waiting_.erase(it);
+        continue;
+      }
+      s.adapter_ready = *ready;
+      adapters_in_flight = adapters_in_flight || !s.adapter_ready;
     }
+    ++it;
+  }
+  for (const auto& s : waiting_) {
     waiting_views.push_back({static_cast<int64_t>(s->tokens.size()), s->num_computed,
                              static_cast<int64_t>(s->blocks.size()), s->adapter_ready});
   }

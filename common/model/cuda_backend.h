@@ -41,7 +41,7 @@ class CudaBackend : public ForwardBackend {
   void PrepareAdapter(const std::shared_ptr<const AdapterWeights>& adapter) override {
     slots_.Prefetch(adapter);
   }
-  bool AdapterReady(const std::shared_ptr<const AdapterWeights>& adapter) override {
+  absl::StatusOr<bool> AdapterReady(const std::shared_ptr<const AdapterWeights>& adapter) override {
     return slots_.Ready(adapter);
   }
   kernels::DType adapter_dtype() const override { return kernels::DType::kBF16; }

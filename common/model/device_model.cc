@@ -528,14 +528,20 @@ void DeviceAdapterSlots::Prefetch(std::shared_ptr<const AdapterWeights> host) {
   (void)StartUpload(std::move(host));  // a failure is the step's Get's to report
 }
 
-bool DeviceAdapterSlots::Ready(const std::shared_ptr<const AdapterWeights>& host) {
+absl::StatusOr<bool> DeviceAdapterSlots::Ready(const std::shared_ptr<const AdapterWeights>& host) {
   auto it = slots_.find(host->serial());
   if (it == slots_.end()) {
-    if (!StartUpload(host).ok()) return true;  // the step's Get reports why
+    PREFT_RETURN_IF_ERROR(StartUpload(host).status());
     it = slots_.find(host->serial());
   }
   const DeviceAdapter* a = it->second.get();
-  if (uploader_ != nullptr && !uploader_->Queued(a)) return false;
+  if (uploader_ != nullptr) {
+    if (!uploader_->Queued(a)) return false;
+    if (absl::Status staged = uploader_->Wait(a); !staged.ok()) {  // queued: returns at once
+      Erase(host->serial());
+      return staged;
+    }
+  }
   return a->ready_event() == nullptr || !cuda::EventPending(a->ready_event());
 }
 

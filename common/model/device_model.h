@@ -215,9 +215,9 @@ class DeviceAdapterSlots {
   // copy overlaps the steps before its first use. Errors are left for that step's Get.
   void Prefetch(std::shared_ptr<const AdapterWeights> host);
   // Whether a step naming `host` would run without waiting for its copy: true once the copy
-  // is on the device (or its upload failed: the step's Get says why). Starts the upload when
-  // absent. Never blocks.
-  bool Ready(const std::shared_ptr<const AdapterWeights>& host);
+  // is on the device. Starts the upload when absent; the upload's error when it failed (the
+  // slot is dropped, so a later call tries again). Never blocks.
+  absl::StatusOr<bool> Ready(const std::shared_ptr<const AdapterWeights>& host);
   // Makes `key` resolve to an adapter built on the device (benchmarks).
   void Put(const AdapterWeights* key, std::unique_ptr<DeviceAdapter> adapter);
   void Evict(const AdapterWeights* host);

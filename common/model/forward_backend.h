@@ -54,9 +54,10 @@ class ForwardBackend {
   virtual void PrepareAdapter(const std::shared_ptr<const AdapterWeights>& adapter) {}
   // Whether a forward naming `adapter` would run without waiting for its copy to arrive. The
   // engine admits a prompt once its adapter is ready, so a copy in flight delays that request
-  // alone, never the sequences already running. True when preparing it failed (the forward
-  // then says why); starts the preparation if none was started.
-  virtual bool AdapterReady(const std::shared_ptr<const AdapterWeights>& adapter) {
+  // alone, never the sequences already running; starts the preparation if none was started.
+  // An error when the adapter cannot be prepared (no device memory for it, say): the engine
+  // fails the requests naming it with that error, and only them.
+  virtual absl::StatusOr<bool> AdapterReady(const std::shared_ptr<const AdapterWeights>& adapter) {
     return true;
   }
   // The dtype adapters are converted to for compute (the form the adapter store keeps).

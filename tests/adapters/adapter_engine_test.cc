@@ -394,7 +394,8 @@ class SlowAdapterBackend : public model::ForwardBackend {
   void PrepareAdapter(const std::shared_ptr<const AdapterWeights>& a) override {
     ++prepared[a.get()];
   }
-  bool AdapterReady(const std::shared_ptr<const AdapterWeights>& a) override {
+  absl::StatusOr<bool> AdapterReady(const std::shared_ptr<const AdapterWeights>& a) override {
+    if (a.get() == broken) return absl::ResourceExhaustedError("no device memory for adapter");
     if (++queries_[a.get()] <= not_ready_queries_) return false;
     ready_.insert(a.get());
     return true;
@@ -406,6 +407,7 @@ class SlowAdapterBackend : public model::ForwardBackend {
   int early_uses = 0;
   int steps_while_copying = 0;
   std::map<const AdapterWeights*, int> prepared;
+  const AdapterWeights* broken = nullptr;  // AdapterReady fails for it
 
  private:
   std::unique_ptr<model::CpuBackend> cpu_;
@@ -445,6 +447,37 @@ TEST_F(AdapterEngineTest, AnAdapterStillCopyingDelaysOnlyItsOwnRequest) {
   EXPECT_GE(backend->steps_while_copying, 5);  // the base request went on meanwhile
   EXPECT_EQ(backend->prepared[lora.get()], 1);  // once, when queued
   EXPECT_EQ(backend->prepared[direft.get()], 1);
+}
+
+// An adapter the backend cannot prepare (a GPU without memory for its copy) fails the request
+// naming it with the backend's error; the requests beside it finish as they would alone.
+TEST_F(AdapterEngineTest, AnAdapterThatCannotBePreparedFailsOnlyItsRequest) {
+  const std::string fixture = testing::TinyLlamaFixture();
+  auto lora = Load(fixture + "/lora", base_->config());
+  auto direft = Load(fixture + "/direft", base_->config());
+  ASSERT_TRUE(lora && direft);
+  const std::vector<Request> reqs = {
+      MakeRequest("base", kPrompts[1], 12),
+      MakeRequest("lorap", kPrompts[2], 8, lora, AdapterPositions::kPrompt),
+      MakeRequest("direftp", kPrompts[0], 8, direft, AdapterPositions::kPrompt)};
+  auto cpu = model::CpuBackend::Create(base_, 256, 16);
+  ASSERT_TRUE(cpu.ok());
+  auto owned = std::make_unique<SlowAdapterBackend>(*std::move(cpu), /*not_ready_queries=*/2);
+  owned->broken = lora.get();
+  auto e = Engine::Create(std::move(owned), nullptr, engine::EngineOptions{});
+  ASSERT_TRUE(e.ok()) << e.status();
+  const auto together = RunAll(e->get(), reqs);
+  ASSERT_EQ(together.size(), reqs.size());
+  EXPECT_EQ(together[1].finish, engine::FinishReason::kError);
+  EXPECT_EQ(together[1].status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(together[1].status.message().find("no device memory"), std::string::npos);
+  EXPECT_TRUE(together[1].token_ids.empty());
+  for (size_t i : {size_t{0}, size_t{2}}) {
+    auto alone = MakeEngine(base_);
+    EXPECT_TRUE(together[i].status.ok()) << together[i].status;
+    EXPECT_EQ(together[i].token_ids, RunAll(alone.get(), {reqs[i]}).at(0).token_ids) << i;
+  }
+  EXPECT_GT((*e)->stats().steps, 0);
 }
 
 TEST_F(AdapterEngineTest, ResultReportsAdapterVersionAndPositions) {
