@@ -420,15 +420,23 @@ class SlowAdapterBackend : public model::ForwardBackend {
 // the request is queued, admits the prompt once the backend says the adapter is ready, and
 // meanwhile keeps stepping the others (a base request, and one whose adapter is ready). No
 // batch names an adapter early, and every request's tokens are what it gets alone.
-TEST_F(AdapterEngineTest, AnAdapterStillCopyingDelaysOnlyItsOwnRequest) {
+// A base request, a LoRAP one and a DiReFTP one on the fixture's adapters.
+struct ThreeRequests {
+  std::shared_ptr<const AdapterWeights> lora, direft;
+  std::vector<Request> reqs;
+};
+ThreeRequests MakeThreeRequests(const model::ModelConfig& c) {
   const std::string fixture = testing::TinyLlamaFixture();
-  auto lora = Load(fixture + "/lora", base_->config());
-  auto direft = Load(fixture + "/direft", base_->config());
+  ThreeRequests t{Load(fixture + "/lora", c), Load(fixture + "/direft", c), {}};
+  t.reqs = {MakeRequest("base", kPrompts[1], 16),
+            MakeRequest("lorap", kPrompts[2], 8, t.lora, AdapterPositions::kPrompt),
+            MakeRequest("direftp", kPrompts[0], 8, t.direft, AdapterPositions::kPrompt)};
+  return t;
+}
+
+TEST_F(AdapterEngineTest, AnAdapterStillCopyingDelaysOnlyItsOwnRequest) {
+  const auto [lora, direft, reqs] = MakeThreeRequests(base_->config());
   ASSERT_TRUE(lora && direft);
-  const std::vector<Request> reqs = {
-      MakeRequest("base", kPrompts[1], 16),
-      MakeRequest("lorap", kPrompts[2], 8, lora, AdapterPositions::kPrompt),
-      MakeRequest("direftp", kPrompts[0], 8, direft, AdapterPositions::kPrompt)};
   std::vector<std::vector<int32_t>> alone;
   for (const Request& r : reqs) {
     auto e = MakeEngine(base_);
@@ -452,14 +460,8 @@ TEST_F(AdapterEngineTest, AnAdapterStillCopyingDelaysOnlyItsOwnRequest) {
 // An adapter the backend cannot prepare (a GPU without memory for its copy) fails the request
 // naming it with the backend's error; the requests beside it finish as they would alone.
 TEST_F(AdapterEngineTest, AnAdapterThatCannotBePreparedFailsOnlyItsRequest) {
-  const std::string fixture = testing::TinyLlamaFixture();
-  auto lora = Load(fixture + "/lora", base_->config());
-  auto direft = Load(fixture + "/direft", base_->config());
+  const auto [lora, direft, reqs] = MakeThreeRequests(base_->config());
   ASSERT_TRUE(lora && direft);
-  const std::vector<Request> reqs = {
-      MakeRequest("base", kPrompts[1], 12),
-      MakeRequest("lorap", kPrompts[2], 8, lora, AdapterPositions::kPrompt),
-      MakeRequest("direftp", kPrompts[0], 8, direft, AdapterPositions::kPrompt)};
   auto cpu = model::CpuBackend::Create(base_, 256, 16);
   ASSERT_TRUE(cpu.ok());
   auto owned = std::make_unique<SlowAdapterBackend>(*std::move(cpu), /*not_ready_queries=*/2);
