@@ -6,7 +6,8 @@
 # at batch 1 against the bandwidth bound, 64 and 256 sequences, and the paper's 512-adapter
 # setting on llama3.1-8b and qwen2.5-0.5b) and, where the cluster's binaries are there, the
 # served table on the GPU (bench/serve/matrix.py: router + one colocated --device cuda worker,
-# qwen2.5-0.5b, 64 adapters, every mode). Sized to finish in under 8 minutes.
+# then prefill + decode workers on the GPU; qwen2.5-0.5b, 64 adapters, every mode). Sized to
+# finish in under 8 minutes.
 #
 #   scripts/gpu-check.sh [BUILD_DIR]        on a GPU machine with the project's packages
 #                                           (scripts/install-deps.sh --cuda): build and run
@@ -19,7 +20,8 @@
 # A bundle under build-gpu/ (ignored by git) travels to a lent machine as a carried path:
 #   here:  scripts/gpu-check.sh --bundle build-gpu/bundle            (~35 MB packed)
 #   there: scripts/gpu-check.sh --run-bundle build-gpu/bundle.tgz    (carry: build-gpu/bundle.tgz)
-# SERVE=0 skips the served table (SERVE_TIMEOUT_S bounds it, default 300); MODEL_BENCH_FLAGS
+# SERVE=0 skips the served table (SERVE_TIMEOUT_S bounds it, default 420;
+# SERVE_DEPLOYMENTS=colocated leaves out the disaggregated cells); MODEL_BENCH_FLAGS
 # passes flags to cuda_model_bench. With $OUT set (the device tool's output folder), the
 # served cells and worker logs are packed into $OUT/served.tgz.
 set -euo pipefail
@@ -27,26 +29,29 @@ cd "$(dirname "$0")/.."
 
 gpu_tests=(cuda_ops_test device_model_test cuda_engine_test)
 gpu_benches=(cuda_bench cuda_model_bench)
-cluster=(tools/preft services/decode/preft-decode services/router/preft-router)
+cluster=(tools/preft services/prefill/preft-prefill services/decode/preft-decode
+         services/router/preft-router)
 
 build() {
   local dir=$1
   cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPREFT_ENABLE_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90;80}" >/dev/null
-  cmake --build "$dir" --target "${gpu_tests[@]}" "${gpu_benches[@]}" preft preft-decode \
-    preft-router
+  cmake --build "$dir" --target "${gpu_tests[@]}" "${gpu_benches[@]}" preft preft-prefill \
+    preft-decode preft-router
 }
 
-# The served table: one colocated GPU worker behind the router, through the public API.
+# The served table through the public API: one colocated GPU worker behind the router, then
+# a prefill and a decode worker on the same GPU (KV staged through host memory, UCX shm).
 serve() {
   local build=$1 out=/tmp/preft-serve/out
   command -v python3 >/dev/null || { echo "no python3: served table skipped"; return 0; }
-  echo "== served, colocated on the GPU (bench/serve/matrix.py)"
+  echo "== served on the GPU (bench/serve/matrix.py)"
   local rc=0
-  timeout "${SERVE_TIMEOUT_S:-300}" python3 bench/serve/matrix.py --build "$build" --model /tmp/preft-serve/model \
+  timeout "${SERVE_TIMEOUT_S:-420}" python3 bench/serve/matrix.py --build "$build" --model /tmp/preft-serve/model \
     --preset qwen2.5-0.5b --dtype bf16 --adapter-dir /tmp/preft-serve/adapters --out "$out" \
-    --deployments colocated --device cuda --adapters 64 --concurrency 64 --requests 128 \
-    --prompt-tokens 128 --max-tokens 128 | grep -v "make-adapter: wrote" || rc=$?
+    --deployments "${SERVE_DEPLOYMENTS:-colocated,disaggregated}" --device cuda --adapters 64 \
+    --concurrency 64 --requests 128 --prompt-tokens 128 --max-tokens 128 \
+    | grep -v "make-adapter: wrote" || rc=$?
   # One archive of the table, cells and worker logs: a lent machine returns few files.
   if [[ -n "${OUT:-}" ]]; then tar czf "$OUT/served.tgz" -C "$(dirname "$out")" "$(basename "$out")"; fi
   return $rc

@@ -103,7 +103,8 @@ class Cluster:
         os.makedirs(logs, exist_ok=True)
         b = args.build
         worker = ["--model", args.model, "--metrics-listen", "127.0.0.1:0",
-                  "--threads", str(args.threads), "--max-batch-tokens", str(args.max_batch_tokens)]
+                  "--threads", str(args.threads), "--max-batch-tokens", str(args.max_batch_tokens),
+                  "--device", args.device]
         store = ["--adapter-root", adapter_root,
                  "--adapter-host-bytes", str(args.adapter_host_mib << 20),
                  "--adapter-compute-bytes", str(args.adapter_compute_mib << 20),
@@ -118,7 +119,7 @@ class Cluster:
                   "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
                   "--adapter-root", adapter_root, "--admission-timeout-s", "600"]
         if deployment == "colocated":
-            decode += ["--colocated", *store, "--device", args.device]
+            decode += ["--colocated", *store]
             router += ["--colocated"]
         elif decode_adapters:
             decode += ["--adapters", "all-positions", *store]
@@ -511,8 +512,8 @@ def main():
     p.add_argument("--transport", default="ucx", choices=["ucx", "grpc"])
     p.add_argument("--ucx-tls", default="posix,self")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="where colocated workers run their forward (cuda: colocated only, "
-                        "until a KV transport reaches device memory)")
+                   help="where every worker runs its forward (cuda: the first GPU; prefill "
+                        "and disaggregated decode workers stage KV through host memory)")
     args = p.parse_args()
     args.adapter_dir = args.adapter_dir or args.model.rstrip("/") + "-adapters"
     sys.path.insert(0, os.path.join(args.build, "clients", "python"))
@@ -524,9 +525,6 @@ def main():
     for d in deployments:
         if d not in ("disaggregated", "colocated"):
             sys.exit(f"matrix: unknown deployment '{d}' (use disaggregated, colocated)")
-    if args.device != "cpu" and deployments != ["colocated"]:
-        sys.exit(f"matrix: --device {args.device} needs --deployments colocated (no KV "
-                 "transport reaches device memory yet)")
     if args.repeat < 1:
         sys.exit(f"matrix: --repeat must be at least 1, not {args.repeat}")
     if args.tier_cpus:

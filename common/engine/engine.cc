@@ -173,6 +173,8 @@ absl::Status Engine::AddImported(std::unique_ptr<Sequence> seq) {
     return absl::InvalidArgumentError(
         "imported prompt has no first-token logprob but the request asks for logprobs");
   }
+  // The transport wrote the host cache: a device cache takes the blocks from there.
+  PREFT_RETURN_IF_ERROR(backend_->KvFromHost(in.blocks));
   seq->blocks = in.blocks;
   seq->num_computed = seq->num_prompt;
   seq->prompt_counted = seq->num_prompt;  // computed by the prefill worker
@@ -220,6 +222,11 @@ absl::Status Engine::ReleasePrefilled(const std::string& request_id) {
 
 void Engine::HandOverPrefilled(std::unique_ptr<Sequence>& seq, int32_t token,
                                const float* logits) {
+  // The transport reads the host cache: a device cache's blocks are copied there first.
+  if (absl::Status s = backend_->KvToHost(seq->blocks); !s.ok()) {
+    Finish(seq, FinishReason::kError, s);
+    return;
+  }
   const SamplingParams& sp = seq->request.sampling;
   PrefilledPrompt p;
   p.request_id = seq->request.id;

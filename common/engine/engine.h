@@ -81,6 +81,7 @@ class Engine {
   kv::KvCache* cache() { return backend_->host_cache(); }
   const model::ModelConfig& config() const { return backend_->config(); }
   const model::ForwardBackend& backend() const { return *backend_; }
+  model::ForwardBackend& backend() { return *backend_; }
 
   bool HasWork() const { return !running_.empty() || !waiting_.empty(); }
   // Schedules and runs one forward, samples, emits events, retires finished requests.

@@ -33,6 +33,7 @@ class KvCache {
 
   const KvCacheShape& shape() const { return shape_; }
   float* layer_base(int64_t layer) { return data_.get() + layer * layer_stride(); }
+  const float* layer_base(int64_t layer) const { return data_.get() + layer * layer_stride(); }
   int64_t layer_stride() const { return shape_.num_blocks * shape_.block_floats(); }
   int64_t v_offset() const { return shape_.num_kv_heads * shape_.block_tokens * shape_.head_dim; }
   // K tile of head `h` in `block` of `layer`: [head_dim][block_tokens].

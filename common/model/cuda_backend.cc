@@ -23,7 +23,25 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Model& mo
   }
   PREFT_ASSIGN_OR_RETURN(b->cache_,
                          DeviceKvCache::Create(b->device_->CacheShape(blocks, options.block_tokens)));
+  if (options.host_mirror) {
+    absl::StatusOr<std::unique_ptr<kv::KvCache>> mirror = kv::KvCache::Create(b->cache_->shape());
+    if (!mirror.ok()) {
+      return absl::Status(mirror.status().code(),
+                          absl::StrCat("host mirror of the KV cache: ", mirror.status().message()));
+    }
+    b->mirror_ = *std::move(mirror);
+  }
   return b;
+}
+
+absl::Status CudaBackend::KvToHost(const std::vector<int32_t>& blocks) {
+  if (mirror_ == nullptr) return absl::OkStatus();
+  return cache_->CopyBlocksToHost(blocks, mirror_.get());
+}
+
+absl::Status CudaBackend::KvFromHost(const std::vector<int32_t>& blocks) {
+  if (mirror_ == nullptr) return absl::OkStatus();
+  return cache_->CopyBlocksFromHost(*mirror_, blocks);
 }
 
 absl::Status CudaBackend::ForwardSample(const ForwardBatch& batch,

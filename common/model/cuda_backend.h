@@ -4,8 +4,10 @@
 // model), a device KV cache sized from free memory, and device slots (a byte budget, LRU) for
 // the adapters that batches name. Tokens are sampled on the device (the CPU sampler's choice,
 // so only they cross to the host); Forward still returns logits for steps that need them. The
-// KV cache stays on the device: no host_cache(), so this backend serves colocated engines
-// (preft generate, one engine per worker) until the GPU KV transport exists.
+// KV cache stays on the device. For disaggregated serving (prefill and decode tiers) it keeps
+// a host mirror of the same blocks, which the KV transport moves between workers: a prompt's
+// blocks are copied out after its prefill and in before its decode (staging through host
+// memory; a transport that moves device blocks directly does not exist yet).
 
 #include <cstdint>
 #include <memory>
@@ -25,6 +27,9 @@ class CudaBackend : public ForwardBackend {
     bool graphs = true;  // decode steps replay CUDA graphs
     // Device memory for adapter copies (LRU beyond it), kept out of the KV cache's share.
     size_t adapter_bytes = size_t{4} << 30;
+    // A host copy of the cache's blocks for the KV transport (as much host memory as the
+    // device pool: size that with kv_blocks).
+    bool host_mirror = false;
   };
   // FailedPrecondition without a CUDA device.
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const Model& model,
@@ -45,12 +50,16 @@ class CudaBackend : public ForwardBackend {
     return slots_.Ready(adapter);
   }
   kernels::DType adapter_dtype() const override { return kernels::DType::kBF16; }
+  kv::KvCache* host_cache() override { return mirror_.get(); }
+  absl::Status KvToHost(const std::vector<int32_t>& blocks) override;
+  absl::Status KvFromHost(const std::vector<int32_t>& blocks) override;
   const char* name() const override { return "cuda"; }
 
  private:
   explicit CudaBackend(size_t adapter_bytes) : slots_(adapter_bytes) {}
   std::unique_ptr<DeviceModel> device_;
   std::unique_ptr<DeviceKvCache> cache_;
+  std::unique_ptr<kv::KvCache> mirror_;  // host_mirror only
   DeviceAdapterSlots slots_;
 };
 

@@ -226,6 +226,67 @@ absl::Status DeviceKvCache::CopyToHost(std::vector<float>* host) const {
   return Cuda(cuda::StreamSynchronize(nullptr), "synchronize");
 }
 
+namespace {
+
+// InvalidArgument unless `host` has `device`'s shape and every block is in range.
+absl::Status CheckBlockCopy(const kv::KvCacheShape& device, const kv::KvCacheShape& host,
+                            const std::vector<int32_t>& blocks) {
+  if (host.num_layers != device.num_layers || host.num_blocks != device.num_blocks ||
+      host.block_tokens != device.block_tokens || host.num_kv_heads != device.num_kv_heads ||
+      host.head_dim != device.head_dim) {
+    return absl::InvalidArgumentError("the host KV cache's shape differs from the device's");
+  }
+  for (int32_t b : blocks) {
+    if (b < 0 || b >= device.num_blocks) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("KV block ", b, " is outside the cache's ", device.num_blocks));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Calls copy(first block, count) for each run of consecutive ids in `blocks`.
+template <class Fn>
+absl::Status ForEachRun(const std::vector<int32_t>& blocks, Fn&& copy) {
+  for (size_t i = 0; i < blocks.size();) {
+    size_t j = i + 1;
+    while (j < blocks.size() && blocks[j] == blocks[j - 1] + 1) ++j;
+    PREFT_RETURN_IF_ERROR(copy(blocks[i], static_cast<int64_t>(j - i)));
+    i = j;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status DeviceKvCache::CopyBlocksToHost(const std::vector<int32_t>& blocks,
+                                             kv::KvCache* host) const {
+  PREFT_RETURN_IF_ERROR(CheckBlockCopy(shape_, host->shape(), blocks));
+  const int64_t bf = shape_.block_floats();
+  for (int64_t l = 0; l < shape_.num_layers; ++l) {
+    PREFT_RETURN_IF_ERROR(ForEachRun(blocks, [&](int32_t first, int64_t count) {
+      return Cuda(cuda::CopyToHost(host->layer_base(l) + first * bf, layer_base(l) + first * bf,
+                                   count * bf * sizeof(float), nullptr),
+                  "KV copy to host");
+    }));
+  }
+  return Cuda(cuda::StreamSynchronize(nullptr), "synchronize");
+}
+
+absl::Status DeviceKvCache::CopyBlocksFromHost(const kv::KvCache& host,
+                                               const std::vector<int32_t>& blocks) {
+  PREFT_RETURN_IF_ERROR(CheckBlockCopy(shape_, host.shape(), blocks));
+  const int64_t bf = shape_.block_floats();
+  for (int64_t l = 0; l < shape_.num_layers; ++l) {
+    PREFT_RETURN_IF_ERROR(ForEachRun(blocks, [&](int32_t first, int64_t count) {
+      return Cuda(cuda::CopyToDevice(layer_base(l) + first * bf, host.layer_base(l) + first * bf,
+                                     count * bf * sizeof(float), nullptr),
+                  "KV copy to the device");
+    }));
+  }
+  return Cuda(cuda::StreamSynchronize(nullptr), "synchronize");
+}
+
 absl::Status DeviceKvCache::PoisonForTesting() {
   PREFT_RETURN_IF_ERROR(Cuda(cuda::Memset(data_.get(), 0xff, data_.size(), nullptr), "memset"));
   return Cuda(cuda::StreamSynchronize(nullptr), "synchronize");

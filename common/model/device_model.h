@@ -74,6 +74,10 @@ class DeviceKvCache {
   int64_t v_offset() const { return shape_.num_kv_heads * shape_.block_tokens * shape_.head_dim; }
   // Copies the whole cache to `host` (resized): tests compare it with the CPU cache.
   absl::Status CopyToHost(std::vector<float>* host) const;
+  // Copies `blocks` (every layer) to or from a host cache of the same shape (a host mirror the
+  // KV transport reads and writes). InvalidArgument for another shape or a block out of range.
+  absl::Status CopyBlocksToHost(const std::vector<int32_t>& blocks, kv::KvCache* host) const;
+  absl::Status CopyBlocksFromHost(const kv::KvCache& host, const std::vector<int32_t>& blocks);
   // Sets every byte to 0xff (NaN), so a test sees any value the forward should have written.
   absl::Status PoisonForTesting();
 

@@ -63,8 +63,14 @@ class ForwardBackend {
   // The dtype adapters are converted to for compute (the form the adapter store keeps).
   virtual kernels::DType adapter_dtype() const = 0;
   // The KV cache in host memory, which the KV transport reads and writes; null when the cache
-  // lives on a device.
+  // lives on a device and keeps no host mirror.
   virtual kv::KvCache* host_cache() { return nullptr; }
+  // A backend whose cache lives on a device but keeps a host mirror for the KV transport
+  // copies blocks (every layer) between the two: the engine copies a prefilled prompt's
+  // blocks out before handing them over, and an imported prompt's in before decoding it.
+  // Nothing to do where host_cache() is the cache itself.
+  virtual absl::Status KvToHost(const std::vector<int32_t>& blocks) { return absl::OkStatus(); }
+  virtual absl::Status KvFromHost(const std::vector<int32_t>& blocks) { return absl::OkStatus(); }
   virtual const char* name() const = 0;  // "cpu", "cuda"
 };
 

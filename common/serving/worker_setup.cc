@@ -108,8 +108,8 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f) {
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   app.add_option("--device", f->device,
-                 "where the forward runs: cpu, or cuda (the first GPU; colocated workers only, "
-                 "until a KV transport reaches device memory)")
+                 "where the forward runs: cpu, or cuda (the first GPU; a prefill or disaggregated "
+                 "decode worker stages KV through host memory)")
       ->capture_default_str()
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--transport", f->transport.kind, "KV transport")
@@ -153,7 +153,7 @@ adapters::AdapterStoreOptions StoreOptions(const AdapterStoreFlags& f, kernels::
   return o;
 }
 
-absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& f) {
+absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& f, bool kv_transport) {
   WorkerEngine w;
   if (!f.metrics_listen.empty()) {
     absl::StatusOr<std::unique_ptr<metrics::MetricsServer>> m =
@@ -174,31 +174,30 @@ absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& f) {
   o.scheduler.max_batch_tokens = f.max_batch_tokens;
   o.num_threads = f.threads;
   PREFT_ASSIGN_OR_RETURN(
-      w.engine, MakeEngine(w.model.model.get(), w.model.tokenizer.get(), f.device, o));
+      w.engine,
+      MakeEngine(w.model.model.get(), w.model.tokenizer.get(), f.device, o, kv_transport));
   w.engine->set_observer(w.engine_metrics.get());
   return w;
-}
-
-absl::Status CheckDeviceDeployment(const std::string& device, bool colocated) {
-  if (device == "cpu" || colocated) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      "--device ", device, " needs --colocated: no KV transport reaches device memory yet, so "
-      "a GPU worker runs whole requests"));
 }
 
 absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(model::Model* model,
                                                            const model::Tokenizer* tokenizer,
                                                            const std::string& device,
-                                                           const engine::EngineOptions& options) {
+                                                           const engine::EngineOptions& options,
+                                                           bool kv_transport) {
   if (device == "cpu") return engine::Engine::Create(model, tokenizer, options);
 #ifdef PREFT_HAVE_CUDA
   if (device == "cuda") {
     model::CudaBackend::Options co;
     co.kv_blocks = options.kv_blocks;
-    if (co.kv_blocks == 0 && options.kv_bytes > 0) {
+    co.host_mirror = kv_transport;
+    // A mirrored pool takes as much host memory as device memory: not a share of the GPU's.
+    const int64_t kv_bytes =
+        options.kv_bytes > 0 ? options.kv_bytes : kv_transport ? kMirroredKvBytes : 0;
+    if (co.kv_blocks == 0 && kv_bytes > 0) {
       const model::ModelConfig& c = model->config();
       const kv::KvCacheShape one{c.num_layers, 1, co.block_tokens, c.num_kv_heads, c.head_dim};
-      co.kv_blocks = std::max<int64_t>(1, options.kv_bytes / one.bytes_per_block_all_layers());
+      co.kv_blocks = std::max<int64_t>(1, kv_bytes / one.bytes_per_block_all_layers());
     }
     absl::StatusOr<std::unique_ptr<model::CudaBackend>> backend =
         model::CudaBackend::Create(*model, co);

@@ -56,8 +56,8 @@ struct WorkerFlags {
   int64_t max_batch_tokens = 512;
   int threads = 0;  // 0: all cores
   // "cuda": the engine's forward on the first GPU (weights as bf16, the KV cache in device
-  // memory sized from what is free unless kv_blocks is set). No KV transport reaches a device
-  // cache yet, so only a colocated worker may take it.
+  // memory sized from what is free unless kv_blocks is set; a worker that moves KV over a
+  // transport stages it through a host mirror of that size, 8 GiB unless set).
   std::string device = "cpu";
   TransportFlags transport;
   double drain_timeout_s = 30;
@@ -90,20 +90,22 @@ struct WorkerEngine {
   LoadedModel model;
   std::unique_ptr<engine::Engine> engine;
 };
-absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& flags);
+// `kv_transport`: the worker hands KV to other workers or takes it from them (prefill and
+// disaggregated decode workers), as MakeEngine's.
+absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& flags, bool kv_transport);
 
 // An engine over `model` on `device`: "cpu" (the model's own forward, `options` as given) or
 // "cuda" (a CudaBackend whose KV cache holds options.kv_blocks blocks, else kv_bytes when
-// positive, else a share of the free device memory). Errors start with "--device DEVICE: ".
+// positive, else a share of the free device memory). With `kv_transport` (its KV moves to or
+// from other workers) a device cache keeps a host mirror for the transport, and its size
+// defaults to kMirroredKvBytes rather than the device's free memory. Errors start with
+// "--device DEVICE: ".
+inline constexpr int64_t kMirroredKvBytes = int64_t{8} << 30;
 absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(model::Model* model,
                                                            const model::Tokenizer* tokenizer,
                                                            const std::string& device,
-                                                           const engine::EngineOptions& options);
-
-// InvalidArgument unless `device` can serve in this deployment: a device other than "cpu"
-// needs a colocated worker (no KV transport reaches device memory yet, so a GPU worker runs
-// whole requests). The message starts with "--device DEVICE needs --colocated".
-absl::Status CheckDeviceDeployment(const std::string& device, bool colocated);
+                                                           const engine::EngineOptions& options,
+                                                           bool kv_transport);
 
 // The engine cache's layout under `fingerprint`.
 transport::KvLayout LayoutFor(engine::Engine& engine, const std::string& fingerprint);

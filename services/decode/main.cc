@@ -39,7 +39,7 @@ int Run(const Flags& f) {
   // TLS files first: a typo fails before minutes of weight loading.
   auto server_credentials = preft::rpc::MakeServerCredentials(f.tls);
   if (!server_credentials.ok()) return Fail(std::string(server_credentials.status().message()));
-  auto worker = preft::serving::MakeWorkerEngine(f);
+  auto worker = preft::serving::MakeWorkerEngine(f, /*kv_transport=*/!f.colocated);
   if (!worker.ok()) return Fail(std::string(worker.status().message()));
   auto& loaded = worker->model;
   auto& engine = worker->engine;
@@ -162,10 +162,6 @@ int main(int argc, char** argv) {
       return 2;
     }
     f.transport.kind = "inproc";
-  }
-  if (absl::Status s = preft::serving::CheckDeviceDeployment(f.device, f.colocated); !s.ok()) {
-    std::fprintf(stderr, "preft-decode: %s\n", std::string(s.message()).c_str());
-    return 2;
   }
   if (f.colocated && f.adapters.root.empty()) {
     std::fprintf(stderr,

@@ -38,7 +38,7 @@ int Run(const Flags& f) {
   if (!server_credentials.ok()) return Fail("TLS", server_credentials.status());
   auto channel_credentials = rpc::MakeChannelCredentials(f.tls);
   if (!channel_credentials.ok()) return Fail("TLS", channel_credentials.status());
-  absl::StatusOr<serving::WorkerEngine> worker = serving::MakeWorkerEngine(f);
+  absl::StatusOr<serving::WorkerEngine> worker = serving::MakeWorkerEngine(f, /*kv_transport=*/true);
   if (!worker.ok()) return Fail("cannot start", worker.status());
   std::unique_ptr<engine::Engine>& engine = worker->engine;
 
@@ -113,14 +113,6 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;  // CLI11 prints the message; --help exits 0
-  }
-  if (f.device != "cpu") {
-    std::fprintf(stderr,
-                 "preft-prefill: --device %s: the prefill tier hands its KV to decode workers, "
-                 "and no KV transport reaches device memory yet; serve on a GPU with a "
-                 "--colocated preft-decode worker\n",
-                 f.device.c_str());
-    return 2;
   }
   return Run(f);
 }

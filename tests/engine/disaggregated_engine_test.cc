@@ -103,6 +103,83 @@ TEST_F(DisaggregatedEngineTest, SplitRunEqualsOneEngineGreedyAndSeeded) {
   EXPECT_EQ(decode->allocator().num_free(), 64);
 }
 
+// A CPU backend shaped like a GPU one with a host mirror: the forward runs on a cache of its
+// own, and host_cache() (what a KV transport moves) is a separate copy that only KvToHost and
+// KvFromHost fill. A split run over two of them gives one engine's tokens only if the engine
+// copies a prefilled prompt out before handing it over and an imported one in before decoding.
+class MirroredCpuBackend : public model::ForwardBackend {
+ public:
+  static std::unique_ptr<MirroredCpuBackend> Create(model::Model* m, int64_t blocks) {
+    auto cpu = model::CpuBackend::Create(m, blocks, 16);
+    EXPECT_TRUE(cpu.ok());
+    auto mirror = kv::KvCache::Create((*cpu)->cache_shape());
+    EXPECT_TRUE(mirror.ok());
+    return std::unique_ptr<MirroredCpuBackend>(
+        new MirroredCpuBackend(*std::move(cpu), *std::move(mirror)));
+  }
+  const model::ModelConfig& config() const override { return cpu_->config(); }
+  const kv::KvCacheShape& cache_shape() const override { return cpu_->cache_shape(); }
+  absl::Status Forward(const model::ForwardBatch& batch,
+                       base::AlignedVector<float>* logits) override {
+    return cpu_->Forward(batch, logits);
+  }
+  kernels::DType adapter_dtype() const override { return cpu_->adapter_dtype(); }
+  kv::KvCache* host_cache() override { return mirror_.get(); }
+  absl::Status KvToHost(const std::vector<int32_t>& blocks) override {
+    ++to_host;
+    Copy(*cpu_->host_cache(), blocks, mirror_.get());
+    return absl::OkStatus();
+  }
+  absl::Status KvFromHost(const std::vector<int32_t>& blocks) override {
+    ++from_host;
+    Copy(*mirror_, blocks, cpu_->host_cache());
+    return absl::OkStatus();
+  }
+  const char* name() const override { return "cpu-mirrored"; }
+
+  int to_host = 0, from_host = 0;
+
+ private:
+  MirroredCpuBackend(std::unique_ptr<model::CpuBackend> cpu, std::unique_ptr<kv::KvCache> mirror)
+      : cpu_(std::move(cpu)), mirror_(std::move(mirror)) {}
+  static void Copy(kv::KvCache& from, const std::vector<int32_t>& blocks, kv::KvCache* to) {
+    const int64_t bf = from.shape().block_floats();
+    for (int64_t l = 0; l < from.shape().num_layers; ++l) {
+      for (int32_t b : blocks) {
+        std::memcpy(to->layer_base(l) + b * bf, from.layer_base(l) + b * bf, bf * sizeof(float));
+      }
+    }
+  }
+  std::unique_ptr<model::CpuBackend> cpu_;
+  std::unique_ptr<kv::KvCache> mirror_;
+};
+
+TEST_F(DisaggregatedEngineTest, DeviceCachesHandOverThroughTheirHostMirrors) {
+  std::vector<Request> requests;
+  for (int i = 0; i < 4; ++i)
+    requests.push_back(MakeRequest("m" + std::to_string(i), 30 + 5 * i, 10, i % 2 ? 0.9f : 0.f, 7 + i));
+  auto whole = MakeEngine(128)->Generate(requests);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  auto prefill_owned = MirroredCpuBackend::Create(model_, 64);
+  auto decode_owned = MirroredCpuBackend::Create(model_, 64);
+  MirroredCpuBackend* prefill_backend = prefill_owned.get();
+  MirroredCpuBackend* decode_backend = decode_owned.get();
+  EngineOptions chunked;
+  chunked.scheduler.max_batch_tokens = 48;
+  auto prefill = Engine::Create(std::move(prefill_owned), tokenizer_, chunked);
+  auto decode = Engine::Create(std::move(decode_owned), tokenizer_, EngineOptions{});
+  ASSERT_TRUE(prefill.ok() && decode.ok());
+  const auto split = RunSplit(requests, **prefill, **decode);
+  ASSERT_EQ(split.size(), requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    EXPECT_EQ(split[i].token_ids, (*whole)[i].token_ids) << i;
+  }
+  EXPECT_EQ(prefill_backend->to_host, 4);  // once per handed-over prompt
+  EXPECT_EQ(prefill_backend->from_host, 0);
+  EXPECT_EQ(decode_backend->from_host, 4);  // once per imported prompt
+  EXPECT_EQ(decode_backend->to_host, 0);
+}
+
 TEST_F(DisaggregatedEngineTest, PrefilledBlocksAreHeldUntilReleased) {
   auto e = MakeEngine(16);
   Request r = MakeRequest("p", 40, 8, 0.f, 1);

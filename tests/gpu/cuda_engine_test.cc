@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <random>
@@ -34,18 +35,25 @@ std::string TempDir(const std::string& name) {
   return dir.string();
 }
 
-TEST(CudaEngineTest, MixedAdapterRequestsMatchTheCpuEngine) {
-  const std::string dir = TempDir("model");
+// A fresh random bf16 tiny model in TempDir(name); *seed gets its seed.
+std::unique_ptr<model::Model> FreshTinyModel(const std::string& name, uint64_t* seed) {
   model::MakeModelOptions mo;
   mo.preset = "tiny";
   mo.dtype = kernels::DType::kBF16;
-  mo.seed = std::random_device{}();
-  mo.out_dir = dir;
-  ASSERT_TRUE(model::MakeModel(mo).ok());
-  auto host = model::Model::Load(dir);
-  ASSERT_TRUE(host.ok()) << host.status();
+  mo.seed = *seed = std::random_device{}();
+  mo.out_dir = TempDir(name);
+  EXPECT_TRUE(model::MakeModel(mo).ok());
+  auto host = model::Model::Load(mo.out_dir);
+  EXPECT_TRUE(host.ok()) << host.status();
+  return host.ok() ? *std::move(host) : nullptr;
+}
 
-  auto gpu_backend = model::CudaBackend::Create(**host, {});
+TEST(CudaEngineTest, MixedAdapterRequestsMatchTheCpuEngine) {
+  uint64_t seed = 0;
+  std::unique_ptr<model::Model> model = FreshTinyModel("model", &seed);
+  ASSERT_NE(model, nullptr);
+
+  auto gpu_backend = model::CudaBackend::Create(*model, {});
   if (kernels::cuda::DeviceCount() == 0) {
     EXPECT_EQ(gpu_backend.status().code(), absl::StatusCode::kFailedPrecondition);
     GTEST_SKIP() << "no CUDA device visible";
@@ -59,18 +67,18 @@ TEST(CudaEngineTest, MixedAdapterRequestsMatchTheCpuEngine) {
     spec.kind = kind;
     spec.rank = kind == model::AdapterKind::kLora ? 8 : 4;
     spec.dtype = kernels::DType::kBF16;
-    spec.seed = mo.seed + 1;
+    spec.seed = seed + 1;
     const std::string adir = TempDir(model::AdapterKindName(kind));
-    ASSERT_TRUE(adapters::WriteRandomAdapter((*host)->config(), spec, adir).ok());
+    ASSERT_TRUE(adapters::WriteRandomAdapter(model->config(), spec, adir).ok());
     adapters::LoadOptions lo;
     lo.dtype = kernels::DType::kBF16;
-    auto a = adapters::LoadAdapter(adir, (*host)->config(), lo);
+    auto a = adapters::LoadAdapter(adir, model->config(), lo);
     ASSERT_TRUE(a.ok()) << a.status();
     adapters.push_back(std::move(*a));
   }
   auto requests = [&](bool logprobs) {
     std::vector<Request> reqs;
-    std::mt19937 rng(static_cast<uint32_t>(mo.seed));
+    std::mt19937 rng(static_cast<uint32_t>(seed));
     for (int i = 0; i < 5; ++i) {
       Request r;
       r.id = "r" + std::to_string(i);
@@ -89,7 +97,7 @@ TEST(CudaEngineTest, MixedAdapterRequestsMatchTheCpuEngine) {
   };
   EngineOptions o;
   o.kv_blocks = 64;
-  auto cpu = Engine::Create(host->get(), nullptr, o);
+  auto cpu = Engine::Create(model.get(), nullptr, o);
   ASSERT_TRUE(cpu.ok());
   auto gpu = Engine::Create(*std::move(gpu_backend), nullptr, o);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
@@ -120,6 +128,90 @@ TEST(CudaEngineTest, MixedAdapterRequestsMatchTheCpuEngine) {
     ++diverged;
   }
   EXPECT_LE(diverged, 2u) << "near ties are rare; flips in most requests are a bug";
+}
+
+// Disaggregated serving on GPUs: a prefill engine's prompt blocks reach a decode engine's
+// device cache through the two host mirrors (the KV transport's memcpy done here by hand),
+// bit for bit, and the decode engine generates from them.
+TEST(CudaEngineTest, PromptBlocksReachAnotherGpuEngineThroughHostMirrors) {
+  uint64_t seed = 0;
+  std::unique_ptr<model::Model> model = FreshTinyModel("split_model", &seed);
+  ASSERT_NE(model, nullptr);
+  if (kernels::cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible";
+  model::CudaBackend::Options bo;
+  bo.kv_blocks = 64;
+  bo.host_mirror = true;
+  auto prefill_backend = model::CudaBackend::Create(*model, bo);
+  auto decode_backend = model::CudaBackend::Create(*model, bo);
+  ASSERT_TRUE(prefill_backend.ok() && decode_backend.ok());
+  EngineOptions o;
+  o.kv_blocks = 64;
+  auto prefill = Engine::Create(*std::move(prefill_backend), nullptr, o);
+  auto decode = Engine::Create(*std::move(decode_backend), nullptr, o);
+  ASSERT_TRUE(prefill.ok() && decode.ok());
+  ASSERT_NE((*prefill)->cache(), nullptr);  // the mirror
+
+  std::vector<Request> reqs;
+  std::vector<PrefilledPrompt> handed;
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  for (int i = 0; i < 3; ++i) {
+    Request r;
+    r.id = "s" + std::to_string(i);
+    for (int t = 0; t < 20 + 9 * i; ++t) r.prompt_ids.push_back(static_cast<int32_t>(rng() % 250));
+    r.sampling.max_tokens = 8;
+    r.sampling.ignore_eos = true;
+    reqs.push_back(r);
+    r.on_prefilled = [&](const PrefilledPrompt& p) { handed.push_back(p); };
+    ASSERT_TRUE((*prefill)->Add(std::move(r)).ok());
+  }
+  while ((*prefill)->HasWork()) ASSERT_TRUE((*prefill)->Step().ok());
+  ASSERT_EQ(handed.size(), reqs.size());
+  kv::KvCache* from = (*prefill)->cache();
+  kv::KvCache* to = (*decode)->cache();
+  const int64_t bf = from->shape().block_floats();
+  std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>> moved;  // (src, dst)
+  for (const PrefilledPrompt& p : handed) {
+    auto blocks = (*decode)->ReserveBlocks((p.num_tokens + 8 + 15) / 16);
+    ASSERT_TRUE(blocks.ok()) << blocks.status();
+    for (int64_t l = 0; l < from->shape().num_layers; ++l) {
+      for (size_t b = 0; b < p.blocks.size(); ++b) {
+        std::memcpy(to->layer_base(l) + (*blocks)[b] * bf, from->layer_base(l) + p.blocks[b] * bf,
+                    bf * sizeof(float));
+      }
+    }
+    moved.emplace_back(p.blocks, std::vector<int32_t>(blocks->begin(), blocks->begin() + p.blocks.size()));
+    Request r;
+    for (const Request& q : reqs) {
+      if (q.id == p.request_id) r = q;
+    }
+    r.sampling.seed = p.seed;
+    r.imported = ImportedPrompt{*blocks, p.first_token, p.first_logprob};
+    ASSERT_TRUE((*decode)->Add(std::move(r)).ok());  // copies the blocks to the device
+  }
+  // Poison the decode mirror, then read the device blocks back into it: what the import put
+  // on the device must be the prefill engine's blocks, bit for bit.
+  for (int64_t l = 0; l < to->shape().num_layers; ++l) {
+    std::memset(to->layer_base(l), 0xff, to->shape().num_blocks * bf * sizeof(float));
+  }
+  for (const auto& [src, dst] : moved) {
+    ASSERT_TRUE((*decode)->backend().KvToHost(dst).ok());
+    for (int64_t l = 0; l < from->shape().num_layers; ++l) {
+      for (size_t b = 0; b < src.size(); ++b) {
+        ASSERT_EQ(std::memcmp(to->layer_base(l) + dst[b] * bf, from->layer_base(l) + src[b] * bf,
+                              bf * sizeof(float)),
+                  0)
+            << "layer " << l << " block " << dst[b];
+      }
+    }
+  }
+  int finished = 0;
+  while ((*decode)->HasWork()) ASSERT_TRUE((*decode)->Step().ok());
+  for (const PrefilledPrompt& p : handed) {
+    ASSERT_TRUE((*prefill)->ReleasePrefilled(p.request_id).ok());
+    ++finished;
+  }
+  EXPECT_EQ(finished, 3);
+  EXPECT_EQ((*decode)->allocator().num_free(), 64);  // every imported sequence finished
 }
 
 }  // namespace

@@ -78,14 +78,15 @@ expect_of "$router" 2 "--prefill is required \(or --colocated" -- --model "$work
 expect_of "$decode" 2 "--colocated needs --adapter-root" -- --model "$work/m" --colocated
 expect_of "$decode" 2 "--colocated moves no KV between processes: leave out --transport \(or give inproc\), not ucx" -- --model "$work/m" --colocated --adapter-root "$work" --transport ucx
 expect_of "$decode" 2 "excludes" -- --model "$work/m" --colocated --adapters all-positions --adapter-root "$work"
-# --device: a GPU worker runs whole requests (no KV transport reaches device memory yet).
+# --device: every tier may run on a GPU (prefill and disaggregated decode stage KV through
+# host memory); without one they say so and exit 1.
 expect_of "$decode" 2 "--device: tpu not in" -- --model "$work/m" --device tpu
-expect_of "$decode" 2 "--device cuda needs --colocated" -- --model "$work/m" --device cuda
-expect_of "$prefill" 2 "no KV transport reaches device memory yet; serve on a GPU with a --colocated" -- --model "$work/m" --device cuda
-expect 2 "--device cuda needs --colocated" -- serve --model "$work/m" --device cuda
 if ! nvidia-smi > /dev/null 2>&1; then  # with a GPU these would start serving
   expect_of "$decode" 1 "--device cuda: " -- --model "$work/m" --colocated --adapter-root "$work" --device cuda
-  expect 1 "device cuda: no CUDA device" -- serve --model "$work/m" --colocated --device cuda --listen 127.0.0.1:0
+  expect_of "$decode" 1 "--device cuda: " -- --model "$work/m" --device cuda
+  expect_of "$prefill" 1 "--device cuda: " -- --model "$work/m" --device cuda
+  expect 1 "device cuda: " -- serve --model "$work/m" --colocated --device cuda --listen 127.0.0.1:0
+  expect 1 "device cuda: " -- serve --model "$work/m" --device cuda --listen 127.0.0.1:0
 fi
 # Same seed, same tokens.
 a=$("$preft" generate --model "$work/m" --prompt-ids 5,6,7 --temperature 1 --seed 9 --max-tokens 8 --json)

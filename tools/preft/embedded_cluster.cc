@@ -21,14 +21,13 @@ absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(model::Model* model,
   e.kv_bytes = kv_bytes;
   e.scheduler.max_batch_tokens = o.max_batch_tokens;
   e.num_threads = o.threads;
-  return serving::MakeEngine(model, tokenizer, o.device, e);
+  return serving::MakeEngine(model, tokenizer, o.device, e, /*kv_transport=*/!o.colocated);
 }
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<EmbeddedCluster>> EmbeddedCluster::Start(
     EmbeddedClusterOptions o) {
-  PREFT_RETURN_IF_ERROR(serving::CheckDeviceDeployment(o.device, o.colocated));
   if (o.colocated) {
     o.num_prefill = 0;
     o.decode.colocated = true;

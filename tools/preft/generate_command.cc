@@ -174,7 +174,8 @@ int RunGenerate(const GenerateFlags& f) {
   options.kv_bytes = f.device == "cpu" ? f.kv_mib << 20 : 0;
   options.num_threads = f.threads;
   absl::StatusOr<std::unique_ptr<engine::Engine>> eng =
-      serving::MakeEngine(model->get(), tokenizer.get(), f.device, options);
+      serving::MakeEngine(model->get(), tokenizer.get(), f.device, options,
+                          /*kv_transport=*/false);
   if (!eng.ok()) return Fail(std::string(eng.status().message()));
   const auto start = std::chrono::steady_clock::now();
   auto results = (*eng)->Generate(std::move(reqs));

@@ -31,10 +31,6 @@ struct ServeFlags {
 };
 
 int RunServe(const ServeFlags& f) {
-  if (absl::Status s = serving::CheckDeviceDeployment(f.device, f.colocated); !s.ok()) {
-    std::fprintf(stderr, "preft serve: %s\n", std::string(s.message()).c_str());
-    return 2;
-  }
   if (!std::filesystem::exists(f.model + "/config.json")) {
     // The default folder is the demo model: made on first run.
     const std::string preset = f.preset.empty() && f.model == ServeFlags().model ? "tiny" : f.preset;
