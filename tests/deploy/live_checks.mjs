@@ -4,7 +4,7 @@
 // Prometheus and a client would: every probe's gRPC health check, GET on the ServiceMonitor's
 // path, one request through the router, and a SIGTERM drain within the grace period.
 
-import { execFile, spawn } from "node:child_process";
+import { execFile, spawn, spawnSync } from "node:child_process";
 import { existsSync, mkdirSync, openSync, readFileSync } from "node:fs";
 import http from "node:http";
 import { createServer } from "node:net";
@@ -19,6 +19,8 @@ const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 const kStartS = 60;                // a tiny model loads in well under a second
 const kLocalKvBytes = 64 << 20;    // the manifests' budgets would take GBs here
 const kLifetimeS = 300;            // no child outlives this, even if the test is killed
+// Whether this machine can run --device cuda (else the pods' engines run on the CPU here).
+const kHasGpu = spawnSync("nvidia-smi", ["-L"], { stdio: "ignore" }).status === 0;
 // UCX transports any Linux host has; others (rc, cuda_*) become tcp here.
 const kLocalTls = new Set(["tcp", "self", "posix", "sysv", "cma", "shm", "sm", "mm"]);
 
@@ -97,6 +99,10 @@ function localFlags(p, ctx, notes) {
     if (flag === "--ucx-net-devices" && v) {
       notes.add(`--ucx-net-devices ${v} -> lo`);
       return "lo";
+    }
+    if (flag === "--device" && v !== "cpu" && !kHasGpu) {
+      notes.add(`--device ${v} -> cpu (no GPU here)`);
+      return "cpu";
     }
     const port = addressPort(v);
     if (port !== undefined && containerPort(p.container, port) !== undefined) return `127.0.0.1:${ctx.ports.get(p.name).get(port)}`;

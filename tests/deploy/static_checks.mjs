@@ -90,6 +90,10 @@ function checkPod(p, check) {
   if (kvBytes !== undefined && c.resources?.limits?.memory) {
     check(Number(kvBytes) < parseQuantity(c.resources.limits.memory), `${p.name}: --kv-bytes ${kvBytes} does not fit limits.memory ${c.resources.limits.memory}`);
   }
+  // A pod given a GPU runs its forward there, and one running on a GPU asks for one.
+  const gpus = Number(c.resources?.limits?.["nvidia.com/gpu"] ?? 0);
+  const device = flagValue(p.flags, "--device") ?? "cpu";
+  check((gpus > 0) === (device === "cuda"), `${p.name}: --device ${device} with ${gpus} nvidia.com/gpu`);
   check(p.spec.securityContext?.runAsNonRoot || c.securityContext?.runAsNonRoot, `${p.name}: not runAsNonRoot`);
   check(c.securityContext?.allowPrivilegeEscalation === false, `${p.name}: allowPrivilegeEscalation is not false`);
 }
