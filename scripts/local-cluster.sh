@@ -11,7 +11,8 @@
 # PREFT_COLOCATED=1 starts the colocated deployment instead (needs ADAPTER_ROOT): 2 decode
 # workers with --colocated, each running whole requests in one engine as vLLM does without
 # disaggregation, and the router with --colocated; no prefill workers, no KV between processes.
-# With PREFT_DEVICE=cuda those workers run their forward on the GPU (1 GiB of KV cache each).
+# With PREFT_DEVICE=cuda every worker runs its forward on the GPU (1 GiB of KV cache each;
+# prefill and disaggregated decode workers stage KV through a host mirror of that size).
 # RUN_DIR (default /tmp/preft-local-cluster) holds pids and addresses between the two calls;
 # RUN_DIR/metrics-targets lists "NAME HOST:PORT" of each process's Prometheus endpoint.
 set -euo pipefail
@@ -62,6 +63,11 @@ start() {
   if [[ -n "$root" && "${PREFT_DECODE_ADAPTERS:-1}" != 0 ]]; then
     decode_flags=(--adapters all-positions)
   fi
+  local device_flags=()
+  if [[ "${PREFT_DEVICE:-cpu}" != cpu ]]; then
+    device_flags=(--device "$PREFT_DEVICE" --kv-bytes $((1 << 30)))
+  fi
+  worker_flags+=("${device_flags[@]}")
   if [[ "${PREFT_COLOCATED:-0}" == 1 ]]; then
     start_colocated "$build" "$model" "$root"
     return
@@ -87,17 +93,13 @@ start() {
   cat "$run/router.addr"
 }
 
-start_colocated() {  # after start's set-up; uses its tls_flags
+start_colocated() {  # after start's set-up; uses its tls_flags and device_flags
   local build=$1 model=$2 root=$3
   if [[ -z "$root" ]]; then
     echo "local-cluster: PREFT_COLOCATED=1 needs ADAPTER_ROOT (colocated workers load adapters)" >&2
     return 2
   fi
   # The KV never leaves a colocated worker: the in-process transport stays idle.
-  local device_flags=()
-  if [[ "${PREFT_DEVICE:-cpu}" != cpu ]]; then
-    device_flags=(--device "$PREFT_DEVICE" --kv-bytes $((1 << 30)))
-  fi
   for i in 0 1; do
     "$build/services/decode/preft-decode" --model "$model" --colocated --adapter-root "$root" \
       --transport inproc --metrics-listen 127.0.0.1:0 "${tls_flags[@]}" "${device_flags[@]}" \
