@@ -499,11 +499,16 @@ absl::Status Engine::Step() {
       // when the adapter runs on all positions. Recomputed tokens after a preemption get the
       // same mask they had the first time.
       s->mask.resize(n);
+      bool any = false;
       for (int64_t i = 0; i < n; ++i) {
         const int64_t pos = s->num_computed + i;
         s->mask[i] = pos < s->num_prompt ? adapter->prompt_selection.Selected(pos, s->num_prompt)
                                          : s->adapter_positions == model::AdapterPositions::kAll;
+        any = any || s->mask[i];
       }
+      // Rows the adapter touches none of (a PreFT sequence's generated tokens) run as base
+      // rows: the backend then neither holds nor lays out the adapter for this step.
+      if (!any) adapter = nullptr;
     }
     batch.AddSequence(s->blocks.data(), static_cast<int64_t>(s->blocks.size()),
                       s->tokens.data() + s->num_computed, n, context, last_chunk, adapter,

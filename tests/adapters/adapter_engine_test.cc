@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -385,8 +386,15 @@ class SlowAdapterBackend : public model::ForwardBackend {
   const kv::KvCacheShape& cache_shape() const override { return cpu_->cache_shape(); }
   absl::Status Forward(const model::ForwardBatch& batch,
                        base::AlignedVector<float>* logits) override {
+    int64_t t = 0;
     for (const auto& s : batch.sequences) {
       if (s.adapter != nullptr && !ready_.count(s.adapter)) ++early_uses;
+      if (s.adapter != nullptr &&
+          std::none_of(batch.adapter_mask.begin() + t, batch.adapter_mask.begin() + t + s.num_new,
+                       [](uint8_t m) { return m != 0; })) {
+        ++idle_adapter_uses;
+      }
+      t += s.num_new;
     }
     if (ready_.size() < queries_.size()) ++steps_while_copying;
     return cpu_->Forward(batch, logits);
@@ -405,6 +413,7 @@ class SlowAdapterBackend : public model::ForwardBackend {
   const char* name() const override { return "cpu-slow-adapters"; }
 
   int early_uses = 0;
+  int idle_adapter_uses = 0;  // an adapter named by rows it applies to none of
   int steps_while_copying = 0;
   std::map<const AdapterWeights*, int> prepared;
   const AdapterWeights* broken = nullptr;  // AdapterReady fails for it
@@ -452,6 +461,7 @@ TEST_F(AdapterEngineTest, AnAdapterStillCopyingDelaysOnlyItsOwnRequest) {
   ASSERT_EQ(together.size(), reqs.size());
   for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(together[i].token_ids, alone[i]) << i;
   EXPECT_EQ(backend->early_uses, 0);
+  EXPECT_EQ(backend->idle_adapter_uses, 0);  // PreFT decode rows name no adapter
   EXPECT_GE(backend->steps_while_copying, 5);  // the base request went on meanwhile
   EXPECT_EQ(backend->prepared[lora.get()], 1);  // once, when queued
   EXPECT_EQ(backend->prepared[direft.get()], 1);
