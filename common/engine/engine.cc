@@ -118,7 +118,8 @@ absl::Status Engine::Add(Request request) {
   const int64_t n = static_cast<int64_t>(request.prompt_ids.size());
   auto same_id = [&](const std::unique_ptr<Sequence>& s) { return s->request.id == request.id; };
   if (std::any_of(running_.begin(), running_.end(), same_id) ||
-      std::any_of(waiting_.begin(), waiting_.end(), same_id)) {
+      std::any_of(waiting_.begin(), waiting_.end(), same_id) ||
+      std::any_of(importing_.begin(), importing_.end(), same_id)) {
     return absl::AlreadyExistsError(absl::StrCat("request id '", request.id, "' is in use"));
   }
   if (prefilled_.count(request.id)) {
@@ -185,17 +186,34 @@ absl::Status Engine::AddImported(std::unique_ptr<Sequence> seq) {
   const FinishReason finish = AppendToken(*seq, first, /*logits=*/nullptr, first_logprob);
   if (finish != FinishReason::kNone) {
     Finish(seq, finish, absl::OkStatus());
+  } else if (seq->adapter_positions == model::AdapterPositions::kAll &&
+             seq->request.adapter.weights != nullptr) {
+    importing_.push_back(std::move(seq));  // Step moves it on once the adapter is there
   } else {
     running_.push_back(std::move(seq));
   }
   return absl::OkStatus();
 }
 
+absl::StatusOr<bool> Engine::AdapterReadyFor(Sequence& seq) {
+  if (!seq.adapter_ready) {
+    const auto& weights = seq.request.adapter.weights;
+    if (weights == nullptr) {
+      seq.adapter_ready = true;
+    } else {
+      PREFT_ASSIGN_OR_RETURN(seq.adapter_ready, backend_->AdapterReady(weights));
+    }
+  }
+  return seq.adapter_ready;
+}
+
 void Engine::FailAll(const absl::Status& status) {
   for (auto& s : running_) Finish(s, FinishReason::kError, status);
   for (auto& s : waiting_) Finish(s, FinishReason::kError, status);
+  for (auto& s : importing_) Finish(s, FinishReason::kError, status);
   running_.clear();
   waiting_.clear();
+  importing_.clear();
 }
 
 absl::StatusOr<std::vector<int32_t>> Engine::ReserveBlocks(int64_t n) {
@@ -257,7 +275,7 @@ absl::Status Engine::Abort(const std::string& request_id) {
     }
     return false;
   };
-  if (abort_in(running_) || abort_in(waiting_)) return absl::OkStatus();
+  if (abort_in(running_) || abort_in(waiting_) || abort_in(importing_)) return absl::OkStatus();
   return absl::NotFoundError(absl::StrCat("no active request '", request_id, "'"));
 }
 
@@ -399,27 +417,30 @@ absl::Status Engine::Step() {
   step_report_.num_sequences = step_report_.num_tokens = step_report_.prompt_tokens = 0;
   step_report_.generated_tokens = step_report_.preemptions = 0;
   step_report_.inter_token.clear();
+  // A sequence whose adapter the backend could not prepare fails alone, before scheduling;
+  // imported ones whose adapter has landed start decoding.
+  bool adapters_in_flight = false;
+  auto sort_by_adapter = [&](auto& queue, bool move_ready_to_running) {
+    for (auto it = queue.begin(); it != queue.end();) {
+      absl::StatusOr<bool> ready = AdapterReadyFor(**it);
+      if (!ready.ok()) {
+        Finish(*it, FinishReason::kError, ready.status());
+        it = queue.erase(it);
+      } else if (*ready && move_ready_to_running) {
+        running_.push_back(std::move(*it));
+        it = queue.erase(it);
+      } else {
+        adapters_in_flight = adapters_in_flight || !*ready;
+        ++it;
+      }
+    }
+  };
+  sort_by_adapter(importing_, /*move_ready_to_running=*/true);
+  sort_by_adapter(waiting_, /*move_ready_to_running=*/false);
   std::vector<SequenceView> running_views, waiting_views;
   for (const auto& s : running_) {
     running_views.push_back({static_cast<int64_t>(s->tokens.size()), s->num_computed,
                              static_cast<int64_t>(s->blocks.size())});
-  }
-  // A prompt whose adapter the backend could not prepare fails alone, before scheduling.
-  bool adapters_in_flight = false;
-  for (auto it = waiting_.begin(); it != waiting_.end();) {
-    Sequence& s = **it;
-    if (!s.adapter_ready) {
-      const auto& weights = s.request.adapter.weights;
-      absl::StatusOr<bool> ready = weights == nullptr ? true : backend_->AdapterReady(weights);
-      if (!ready.ok()) {
-        Finish(*it, FinishReason::kError, ready.status());
-        it = waiting_.erase(it);
-        continue;
-      }
-      s.adapter_ready = *ready;
-      adapters_in_flight = adapters_in_flight || !s.adapter_ready;
-    }
-    ++it;
   }
   for (const auto& s : waiting_) {
     waiting_views.push_back({static_cast<int64_t>(s->tokens.size()), s->num_computed,
@@ -479,7 +500,7 @@ absl::Status Engine::Step() {
   waiting_ = std::move(still_waiting);
   if (work.empty()) {
     if (observer_ != nullptr && step_report_.preemptions > 0) observer_->OnStep(step_report_);
-    // Only prompts whose adapters are still being copied: let the copies run instead of
+    // Only sequences whose adapters are still being copied: let the copies run instead of
     // asking again at once (the loop calls Step while there is work).
     if (adapters_in_flight) absl::SleepFor(absl::Microseconds(200));
     return absl::OkStatus();

@@ -83,7 +83,9 @@ class Engine {
   const model::ForwardBackend& backend() const { return *backend_; }
   model::ForwardBackend& backend() { return *backend_; }
 
-  bool HasWork() const { return !running_.empty() || !waiting_.empty(); }
+  bool HasWork() const {
+    return !running_.empty() || !waiting_.empty() || !importing_.empty();
+  }
   // Schedules and runs one forward, samples, emits events, retires finished requests.
   absl::Status Step();
 
@@ -110,6 +112,9 @@ class Engine {
   FinishReason AppendToken(Sequence& seq, int32_t token, const float* logits,
                            const std::optional<TokenLogprob>& logprob = std::nullopt);
   absl::Status AddImported(std::unique_ptr<Sequence> seq);
+  // Whether `seq`'s adapter can be used now (no adapter: yes), asking the backend until it
+  // says so (which starts the copy); the backend's error when it cannot be prepared.
+  absl::StatusOr<bool> AdapterReadyFor(Sequence& seq);
   void HandOverPrefilled(std::unique_ptr<Sequence>& seq, int32_t token, const float* logits);
   void Preempt(Sequence& seq);
 
@@ -119,6 +124,9 @@ class Engine {
   kv::BlockAllocator allocator_;
   std::deque<std::unique_ptr<Sequence>> waiting_;  // arrival order (preempted go to the front)
   std::vector<std::unique_ptr<Sequence>> running_;  // arrival order
+  // Imported with an all-position adapter whose copy has not landed: they join running_ once
+  // it has (their decode rows need it; the running batch does not wait for it).
+  std::vector<std::unique_ptr<Sequence>> importing_;
   std::map<std::string, std::vector<int32_t>> prefilled_;  // blocks held for ReleasePrefilled
   std::map<std::string, GenerationResult> finished_;  // collected for Generate
   bool collect_results_ = false;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -490,6 +491,58 @@ TEST_F(AdapterEngineTest, AnAdapterThatCannotBePreparedFailsOnlyItsRequest) {
     EXPECT_EQ(together[i].token_ids, RunAll(alone.get(), {reqs[i]}).at(0).token_ids) << i;
   }
   EXPECT_GT((*e)->stats().steps, 0);
+}
+
+// The multi-LoRA baseline's disaggregated decode: a sequence imported with an all-position
+// adapter waits for the adapter's copy without holding up the imported base sequence beside
+// it, and both decode what one engine gives them.
+TEST_F(AdapterEngineTest, AnImportedSequenceWaitsForItsAdapterAlone) {
+  auto lora = Load(testing::TinyLlamaFixture() + "/lora", base_->config());
+  ASSERT_TRUE(lora);
+  const std::vector<Request> reqs = {
+      MakeRequest("base", kPrompts[1], 10),
+      MakeRequest("lora-all", kPrompts[2], 10, lora, AdapterPositions::kAll)};
+  std::map<std::string, std::vector<int32_t>> want;
+  for (const Request& r : reqs) {
+    auto e = MakeEngine(base_);
+    want[r.id] = RunAll(e.get(), {r}).at(0).token_ids;
+  }
+  auto prefill = MakeEngine(base_);
+  std::vector<engine::PrefilledPrompt> handed;
+  for (Request r : reqs) {
+    r.on_prefilled = [&](const engine::PrefilledPrompt& p) { handed.push_back(p); };
+    ASSERT_TRUE(prefill->Add(std::move(r)).ok());
+  }
+  while (prefill->HasWork()) ASSERT_TRUE(prefill->Step().ok());
+  ASSERT_EQ(handed.size(), reqs.size());
+
+  auto cpu = model::CpuBackend::Create(base_, 256, 16);
+  ASSERT_TRUE(cpu.ok());
+  auto owned = std::make_unique<SlowAdapterBackend>(*std::move(cpu), /*not_ready_queries=*/4);
+  SlowAdapterBackend* backend = owned.get();
+  auto decode = Engine::Create(std::move(owned), nullptr, engine::EngineOptions{});
+  ASSERT_TRUE(decode.ok()) << decode.status();
+  const int64_t bf = prefill->cache()->shape().block_floats();
+  std::vector<Request> imported;
+  for (const engine::PrefilledPrompt& p : handed) {
+    auto blocks = (*decode)->ReserveBlocks((p.num_tokens + 10 + 15) / 16);
+    ASSERT_TRUE(blocks.ok()) << blocks.status();
+    for (int64_t l = 0; l < base_->config().num_layers; ++l) {
+      for (size_t b = 0; b < p.blocks.size(); ++b) {
+        std::memcpy((*decode)->cache()->layer_base(l) + (*blocks)[b] * bf,
+                    prefill->cache()->layer_base(l) + p.blocks[b] * bf, bf * sizeof(float));
+      }
+    }
+    Request r = p.request_id == reqs[0].id ? reqs[0] : reqs[1];
+    r.sampling.seed = p.seed;
+    r.imported = engine::ImportedPrompt{*blocks, p.first_token, p.first_logprob};
+    imported.push_back(std::move(r));
+  }
+  const auto got = RunAll(decode->get(), imported);
+  ASSERT_EQ(got.size(), imported.size());
+  for (const GenerationResult& g : got) EXPECT_EQ(g.token_ids, want[g.request_id]) << g.request_id;
+  EXPECT_EQ(backend->early_uses, 0);
+  EXPECT_GE(backend->steps_while_copying, 3);  // the base sequence decoded meanwhile
 }
 
 TEST_F(AdapterEngineTest, ResultReportsAdapterVersionAndPositions) {
