@@ -104,14 +104,13 @@ double HostToDevice(size_t bytes, bool pinned) {
 // its size matters here).
 std::unique_ptr<AdapterWeights> HostLora(const preft::model::ModelConfig& c, int64_t rank) {
   auto a = std::make_unique<AdapterWeights>(AdapterKind::kLora, c.num_layers);
-  const int64_t d = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
-  const int64_t in[] = {d, d, d, q, d, d, c.intermediate_size};
-  const int64_t out[] = {q, kv, kv, d, c.intermediate_size, c.intermediate_size, d};
   for (int64_t l = 0; l < c.num_layers; ++l) {
     for (int p = 0; p < preft::model::kNumProjections; ++p) {
-      auto& lr = a->mutable_lora(l, static_cast<preft::model::Projection>(p));
-      lr.shrink = a->AllocateMatrix(preft::kernels::DType::kBF16, rank, in[p]);
-      lr.expand = a->AllocateMatrix(preft::kernels::DType::kBF16, rank, out[p]);
+      const auto proj = static_cast<preft::model::Projection>(p);
+      const preft::model::ProjectionDims dims = preft::model::DimsOf(c, proj);
+      auto& lr = a->mutable_lora(l, proj);
+      lr.shrink = a->AllocateMatrix(preft::kernels::DType::kBF16, rank, dims.in);
+      lr.expand = a->AllocateMatrix(preft::kernels::DType::kBF16, rank, dims.out);
     }
   }
   return a;

@@ -71,25 +71,6 @@ std::string ModuleName(int64_t layer, model::Projection p) {
   return absl::StrCat("model.layers.", layer, ".", BlockName(p), ".", model::ProjectionName(p));
 }
 
-ProjectionDims DimsOf(const model::ModelConfig& c, model::Projection p) {
-  const int64_t q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
-  switch (p) {
-    case model::Projection::kQ:
-      return {c.hidden_size, q};
-    case model::Projection::kK:
-    case model::Projection::kV:
-      return {c.hidden_size, kv};
-    case model::Projection::kO:
-      return {q, c.hidden_size};
-    case model::Projection::kGate:
-    case model::Projection::kUp:
-      return {c.hidden_size, c.intermediate_size};
-    case model::Projection::kDown:
-      return {c.intermediate_size, c.hidden_size};
-  }
-  return {};
-}
-
 bool SmallInt(const Json& v, int64_t* out) {
   if (!v.is_number_integer()) return false;
   if (v.is_number_unsigned()) {

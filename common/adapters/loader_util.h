@@ -65,12 +65,8 @@ const char* BlockName(model::Projection p);
 // The module's name in the base model, as PEFT matches it: "model.layers.0.self_attn.q_proj".
 std::string ModuleName(int64_t layer, model::Projection p);
 
-// Input and output sizes of a projection of the base model (nn.Linear in / out features).
-struct ProjectionDims {
-  int64_t in = 0;
-  int64_t out = 0;
-};
-ProjectionDims DimsOf(const model::ModelConfig& c, model::Projection p);
+using model::DimsOf;
+using model::ProjectionDims;
 
 // Integer value of `v` if it is a JSON integer within int32; false otherwise.
 bool SmallInt(const Json& v, int64_t* out);

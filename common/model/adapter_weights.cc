@@ -44,6 +44,25 @@ const char* ProjectionName(Projection p) {
   return kNames[static_cast<int>(p)];
 }
 
+ProjectionDims DimsOf(const ModelConfig& c, Projection p) {
+  const int64_t q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
+  switch (p) {
+    case Projection::kQ:
+      return {c.hidden_size, q};
+    case Projection::kK:
+    case Projection::kV:
+      return {c.hidden_size, kv};
+    case Projection::kO:
+      return {q, c.hidden_size};
+    case Projection::kGate:
+    case Projection::kUp:
+      return {c.hidden_size, c.intermediate_size};
+    case Projection::kDown:
+      return {c.intermediate_size, c.hidden_size};
+  }
+  return {};
+}
+
 bool PromptSelection::Selected(int64_t position, int64_t prompt_len) const {
   if (all) return true;
   const int64_t first_n = std::min(prompt_len / 2, first);

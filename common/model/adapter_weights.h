@@ -17,6 +17,7 @@
 
 #include "common/kernels/dtype.h"
 #include "common/kernels/matrix.h"
+#include "common/model/config.h"
 
 namespace preft::model {
 
@@ -32,6 +33,12 @@ bool ParseAdapterPositions(const std::string& s, AdapterPositions* out);
 enum class Projection : int { kQ, kK, kV, kO, kGate, kUp, kDown };
 inline constexpr int kNumProjections = 7;
 const char* ProjectionName(Projection p);  // "q_proj", ..., "down_proj"
+// Input and output widths of a projection of a model of `c` (nn.Linear in / out features).
+struct ProjectionDims {
+  int64_t in = 0;
+  int64_t out = 0;
+};
+ProjectionDims DimsOf(const ModelConfig& c, Projection p);
 
 struct LowRank {
   kernels::MatrixView shrink;          // [rank, in]

@@ -51,21 +51,6 @@ class Placer {
   size_t size_ = 0;
 };
 
-// The (in, out) widths of a projection for `c`.
-std::pair<int64_t, int64_t> ProjectionDims(const ModelConfig& c, int p) {
-  const int64_t d = c.hidden_size, q_out = c.num_heads * c.head_dim;
-  const int64_t kv_out = c.num_kv_heads * c.head_dim, inter = c.intermediate_size;
-  switch (static_cast<Projection>(p)) {
-    case Projection::kQ: return {d, q_out};
-    case Projection::kK:
-    case Projection::kV: return {d, kv_out};
-    case Projection::kO: return {q_out, d};
-    case Projection::kGate:
-    case Projection::kUp: return {d, inter};
-    case Projection::kDown: return {inter, d};
-  }
-  return {0, 0};
-}
 
 // Uniform bound with standard deviation `std`.
 float UniformBound(double std) { return static_cast<float>(std * std::sqrt(3.0)); }
@@ -440,8 +425,9 @@ absl::StatusOr<std::unique_ptr<DeviceAdapter>> DeviceAdapter::Random(const Model
     for (int slot = 0; slot < kEntriesPerLayer; ++slot) {
       const bool used = kind == AdapterKind::kDireft ? slot == kDireftSlot : slot < kNumProjections;
       if (!used) continue;
-      const auto [in, out] = slot == kDireftSlot ? std::make_pair(c.hidden_size, c.hidden_size)
-                                                 : ProjectionDims(c, slot);
+      const auto [in, out] = slot == kDireftSlot
+                                 ? ProjectionDims{c.hidden_size, c.hidden_size}
+                                 : DimsOf(c, static_cast<Projection>(slot));
       const int64_t e = Entry(l, slot);
       shrink_at[e] = plan.Place(rank * in * sizeof(uint16_t));
       expand_at[e] = plan.Place(rank * out * sizeof(uint16_t));
@@ -674,7 +660,7 @@ absl::Status DeviceModel::Init(const ModelConfig& c) {
   std::vector<LayerAt> at(c.num_layers);
   for (LayerAt& l : at) {
     for (int p = 0; p < kNumProjections; ++p) {
-      const auto [in, out] = ProjectionDims(c, p);
+      const auto [in, out] = DimsOf(c, static_cast<Projection>(p));
       l.m[p] = plan.Place(in * out * bf);
     }
   }
@@ -787,7 +773,7 @@ absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Random(const ModelConf
   for (const DeviceLayer& l : m->layers_) {
     const uint16_t* mats[kNumProjections] = {l.q, l.k, l.v, l.o, l.gate, l.up, l.down};
     for (int p = 0; p < kNumProjections; ++p) {
-      const auto [in, out] = ProjectionDims(c, p);
+      const auto [in, out] = DimsOf(c, static_cast<Projection>(p));
       PREFT_RETURN_IF_ERROR(fill(mats[p], in, out, 1.0 / std::sqrt(in)));
     }
     for (const float* norm : {l.input_norm, l.post_attention_norm}) {

@@ -124,10 +124,7 @@ absl::Status CheckAdapterFits(const ModelConfig& c, const AdapterWeights& a) {
     return absl::InvalidArgumentError(
         absl::StrCat("adapter has ", a.num_layers(), " layers; the model has ", c.num_layers));
   }
-  const int64_t d = c.hidden_size, q_out = c.num_heads * c.head_dim;
-  const int64_t kv_out = c.num_kv_heads * c.head_dim, inter = c.intermediate_size;
-  const int64_t dims[kNumProjections][2] = {{d, q_out}, {d, kv_out}, {d, kv_out}, {q_out, d},
-                                            {d, inter}, {d, inter},  {inter, d}};
+  const int64_t d = c.hidden_size;
   auto fits = [](const LowRank& lr, int64_t in, int64_t out) {
     return lr.empty() || (lr.shrink.cols == in && lr.expand.cols == out &&
                           lr.shrink.rows == lr.expand.rows && lr.shrink.rows > 0);
@@ -141,9 +138,11 @@ absl::Status CheckAdapterFits(const ModelConfig& c, const AdapterWeights& a) {
       continue;
     }
     for (int p = 0; p < kNumProjections; ++p) {
-      if (!fits(a.lora(l, static_cast<Projection>(p)), dims[p][0], dims[p][1])) {
+      const auto proj = static_cast<Projection>(p);
+      const ProjectionDims dims = DimsOf(c, proj);
+      if (!fits(a.lora(l, proj), dims.in, dims.out)) {
         return absl::InvalidArgumentError(absl::StrCat("LoRA on layer ", l, " ",
-                                                       ProjectionName(static_cast<Projection>(p)),
+                                                       ProjectionName(proj),
                                                        " does not fit the model"));
       }
     }
