@@ -399,16 +399,6 @@ absl::Status DeviceAdapter::Stage(const AdapterWeights& a, UploadStage* stage) {
   return stage->Copy(data_.get(), data_.size(), ready_);
 }
 
-absl::StatusOr<std::unique_ptr<DeviceAdapter>> DeviceAdapter::Upload(const AdapterWeights& a) {
-  PREFT_ASSIGN_OR_RETURN(std::unique_ptr<DeviceAdapter> out, Allocate(a));
-  std::vector<uint8_t> staging(out->data_.size(), 0);
-  out->Fill(a, staging.data());
-  PREFT_RETURN_IF_ERROR(
-      Cuda(cuda::CopyToDevice(out->data_.get(), staging.data(), staging.size(), nullptr), "copy"));
-  PREFT_RETURN_IF_ERROR(Cuda(cuda::StreamSynchronize(nullptr), "synchronize"));
-  return out;
-}
-
 absl::StatusOr<std::unique_ptr<DeviceAdapter>> DeviceAdapter::Random(const ModelConfig& c,
                                                                     AdapterKind kind,
                                                                     int64_t rank, uint64_t seed) {

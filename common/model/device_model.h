@@ -121,8 +121,6 @@ class DeviceAdapter {
   static constexpr int64_t Entry(int64_t layer, int slot) { return layer * kEntriesPerLayer + slot; }
   static constexpr int kDireftSlot = kNumProjections;
 
-  // Copies `a` (matrices in their dtype, biases f32): Allocate, then the copy, done on return.
-  static absl::StatusOr<std::unique_ptr<DeviceAdapter>> Upload(const AdapterWeights& a);
   // Device memory for `a` and where each piece goes, nothing copied yet. InvalidArgument for
   // a rank over kernels::cuda::kMaxLowRank or matrices of mixed dtypes.
   static absl::StatusOr<std::unique_ptr<DeviceAdapter>> Allocate(const AdapterWeights& a);

@@ -230,7 +230,7 @@ TEST_P(DeviceModelConsistencyTest, AdapterSlotsEvictUnderTheirBudgetAndStayCorre
     return std::move(*a);
   };
   std::unique_ptr<AdapterWeights> a = make_lora(seed_ + 10), b = make_lora(seed_ + 11);
-  auto sized = DeviceAdapter::Upload(*a);  // every adapter here has this size
+  auto sized = DeviceAdapter::Allocate(*a);  // every adapter here has this size
   ASSERT_TRUE(sized.ok()) << sized.status();
   const size_t one = (*sized)->bytes();
   DeviceAdapterSlots slots(one + one / 2);
