@@ -174,8 +174,11 @@ absl::Status Engine::AddImported(std::unique_ptr<Sequence> seq) {
     return absl::InvalidArgumentError(
         "imported prompt has no first-token logprob but the request asks for logprobs");
   }
-  // The transport wrote the host cache: a device cache takes the blocks from there.
-  PREFT_RETURN_IF_ERROR(backend_->KvFromHost(in.blocks));
+  // The transport wrote the host cache: a device cache takes from there the blocks that hold
+  // the prompt (the rest of the reservation waits for generated tokens).
+  const int64_t filled = (seq->num_prompt + bt - 1) / bt;
+  PREFT_RETURN_IF_ERROR(
+      backend_->KvFromHost(std::vector<int32_t>(in.blocks.begin(), in.blocks.begin() + filled)));
   seq->blocks = in.blocks;
   seq->num_computed = seq->num_prompt;
   seq->prompt_counted = seq->num_prompt;  // computed by the prefill worker
