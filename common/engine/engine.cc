@@ -423,7 +423,7 @@ absl::Status Engine::Step() {
   // A sequence whose adapter the backend could not prepare fails alone, before scheduling;
   // imported ones whose adapter has landed start decoding.
   bool adapters_in_flight = false;
-  auto sort_by_adapter = [&](auto& queue, bool move_ready_to_running) {
+  auto check_adapters = [&](auto& queue, bool move_ready_to_running) {
     for (auto it = queue.begin(); it != queue.end();) {
       absl::StatusOr<bool> ready = AdapterReadyFor(**it);
       if (!ready.ok()) {
@@ -438,8 +438,8 @@ absl::Status Engine::Step() {
       }
     }
   };
-  sort_by_adapter(importing_, /*move_ready_to_running=*/true);
-  sort_by_adapter(waiting_, /*move_ready_to_running=*/false);
+  check_adapters(importing_, /*move_ready_to_running=*/true);
+  check_adapters(waiting_, /*move_ready_to_running=*/false);
   std::vector<SequenceView> running_views, waiting_views;
   for (const auto& s : running_) {
     running_views.push_back({static_cast<int64_t>(s->tokens.size()), s->num_computed,

@@ -3,8 +3,8 @@
 // Continuous-batching scheduler as a pure function: given the sequences and free KV blocks,
 // decide which tokens run in the next forward. Decode tokens go first (bounded latency);
 // prompt chunks fill the rest of the token budget (chunked prefill); admission is FCFS by
-// free KV blocks, passing over prompts whose adapters are not ready yet; when running sequences outgrow the cache the newest is preempted
-// (recomputed later).
+// free KV blocks, passing over prompts whose adapters are not ready yet; when running
+// sequences outgrow the cache the newest is preempted (recomputed later).
 
 #include <cstdint>
 #include <vector>

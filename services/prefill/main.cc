@@ -38,7 +38,8 @@ int Run(const Flags& f) {
   if (!server_credentials.ok()) return Fail("TLS", server_credentials.status());
   auto channel_credentials = rpc::MakeChannelCredentials(f.tls);
   if (!channel_credentials.ok()) return Fail("TLS", channel_credentials.status());
-  absl::StatusOr<serving::WorkerEngine> worker = serving::MakeWorkerEngine(f, /*kv_transport=*/true);
+  absl::StatusOr<serving::WorkerEngine> worker =
+      serving::MakeWorkerEngine(f, /*kv_transport=*/true);
   if (!worker.ok()) return Fail("cannot start", worker.status());
   std::unique_ptr<engine::Engine>& engine = worker->engine;
 
