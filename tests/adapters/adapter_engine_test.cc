@@ -430,6 +430,18 @@ class SlowAdapterBackend : public model::ForwardBackend {
 // the request is queued, admits the prompt once the backend says the adapter is ready, and
 // meanwhile keeps stepping the others (a base request, and one whose adapter is ready). No
 // batch names an adapter early, and every request's tokens are what it gets alone.
+// An engine on `m` over a SlowAdapterBackend, which *backend borrows.
+std::unique_ptr<Engine> SlowAdapterEngine(Model* m, int not_ready_queries,
+                                          SlowAdapterBackend** backend) {
+  auto cpu = model::CpuBackend::Create(m, 256, 16);
+  EXPECT_TRUE(cpu.ok());
+  auto owned = std::make_unique<SlowAdapterBackend>(*std::move(cpu), not_ready_queries);
+  *backend = owned.get();
+  auto e = Engine::Create(std::move(owned), nullptr, engine::EngineOptions{});
+  EXPECT_TRUE(e.ok()) << e.status();
+  return e.ok() ? *std::move(e) : nullptr;
+}
+
 // A base request, a LoRAP one and a DiReFTP one on the fixture's adapters.
 struct ThreeRequests {
   std::shared_ptr<const AdapterWeights> lora, direft;
@@ -452,13 +464,10 @@ TEST_F(AdapterEngineTest, AnAdapterStillCopyingDelaysOnlyItsOwnRequest) {
     auto e = MakeEngine(base_);
     alone.push_back(RunAll(e.get(), {r}).at(0).token_ids);
   }
-  auto cpu = model::CpuBackend::Create(base_, 256, 16);
-  ASSERT_TRUE(cpu.ok());
-  auto owned = std::make_unique<SlowAdapterBackend>(*std::move(cpu), /*not_ready_queries=*/6);
-  SlowAdapterBackend* backend = owned.get();
-  auto e = Engine::Create(std::move(owned), nullptr, engine::EngineOptions{});
-  ASSERT_TRUE(e.ok()) << e.status();
-  const auto together = RunAll(e->get(), reqs);
+  SlowAdapterBackend* backend = nullptr;
+  auto e = SlowAdapterEngine(base_, /*not_ready_queries=*/6, &backend);
+  ASSERT_NE(e, nullptr);
+  const auto together = RunAll(e.get(), reqs);
   ASSERT_EQ(together.size(), reqs.size());
   for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(together[i].token_ids, alone[i]) << i;
   EXPECT_EQ(backend->early_uses, 0);
@@ -473,13 +482,11 @@ TEST_F(AdapterEngineTest, AnAdapterStillCopyingDelaysOnlyItsOwnRequest) {
 TEST_F(AdapterEngineTest, AnAdapterThatCannotBePreparedFailsOnlyItsRequest) {
   const auto [lora, direft, reqs] = MakeThreeRequests(base_->config());
   ASSERT_TRUE(lora && direft);
-  auto cpu = model::CpuBackend::Create(base_, 256, 16);
-  ASSERT_TRUE(cpu.ok());
-  auto owned = std::make_unique<SlowAdapterBackend>(*std::move(cpu), /*not_ready_queries=*/2);
-  owned->broken = lora.get();
-  auto e = Engine::Create(std::move(owned), nullptr, engine::EngineOptions{});
-  ASSERT_TRUE(e.ok()) << e.status();
-  const auto together = RunAll(e->get(), reqs);
+  SlowAdapterBackend* backend = nullptr;
+  auto e = SlowAdapterEngine(base_, /*not_ready_queries=*/2, &backend);
+  ASSERT_NE(e, nullptr);
+  backend->broken = lora.get();
+  const auto together = RunAll(e.get(), reqs);
   ASSERT_EQ(together.size(), reqs.size());
   EXPECT_EQ(together[1].finish, engine::FinishReason::kError);
   EXPECT_EQ(together[1].status.code(), absl::StatusCode::kResourceExhausted);
@@ -490,7 +497,7 @@ TEST_F(AdapterEngineTest, AnAdapterThatCannotBePreparedFailsOnlyItsRequest) {
     EXPECT_TRUE(together[i].status.ok()) << together[i].status;
     EXPECT_EQ(together[i].token_ids, RunAll(alone.get(), {reqs[i]}).at(0).token_ids) << i;
   }
-  EXPECT_GT((*e)->stats().steps, 0);
+  EXPECT_GT(e->stats().steps, 0);
 }
 
 // The multi-LoRA baseline's disaggregated decode: a sequence imported with an all-position
@@ -516,20 +523,17 @@ TEST_F(AdapterEngineTest, AnImportedSequenceWaitsForItsAdapterAlone) {
   while (prefill->HasWork()) ASSERT_TRUE(prefill->Step().ok());
   ASSERT_EQ(handed.size(), reqs.size());
 
-  auto cpu = model::CpuBackend::Create(base_, 256, 16);
-  ASSERT_TRUE(cpu.ok());
-  auto owned = std::make_unique<SlowAdapterBackend>(*std::move(cpu), /*not_ready_queries=*/4);
-  SlowAdapterBackend* backend = owned.get();
-  auto decode = Engine::Create(std::move(owned), nullptr, engine::EngineOptions{});
-  ASSERT_TRUE(decode.ok()) << decode.status();
+  SlowAdapterBackend* backend = nullptr;
+  auto decode = SlowAdapterEngine(base_, /*not_ready_queries=*/4, &backend);
+  ASSERT_NE(decode, nullptr);
   const int64_t bf = prefill->cache()->shape().block_floats();
   std::vector<Request> imported;
   for (const engine::PrefilledPrompt& p : handed) {
-    auto blocks = (*decode)->ReserveBlocks((p.num_tokens + 10 + 15) / 16);
+    auto blocks = decode->ReserveBlocks((p.num_tokens + 10 + 15) / 16);
     ASSERT_TRUE(blocks.ok()) << blocks.status();
     for (int64_t l = 0; l < base_->config().num_layers; ++l) {
       for (size_t b = 0; b < p.blocks.size(); ++b) {
-        std::memcpy((*decode)->cache()->layer_base(l) + (*blocks)[b] * bf,
+        std::memcpy(decode->cache()->layer_base(l) + (*blocks)[b] * bf,
                     prefill->cache()->layer_base(l) + p.blocks[b] * bf, bf * sizeof(float));
       }
     }
@@ -538,7 +542,7 @@ TEST_F(AdapterEngineTest, AnImportedSequenceWaitsForItsAdapterAlone) {
     r.imported = engine::ImportedPrompt{*blocks, p.first_token, p.first_logprob};
     imported.push_back(std::move(r));
   }
-  const auto got = RunAll(decode->get(), imported);
+  const auto got = RunAll(decode.get(), imported);
   ASSERT_EQ(got.size(), imported.size());
   for (const GenerationResult& g : got) EXPECT_EQ(g.token_ids, want[g.request_id]) << g.request_id;
   EXPECT_EQ(backend->early_uses, 0);
