@@ -337,14 +337,11 @@ def measure_cell(args, cell, deployment, mode, n, concurrency, requests):
     if cluster.prefill_metrics:
         result["prefill_steps"] = step_summary(before["prefill"], after["prefill"],
                                                result.get("seconds"), cluster.prefill_metrics)
-    st = result["decode_steps"]
-    step = (f", decode step {st['step_ms_mean']:.1f} ms x {st['steps']:.0f} "
-            f"({st['tokens_per_step']:.1f} tokens, busy {100 * st['step_busy']:.0f}%)"
-            if st["steps"] else "")
-    pt = result.get("prefill_steps")
-    if pt and pt["steps"]:
-        step += (f", prefill step {pt['step_ms_mean']:.1f} ms x {pt['steps']:.0f} "
-                 f"({pt['tokens_per_step']:.1f} tokens, busy {100 * pt['step_busy']:.0f}%)")
+    step = "".join(
+        f", {tier} step {st['step_ms_mean']:.1f} ms x {st['steps']:.0f} "
+        f"({st['tokens_per_step']:.1f} tokens, busy {100 * st['step_busy']:.0f}%)"
+        for tier in ("decode", "prefill")
+        for st in [result.get(f"{tier}_steps")] if st and st["steps"])
     log(f"cell {cell}: {result['output_tokens_per_s']:.1f} tok/s, "
         f"TTFT p50 {result['ttft_ms']['p50']:.0f} ms, ITL p50 {result['itl_ms']['p50']:.1f} ms{step}")
     return result
