@@ -27,7 +27,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-gpu_tests=(cuda_ops_test device_model_test cuda_engine_test)
+gpu_tests=(cuda_ops_test device_model_test cuda_engine_test cuda_ipc_transport_test)
 gpu_benches=(cuda_bench cuda_model_bench)
 cluster=(tools/preft services/prefill/preft-prefill services/decode/preft-decode
          services/router/preft-router)
@@ -41,7 +41,8 @@ build() {
 }
 
 # The served table through the public API: one colocated GPU worker behind the router, then
-# a prefill and a decode worker on the same GPU (KV staged through host memory, UCX shm).
+# a prefill and a decode worker on the same GPU (KV staged through host memory, UCX shm), then
+# those tiers again with KV copied GPU to GPU (--transport cuda_ipc).
 serve() {
   local build=$1 out=/tmp/preft-serve/out
   command -v python3 >/dev/null || { echo "no python3: served table skipped"; return 0; }
@@ -52,6 +53,15 @@ serve() {
     --deployments "${SERVE_DEPLOYMENTS:-colocated,disaggregated}" --device cuda --adapters 64 \
     --concurrency 64 --requests 128 --prompt-tokens 128 --max-tokens 128 \
     | grep -v "make-adapter: wrote" || rc=$?
+  # The same tiers with KV moved GPU to GPU (CUDA IPC) instead of through host mirrors.
+  if [[ "${SERVE_DEPLOYMENTS:-colocated,disaggregated}" == *disaggregated* ]]; then
+    timeout "${SERVE_TIMEOUT_S:-240}" python3 bench/serve/matrix.py --build "$build" \
+      --model /tmp/preft-serve/model --preset qwen2.5-0.5b --dtype bf16 \
+      --adapter-dir /tmp/preft-serve/adapters --out "$out/cuda_ipc" --deployments disaggregated \
+      --transport cuda_ipc --modes base,lorap,direftp --device cuda --adapters 64 \
+      --concurrency 64 --requests 128 --prompt-tokens 128 --max-tokens 128 \
+      | grep -v "make-adapter: wrote" || rc=$?
+  fi
   # One archive of the table, cells and worker logs: a lent machine returns few files.
   if [[ -n "${OUT:-}" ]]; then tar czf "$OUT/served.tgz" -C "$(dirname "$out")" "$(basename "$out")"; fi
   return $rc
@@ -67,6 +77,7 @@ run_checks() {
   timeout 60 "$tests/cuda_ops_test" --gtest_brief=1 || rc=$?
   timeout 120 "$tests/device_model_test" --gtest_brief=1 || rc=$?
   timeout 60 "$tests/cuda_engine_test" --gtest_brief=1 || rc=$?
+  timeout 120 "$tests/cuda_ipc_transport_test" --gtest_brief=1 || rc=$?
   echo "== cuda_bench"
   timeout 60 "$bench/cuda_bench" || rc=$?
   for preset in llama3.1-8b qwen2.5-0.5b; do

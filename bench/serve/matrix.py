@@ -113,7 +113,7 @@ class Cluster:
         # A colocated worker moves no KV: its transport stays in process.
         transport = args.transport if deployment == "disaggregated" else "inproc"
         decode = [f"{b}/services/decode/preft-decode", *worker, *kv, "--transport", transport]
-        if transport == "ucx":
+        if transport in ("ucx", "cuda_ipc"):  # cuda_ipc's notices go over UCX
             decode += ["--ucx-tls", args.ucx_tls]
         router = [f"{b}/services/router/preft-router", "--model", args.model,
                   "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
@@ -135,7 +135,7 @@ class Cluster:
             prefill = [f"{b}/services/prefill/preft-prefill", *worker, *store,
                        "--kv-bytes", str(args.prefill_kv_mib << 20),
                        "--transport", args.transport]
-            if args.transport == "ucx":
+            if args.transport in ("ucx", "cuda_ipc"):
                 prefill += ["--ucx-tls", args.ucx_tls]
             if pin:
                 prefill = pinned(prefill, pin["prefill"])
@@ -506,7 +506,8 @@ def main():
     p.add_argument("--adapter-compute-mib", type=int, default=2048)
     p.add_argument("--adapter-loader-threads", type=int, default=1,
                    help="per worker: adapters loaded from disk at once")
-    p.add_argument("--transport", default="ucx", choices=["ucx", "grpc"])
+    p.add_argument("--transport", default="ucx", choices=["ucx", "cuda_ipc", "grpc"],
+                   help="disaggregated cells' KV transport (cuda_ipc: GPU to GPU, --device cuda)")
     p.add_argument("--ucx-tls", default="posix,self")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where every worker runs its forward (cuda: the first GPU; prefill "

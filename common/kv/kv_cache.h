@@ -25,6 +25,13 @@ struct KvCacheShape {
   }
 };
 
+// A cache of the same layout in a GPU's memory (one allocation, layer 0 at `base`), as a
+// transport that moves device blocks sees it; `base` is null where the cache is in host memory.
+struct DeviceKvView {
+  void* base = nullptr;
+  KvCacheShape shape;
+};
+
 // Layout [layer][block][K|V][kv_head][...], f32 (see KvCacheShape::block_floats). Owned by the
 // engine thread.
 class KvCache {

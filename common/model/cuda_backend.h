@@ -7,7 +7,8 @@
 // KV cache stays on the device. For disaggregated serving (prefill and decode tiers) it keeps
 // a host mirror of the same blocks, which the KV transport moves between workers: a prompt's
 // blocks are copied out after its prefill and in before its decode (staging through host
-// memory; a transport that moves device blocks directly does not exist yet).
+// memory); a CUDA IPC transport instead moves the device blocks themselves (device_cache()),
+// and then no mirror is kept.
 
 #include <cstdint>
 #include <memory>
@@ -51,6 +52,7 @@ class CudaBackend : public ForwardBackend {
   }
   kernels::DType adapter_dtype() const override { return kernels::DType::kBF16; }
   kv::KvCache* host_cache() override { return mirror_.get(); }
+  kv::DeviceKvView device_cache() const override { return {cache_->layer_base(0), cache_->shape()}; }
   absl::Status KvToHost(const std::vector<int32_t>& blocks) override;
   absl::Status KvFromHost(const std::vector<int32_t>& blocks) override;
   const char* name() const override { return "cuda"; }

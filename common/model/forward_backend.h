@@ -65,6 +65,9 @@ class ForwardBackend {
   // The KV cache in host memory, which the KV transport reads and writes; null when the cache
   // lives on a device and keeps no host mirror.
   virtual kv::KvCache* host_cache() { return nullptr; }
+  // The cache in device memory, for a transport that moves device blocks directly (CUDA IPC);
+  // a null base where the cache is in host memory.
+  virtual kv::DeviceKvView device_cache() const { return {}; }
   // A backend whose cache lives on a device but keeps a host mirror for the KV transport
   // copies blocks (every layer) between the two: the engine copies a prefilled prompt's
   // blocks out before handing them over, and an imported prompt's in before decoding it.

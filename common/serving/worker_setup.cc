@@ -23,6 +23,9 @@
 #endif
 #include "common/transport/inproc_transport.h"
 #include "common/transport/ucx/ucx_transport.h"
+#ifdef PREFT_HAVE_CUDA
+#include "common/transport/cuda_ipc/cuda_ipc_transport.h"
+#endif
 
 namespace preft::serving {
 
@@ -45,20 +48,40 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir) {
   return out;
 }
 
-absl::StatusOr<std::unique_ptr<transport::KvTransport>> MakeTransport(const TransportFlags& flags) {
+absl::StatusOr<std::unique_ptr<transport::KvTransport>> MakeTransport(
+    const TransportFlags& flags, kv::DeviceKvView device_cache) {
   if (flags.kind == "inproc") return std::make_unique<transport::InprocTransport>();
-  if (flags.kind == "ucx") {
-    transport::UcxTransportOptions o;
-    o.tls = flags.ucx_tls;
-    o.net_devices = flags.ucx_net_devices;
-    return std::make_unique<transport::UcxTransport>(o);
+  transport::UcxTransportOptions o;
+  o.tls = flags.ucx_tls;
+  o.net_devices = flags.ucx_net_devices;
+  if (flags.kind == "ucx") return std::make_unique<transport::UcxTransport>(o);
+  if (flags.kind == "cuda_ipc") {
+    if (device_cache.base == nullptr) {
+      return absl::FailedPreconditionError(
+          "--transport cuda_ipc moves KV between GPU caches: run the worker with --device cuda");
+    }
+#ifdef PREFT_HAVE_CUDA
+    return std::make_unique<transport::CudaIpcTransport>(
+        device_cache, std::make_unique<transport::UcxTransport>(o));
+#endif
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown transport '", flags.kind, "' (expected ucx or inproc here; grpc is made by the services)"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown transport '", flags.kind,
+      "' (expected ucx, cuda_ipc or inproc here; grpc is made by the services)"));
 }
 
-absl::Status CheckTransport(const std::string& opened, const TransportFlags& flags) {
-  if (flags.kind != "ucx" || flags.ucx_tls.empty()) return absl::OkStatus();
+absl::Status CheckTransport(const std::string& opened_name, const TransportFlags& flags) {
+  absl::string_view opened = opened_name;
+  if (flags.kind == "cuda_ipc") {
+    // "cuda_ipc+ucx(...)": the data path, then the notices' UCX transports.
+    if (!absl::ConsumePrefix(&opened, kCudaIpcPrefix)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "KV transport ", opened_name, " opened, but --transport cuda_ipc was asked for"));
+    }
+  } else if (flags.kind != "ucx") {
+    return absl::OkStatus();
+  }
+  if (flags.ucx_tls.empty()) return absl::OkStatus();
   std::set<std::string> want;
   for (absl::string_view t : absl::StrSplit(flags.ucx_tls, ',', absl::SkipEmpty())) {
     const std::string name(absl::StripAsciiWhitespace(t));
@@ -71,7 +94,7 @@ absl::Status CheckTransport(const std::string& opened, const TransportFlags& fla
   }
   const size_t open = opened.find('('), close = opened.rfind(')');
   std::set<std::string> got;
-  if (open != std::string::npos && close != std::string::npos && close > open) {
+  if (open != absl::string_view::npos && close != absl::string_view::npos && close > open) {
     for (absl::string_view t : absl::StrSplit(opened.substr(open + 1, close - open - 1), ',',
                                               absl::SkipEmpty())) {
       got.emplace(t);
@@ -109,12 +132,14 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--device", f->device,
                  "where the forward runs: cpu, or cuda (the first GPU; a prefill or disaggregated "
-                 "decode worker stages KV through host memory)")
+                 "decode worker stages KV through host memory unless --transport cuda_ipc)")
       ->capture_default_str()
       ->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_option("--transport", f->transport.kind, "KV transport")
+  app.add_option("--transport", f->transport.kind,
+                 "KV transport: ucx, cuda_ipc (GPU to GPU on one node, with --device cuda; "
+                 "notices over UCX), grpc or inproc")
       ->capture_default_str()
-      ->check(CLI::IsMember({"ucx", "grpc", "inproc"}));
+      ->check(CLI::IsMember({"ucx", "cuda_ipc", "grpc", "inproc"}));
   app.add_option("--ucx-tls", f->transport.ucx_tls,
                  "UCX_TLS for this worker, e.g. posix,self (readiness is refused on others)");
   app.add_option("--ucx-net-devices", f->transport.ucx_net_devices, "UCX_NET_DEVICES, e.g. lo");
@@ -175,7 +200,8 @@ absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& f, bool kv_tran
   o.num_threads = f.threads;
   PREFT_ASSIGN_OR_RETURN(
       w.engine,
-      MakeEngine(w.model.model.get(), w.model.tokenizer.get(), f.device, o, kv_transport));
+      MakeEngine(w.model.model.get(), w.model.tokenizer.get(), f.device, o,
+                 kv_transport && f.transport.kind != "cuda_ipc"));
   w.engine->set_observer(w.engine_metrics.get());
   return w;
 }

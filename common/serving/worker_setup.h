@@ -33,17 +33,23 @@ struct LoadedModel {
 absl::StatusOr<LoadedModel> LoadModel(const std::string& dir);
 
 struct TransportFlags {
-  std::string kind = "ucx";  // "ucx", "grpc" (the fallback; services/wire) or "inproc"
+  // "ucx", "cuda_ipc" (device to device; notices over UCX), "grpc" (the fallback;
+  // services/wire) or "inproc"
+  std::string kind = "ucx";
   std::string ucx_tls;       // UCX_TLS for this worker ("" = environment / UCX default)
   std::string ucx_net_devices;
 };
 
-// InvalidArgument for an unknown kind.
-absl::StatusOr<std::unique_ptr<transport::KvTransport>> MakeTransport(const TransportFlags& flags);
+// InvalidArgument for an unknown kind; "cuda_ipc" moves `device_cache` (the engine's
+// backend's), and is FailedPrecondition where the cache is not on a GPU.
+absl::StatusOr<std::unique_ptr<transport::KvTransport>> MakeTransport(
+    const TransportFlags& flags, kv::DeviceKvView device_cache = {});
 
 // Readiness: OK unless UCX was configured with explicit transports (`ucx_tls`) and the ones it
-// opened, named in `opened` ("ucx(posix,self)"), differ (FailedPrecondition naming both). UCX
+// opened, named in `opened` ("ucx(posix,self)"), differ (FailedPrecondition naming both), or
+// cuda_ipc was asked for and `opened` is another path ("cuda_ipc+ucx(...)" is the one). UCX
 // aliases (shm, sm, ib, all, ...) are not checked.
+inline constexpr char kCudaIpcPrefix[] = "cuda_ipc+";
 absl::Status CheckTransport(const std::string& opened, const TransportFlags& flags);
 
 // The flags every worker binary takes (preft-prefill, preft-decode), registered the same way.
@@ -57,7 +63,8 @@ struct WorkerFlags {
   int threads = 0;  // 0: all cores
   // "cuda": the engine's forward on the first GPU (weights as bf16, the KV cache in device
   // memory sized from what is free unless kv_blocks is set; a worker that moves KV over a
-  // transport stages it through a host mirror of that size, 8 GiB unless set).
+  // host-memory transport stages it through a host mirror of that size, 8 GiB unless set;
+  // --transport cuda_ipc moves the device blocks themselves).
   std::string device = "cpu";
   TransportFlags transport;
   double drain_timeout_s = 30;
@@ -91,13 +98,14 @@ struct WorkerEngine {
   std::unique_ptr<engine::Engine> engine;
 };
 // `kv_transport`: the worker hands KV to other workers or takes it from them (prefill and
-// disaggregated decode workers), as MakeEngine's.
+// disaggregated decode workers), as MakeEngine's; with --transport cuda_ipc no host mirror.
 absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& flags, bool kv_transport);
 
 // An engine over `model` on `device`: "cpu" (the model's own forward, `options` as given) or
 // "cuda" (a CudaBackend whose KV cache holds options.kv_blocks blocks, else kv_bytes when
 // positive, else a share of the free device memory). With `kv_transport` (its KV moves to or
-// from other workers) a device cache keeps a host mirror for the transport, and its size
+// from other workers through host memory) a device cache keeps a host mirror for the
+// transport, and its size
 // defaults to kMirroredKvBytes rather than the device's free memory. Errors start with
 // "--device DEVICE: ".
 inline constexpr int64_t kMirroredKvBytes = int64_t{8} << 30;

@@ -4,7 +4,8 @@
 // list of blocks of the local cache into blocks the peer reserved, then tells the peer the
 // transfer is complete (a DONE notice carrying reservation id and generation, so late writes of
 // an older generation can be told apart). Implementations: in-process (memcpy, for `preft
-// serve` and tests) and UCX (RMA put + active message; only transport/ucx sees UCX).
+// serve` and tests), UCX (RMA put + active message; only transport/ucx sees UCX) and CUDA IPC
+// (device-to-device copies between GPUs of one node, notices over UCX; transport/cuda_ipc).
 
 #include <cstdint>
 #include <functional>
@@ -76,6 +77,9 @@ class KvTransport {
                      std::function<void(absl::Status)> done) = 0;
   virtual TransportStats stats() const = 0;
   virtual std::string name() const = 0;  // "inproc", "ucx(posix,self)", ...
+  // True when the transport reads and writes a cache in device memory itself (so a GPU worker
+  // keeps no host mirror of its cache, and Start's host cache is not used).
+  virtual bool moves_device_memory() const { return false; }
 };
 
 }  // namespace preft::transport

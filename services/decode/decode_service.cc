@@ -250,15 +250,16 @@ absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(
         std::make_unique<adapters::VersionedAdapters>(impl->store.get(), options.adapter_root);
   }
   Impl* raw = impl.get();
-  if (engine->cache() != nullptr) {
+  if (engine->cache() != nullptr || transport->moves_device_memory()) {
     PREFT_RETURN_IF_ERROR(transport->Start(
         engine->cache(), layout,
         [raw](uint64_t id, uint32_t generation) { raw->OnDoneNotice(id, generation); }));
   } else if (!options.colocated) {
-    // The cache is in device memory, which no KV transport reaches yet.
     return absl::FailedPreconditionError(absl::StrCat(
         "the engine's KV cache lives on the ", engine->backend().name(),
-        " device, which no KV transport reaches yet: run this worker colocated"));
+        " device with no host mirror, which the ", transport->name(),
+        " transport cannot reach: run this worker colocated, with a host mirror, or with "
+        "--transport cuda_ipc"));
   }  // else colocated: the transport never moves KV (Reserve is refused), so it stays idle
   impl->endpoint = wire::MakeEndpoint(*transport, layout);
   impl->transport = std::move(transport);

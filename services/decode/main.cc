@@ -43,7 +43,8 @@ int Run(const Flags& f) {
   if (!worker.ok()) return Fail(std::string(worker.status().message()));
   auto& loaded = worker->model;
   auto& engine = worker->engine;
-  auto transport = preft::wire::MakeWorkerTransport(f.transport);
+  auto transport =
+      preft::wire::MakeWorkerTransport(f.transport, nullptr, engine->backend().device_cache());
   if (!transport.ok()) return Fail(std::string(transport.status().message()));
   const preft::transport::KvLayout layout =
       preft::serving::LayoutFor(*engine, loaded.fingerprint);

@@ -44,7 +44,8 @@ int Run(const Flags& f) {
   std::unique_ptr<engine::Engine>& engine = worker->engine;
 
   absl::StatusOr<std::unique_ptr<transport::KvTransport>> transport =
-      preft::wire::MakeWorkerTransport(f.transport, *channel_credentials);
+      preft::wire::MakeWorkerTransport(f.transport, *channel_credentials,
+                                       engine->backend().device_cache());
   if (!transport.ok()) return Fail("cannot create the transport", transport.status());
   const transport::KvLayout layout = serving::LayoutFor(*engine, worker->model.fingerprint);
 

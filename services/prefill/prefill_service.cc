@@ -394,8 +394,8 @@ PrefillService::Impl::Impl(std::unique_ptr<engine::Engine> engine,
                            const PrefillServiceOptions& service_options)
     : layout(kv_layout),
       options(service_options),
-      block_tokens(engine->cache()->shape().block_tokens),
-      block_bytes(engine->cache()->shape().bytes_per_block_all_layers()),
+      block_tokens(engine->backend().cache_shape().block_tokens),
+      block_bytes(engine->backend().cache_shape().bytes_per_block_all_layers()),
       vocab_size(engine->config().vocab_size),
       transport(std::move(kv)) {
   adapters::AdapterStoreOptions store_options = options.store;
@@ -548,11 +548,16 @@ absl::StatusOr<std::unique_ptr<PrefillService>> PrefillService::Create(
     return absl::InvalidArgumentError("prefill service: engine and transport are required");
   }
   const transport::KvLayout cache_layout =
-      transport::KvLayout::ForCache(engine->cache()->shape(), layout.model);
+      transport::KvLayout::ForCache(engine->backend().cache_shape(), layout.model);
   if (cache_layout.Hash() != layout.Hash()) {
     return absl::InvalidArgumentError(absl::StrCat("prefill service: layout ", layout.ToString(),
                                                    " does not describe the engine's cache ",
                                                    cache_layout.ToString()));
+  }
+  if (engine->cache() == nullptr && !transport->moves_device_memory()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "prefill service: the engine's KV cache lives on the ", engine->backend().name(),
+        " device with no host mirror, which the ", transport->name(), " transport cannot read"));
   }
   // The prefill side receives no transfers: DONE notices have nowhere to go.
   PREFT_RETURN_IF_ERROR(transport->Start(engine->cache(), layout, [](uint64_t, uint32_t) {}));

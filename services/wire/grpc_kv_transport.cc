@@ -159,9 +159,10 @@ transport::TransportStats GrpcKvTransport::stats() const {
 }
 
 absl::StatusOr<std::unique_ptr<transport::KvTransport>> MakeWorkerTransport(
-    const serving::TransportFlags& flags, std::shared_ptr<grpc::ChannelCredentials> credentials) {
+    const serving::TransportFlags& flags, std::shared_ptr<grpc::ChannelCredentials> credentials,
+    kv::DeviceKvView device_cache) {
   if (flags.kind == "grpc") return std::make_unique<GrpcKvTransport>(std::move(credentials));
-  return serving::MakeTransport(flags);
+  return serving::MakeTransport(flags, device_cache);
 }
 
 }  // namespace preft::wire

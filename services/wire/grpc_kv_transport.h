@@ -66,10 +66,11 @@ class GrpcKvTransport final : public transport::KvTransport {
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// The transport a worker's flags ask for: "grpc" here (dialling with `credentials`), "ucx" and
-// "inproc" via serving::MakeTransport.
+// The transport a worker's flags ask for: "grpc" here (dialling with `credentials`), "ucx",
+// "cuda_ipc" (moving `device_cache`) and "inproc" via serving::MakeTransport.
 absl::StatusOr<std::unique_ptr<transport::KvTransport>> MakeWorkerTransport(
     const serving::TransportFlags& flags,
-    std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);
+    std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr,
+    kv::DeviceKvView device_cache = {});
 
 }  // namespace preft::wire

@@ -54,5 +54,24 @@ TEST(WorkerSetupTest, TransportFactoryAndReadinessCheck) {
   EXPECT_TRUE(CheckTransport("inproc", flags("inproc")).ok());
 }
 
+TEST(WorkerSetupTest, CudaIpcNeedsADeviceCacheAndIsCheckedAtReadiness) {
+  TransportFlags f;
+  f.kind = "cuda_ipc";
+  const absl::Status no_device = MakeTransport(f).status();  // a CPU engine's cache
+  EXPECT_EQ(no_device.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(no_device.message().find("--device cuda"), std::string::npos) << no_device;
+  f.ucx_tls = "posix,self";
+  EXPECT_TRUE(CheckTransport("cuda_ipc+ucx(posix,self)", f).ok());
+  // The host path opened where the device path was asked for, or UCX fell back under it.
+  const absl::Status host_path = CheckTransport("ucx(posix,self)", f);
+  EXPECT_EQ(host_path.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(host_path.message().find("cuda_ipc"), std::string::npos) << host_path;
+  EXPECT_EQ(CheckTransport("cuda_ipc+ucx(tcp,self)", f).code(),
+            absl::StatusCode::kFailedPrecondition);
+  f.ucx_tls.clear();
+  EXPECT_TRUE(CheckTransport("cuda_ipc+ucx(tcp,self)", f).ok());
+  EXPECT_FALSE(CheckTransport("inproc", f).ok());
+}
+
 }  // namespace
 }  // namespace preft::serving

@@ -2,6 +2,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstring>
+
 #include "common/kernels/cuda/device_util.cuh"
 
 namespace preft::kernels::cuda {
@@ -78,6 +80,28 @@ int GraphLaunch(void* exec, void* stream) {
   return cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec), AsStream(stream));
 }
 int GraphDestroy(void* exec) { return cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec)); }
+int IpcExport(void* ptr, char (&handle)[kIpcHandleBytes]) {
+  static_assert(sizeof(cudaIpcMemHandle_t) == kIpcHandleBytes);
+  cudaIpcMemHandle_t h;
+  const cudaError_t e = cudaIpcGetMemHandle(&h, ptr);
+  std::memcpy(handle, &h, sizeof(h));
+  return e;
+}
+int IpcOpen(const char (&handle)[kIpcHandleBytes], void** ptr) {
+  cudaIpcMemHandle_t h;
+  std::memcpy(&h, handle, sizeof(h));
+  return cudaIpcOpenMemHandle(ptr, h, cudaIpcMemLazyEnablePeerAccess);
+}
+int IpcClose(void* ptr) { return cudaIpcCloseMemHandle(ptr); }
+int CopyPeer(void* dst, const void* src, size_t bytes, void* stream) {
+  return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, AsStream(stream));
+}
+int DevicePciBusId(char* id, int len) {
+  int device = 0;
+  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  return cudaDeviceGetPCIBusId(id, len, device);
+}
+
 int MemoryInfo(size_t* free_bytes, size_t* total_bytes) {
   return cudaMemGetInfo(free_bytes, total_bytes);
 }

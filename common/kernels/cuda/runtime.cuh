@@ -52,6 +52,18 @@ int GraphCaptureEnd(void* stream, void** exec);
 int GraphLaunch(void* exec, void* stream);
 int GraphDestroy(void* exec);
 
+// CUDA IPC: another process on the same node maps a device allocation through a 64-byte
+// handle. IpcExport writes the handle of the allocation that starts at `ptr`; IpcOpen maps a
+// peer's (enabling peer access when it lives on another GPU); IpcClose unmaps it.
+inline constexpr size_t kIpcHandleBytes = 64;
+int IpcExport(void* ptr, char (&handle)[kIpcHandleBytes]);
+int IpcOpen(const char (&handle)[kIpcHandleBytes], void** ptr);
+int IpcClose(void* ptr);
+// A copy between any two device pointers (this GPU's, a peer GPU's, or one IpcOpen mapped).
+int CopyPeer(void* dst, const void* src, size_t bytes, void* stream);
+// The current device's PCI bus id ("0000:3b:00.0"): names a GPU across processes.
+int DevicePciBusId(char* id, int len);
+
 // Free and total device memory of the current device, in bytes.
 int MemoryInfo(size_t* free_bytes, size_t* total_bytes);
 

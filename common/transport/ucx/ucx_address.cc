@@ -3,59 +3,18 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/transport/address_codec.h"
 
 namespace preft::transport {
 namespace {
 
 constexpr char kMagic[8] = {'P', 'R', 'E', 'F', 'T', 'U', 'C', 'X'};
 constexpr uint32_t kVersion = 1;
-constexpr uint64_t kMaxField = uint64_t{1} << 20;  // no legitimate field is near a MiB
-
-// Little helpers for a fixed-width, length-prefixed encoding (both ends are this code).
-class Writer {
- public:
-  template <typename T>
-  void Put(T value) {
-    out_.append(reinterpret_cast<const char*>(&value), sizeof(value));
-  }
-  void PutString(const std::string& s) {
-    Put<uint64_t>(s.size());
-    out_ += s;
-  }
-  std::string& out() { return out_; }
-
- private:
-  std::string out_;
-};
-
-class Reader {
- public:
-  explicit Reader(const std::string& in) : in_(in) {}
-  template <typename T>
-  bool Get(T* value) {
-    if (in_.size() - pos_ < sizeof(T)) return false;
-    std::memcpy(value, in_.data() + pos_, sizeof(T));
-    pos_ += sizeof(T);
-    return true;
-  }
-  bool GetString(std::string* s) {
-    uint64_t size = 0;
-    if (!Get(&size) || size > kMaxField || in_.size() - pos_ < size) return false;
-    s->assign(in_.data() + pos_, size);
-    pos_ += size;
-    return true;
-  }
-  bool done() const { return pos_ == in_.size(); }
-
- private:
-  const std::string& in_;
-  size_t pos_ = 0;
-};
 
 }  // namespace
 
 std::string EncodeUcxPeerAddress(const UcxPeerAddress& address) {
-  Writer w;
+  AddressWriter w;
   w.out().append(kMagic, sizeof(kMagic));
   w.Put(kVersion);
   w.Put(address.layout.Hash());
@@ -80,7 +39,7 @@ absl::StatusOr<UcxPeerAddress> DecodeUcxPeerAddress(const std::string& bytes) {
         absl::StrCat("UCX peer address: not a preft UCX address (", bytes.size(), " bytes)"));
   }
   std::string rest = bytes.substr(sizeof(kMagic));
-  Reader in(rest);
+  AddressReader in(rest);
   uint32_t version = 0;
   uint64_t hash = 0;
   UcxPeerAddress a;
