@@ -9,18 +9,24 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <map>
+#include <set>
 #include <filesystem>
 #include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "common/adapters/adapter_loader.h"
 #include "common/adapters/make_adapter.h"
 #include "common/engine/engine.h"
 #include "common/kernels/cuda/runtime.cuh"
 #include "common/model/cuda_backend.h"
 #include "common/model/make_model.h"
+#include "common/transport/cuda_ipc/cuda_ipc_transport.h"
+#include "common/transport/ucx/ucx_transport.h"
 
 namespace preft::engine {
 namespace {
@@ -212,6 +218,106 @@ TEST(CudaEngineTest, PromptBlocksReachAnotherGpuEngineThroughHostMirrors) {
   }
   EXPECT_EQ(finished, 3);
   EXPECT_EQ((*decode)->allocator().num_free(), 64);  // every imported sequence finished
+}
+
+// The same split with no host mirror: the prefill engine's prompt blocks reach the decode
+// engine's device cache through CudaIpcTransport (device to device; DONE over UCX), and the
+// decode engine generates exactly the tokens one engine alone generates for those requests.
+TEST(CudaEngineTest, DecodeFromBlocksMovedGpuToGpuMatchesOneEngine) {
+  uint64_t seed = 0;
+  std::unique_ptr<model::Model> model = FreshTinyModel("ipc_model", &seed);
+  ASSERT_NE(model, nullptr);
+  if (kernels::cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible";
+  model::CudaBackend::Options bo;
+  bo.kv_blocks = 64;
+  EngineOptions o;
+  o.kv_blocks = 64;
+  auto engine = [&] {
+    auto backend = model::CudaBackend::Create(*model, bo);
+    EXPECT_TRUE(backend.ok()) << backend.status();
+    auto e = Engine::Create(*std::move(backend), nullptr, o);
+    EXPECT_TRUE(e.ok()) << e.status();
+    return *std::move(e);
+  };
+  std::unique_ptr<Engine> alone = engine(), prefill = engine(), decode = engine();
+  ASSERT_EQ(prefill->cache(), nullptr);  // no mirror: the transport moves device memory
+  const transport::KvLayout layout = transport::KvLayout::ForCache(prefill->backend().cache_shape(), "ipc");
+  auto control = [] {
+    transport::UcxTransportOptions uo;
+    uo.tls = "posix,self";
+    return std::make_unique<transport::UcxTransport>(uo);
+  };
+  transport::CudaIpcTransport sender(prefill->backend().device_cache(), control());
+  transport::CudaIpcTransport receiver(decode->backend().device_cache(), control());
+  absl::Mutex mu;
+  std::set<uint64_t> noticed;
+  ASSERT_TRUE(sender.Start(nullptr, layout, [](uint64_t, uint32_t) {}).ok());
+  ASSERT_TRUE(receiver
+                  .Start(nullptr, layout,
+                         [&](uint64_t id, uint32_t) {
+                           absl::MutexLock lock(&mu);
+                           noticed.insert(id);
+                         })
+                  .ok());
+  auto peer = sender.Connect(receiver.LocalAddress());
+  ASSERT_TRUE(peer.ok()) << peer.status();
+
+  std::map<std::string, std::vector<int32_t>> want, got;
+  std::vector<Request> reqs;
+  std::vector<PrefilledPrompt> handed;
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  for (int i = 0; i < 3; ++i) {
+    Request r;
+    r.id = "s" + std::to_string(i);
+    for (int t = 0; t < 20 + 9 * i; ++t) r.prompt_ids.push_back(static_cast<int32_t>(rng() % 250));
+    r.sampling.max_tokens = 8;
+    r.sampling.ignore_eos = true;
+    reqs.push_back(r);
+    Request a = r;
+    a.on_token = [&](const TokenEvent& e) {
+      if (e.token_id >= 0) want[e.request_id].push_back(e.token_id);
+    };
+    ASSERT_TRUE(alone->Add(std::move(a)).ok());
+    r.on_prefilled = [&](const PrefilledPrompt& p) { handed.push_back(p); };
+    ASSERT_TRUE(prefill->Add(std::move(r)).ok());
+  }
+  while (alone->HasWork()) ASSERT_TRUE(alone->Step().ok());
+  while (prefill->HasWork()) ASSERT_TRUE(prefill->Step().ok());
+  ASSERT_EQ(handed.size(), reqs.size());
+  uint64_t id = 0;
+  for (const PrefilledPrompt& p : handed) {
+    auto blocks = decode->ReserveBlocks((p.num_tokens + 8 + 15) / 16);
+    ASSERT_TRUE(blocks.ok()) << blocks.status();
+    transport::BlockTransfer t{++id, 1, p.blocks,
+                               std::vector<int32_t>(blocks->begin(), blocks->begin() + p.blocks.size())};
+    absl::Notification done;
+    absl::Status status;
+    sender.Write(*peer, t, [&](absl::Status s) {
+      status = s;
+      done.Notify();
+    });
+    ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+    ASSERT_TRUE(status.ok()) << status;
+    Request r;
+    for (const Request& q : reqs) {
+      if (q.id == p.request_id) r = q;
+    }
+    r.sampling.seed = p.seed;
+    r.imported = ImportedPrompt{*blocks, p.first_token, p.first_logprob};
+    r.on_token = [&](const TokenEvent& e) {
+      if (e.token_id >= 0) got[e.request_id].push_back(e.token_id);
+    };
+    ASSERT_TRUE(decode->Add(std::move(r)).ok());
+    ASSERT_TRUE(prefill->ReleasePrefilled(p.request_id).ok());
+  }
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_EQ(noticed.size(), handed.size());
+  }
+  while (decode->HasWork()) ASSERT_TRUE(decode->Step().ok());
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(want.size(), 3u);
+  EXPECT_EQ(decode->allocator().num_free(), 64);
 }
 
 }  // namespace
