@@ -63,6 +63,8 @@ absl::StatusOr<std::unique_ptr<transport::KvTransport>> MakeTransport(
 #ifdef PREFT_HAVE_CUDA
     return std::make_unique<transport::CudaIpcTransport>(
         device_cache, std::make_unique<transport::UcxTransport>(o));
+#else
+    return absl::FailedPreconditionError("--transport cuda_ipc: this build has no CUDA");
 #endif
   }
   return absl::InvalidArgumentError(absl::StrCat(
