@@ -32,6 +32,7 @@
 #include "common/rpc/server.h"
 #include "common/serving/worker_setup.h"
 #include "common/transport/inproc_transport.h"
+#include "tests/testing/cacheless_backend.h"
 #include "tests/testing/fixtures.h"
 
 namespace preft::decode {
@@ -293,6 +294,33 @@ class DecodeServiceTest : public ::testing::Test {
   transport::PeerId peer_ = 0;
 };
 serving::LoadedModel* DecodeServiceTest::loaded_ = nullptr;
+
+// A worker whose cache only a device-memory transport could reach (a GPU with no host mirror)
+// is refused with a host-memory transport, with what to do instead; colocated it needs none.
+TEST_F(DecodeServiceTest, RefusesACachelessEngineWithAHostMemoryTransport) {
+  auto make = [] {
+    engine::EngineOptions o;
+    o.kv_blocks = 16;
+    auto e = engine::Engine::Create(
+        testing::CachelessBackend::Create(loaded_->model.get(), 16), nullptr, o);
+    EXPECT_TRUE(e.ok()) << e.status();
+    return std::move(e).value();
+  };
+  std::unique_ptr<engine::Engine> engine = make();
+  ASSERT_EQ(engine->cache(), nullptr);
+  const transport::KvLayout layout = serving::LayoutFor(*engine, loaded_->fingerprint);
+  auto refused = DecodeService::Create(
+      std::move(engine), std::make_unique<transport::InprocTransport>(), layout, {});
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.status().message(), HasSubstr("inproc transport cannot reach"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("--transport cuda_ipc"));
+  DecodeServiceOptions colocated;
+  colocated.colocated = true;
+  colocated.quarantine = kQuarantine;
+  auto ok = DecodeService::Create(make(), std::make_unique<transport::InprocTransport>(), layout,
+                                  colocated);
+  EXPECT_TRUE(ok.ok()) << ok.status();
+}
 
 TEST_F(DecodeServiceTest, TransportedPromptDecodesLikeOneEngine) {
   struct Case {

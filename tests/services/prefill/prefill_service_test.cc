@@ -32,6 +32,7 @@
 #include "common/rpc/server.h"
 #include "common/transport/inproc_transport.h"
 #include "proto/preft/v1/worker.grpc.pb.h"
+#include "tests/testing/cacheless_backend.h"
 #include "tests/testing/fixtures.h"
 
 namespace preft::prefill {
@@ -383,6 +384,23 @@ model::Model* PrefillServiceTest::model_ = nullptr;
 std::string* PrefillServiceTest::root_ = nullptr;
 std::map<std::string, std::shared_ptr<const model::AdapterWeights>>* PrefillServiceTest::weights_ =
     nullptr;
+
+// A prefill worker whose cache lives where the transport cannot read it (a GPU with no host
+// mirror, under a host-memory transport) is refused at start, naming the transport.
+TEST_F(PrefillServiceTest, RefusesACachelessEngineWithAHostMemoryTransport) {
+  engine::EngineOptions o;
+  o.kv_blocks = 16;
+  auto engine = Engine::Create(testing::CachelessBackend::Create(model_, 16), nullptr, o);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const transport::KvLayout layout =
+      transport::KvLayout::ForCache((*engine)->backend().cache_shape(), kModelId);
+  auto refused = PrefillService::Create(*std::move(engine),
+                                        std::make_unique<transport::InprocTransport>(), layout, {});
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.status().message().find("the inproc transport cannot read"),
+            std::string::npos)
+      << refused.status();
+}
 
 TEST_F(PrefillServiceTest, BaseModelSplitEqualsOneEngine) {
   std::vector<Case> cases;
