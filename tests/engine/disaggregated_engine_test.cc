@@ -15,6 +15,7 @@
 #include "common/engine/engine.h"
 #include "common/engine/engine_loop.h"
 #include "tests/engine/tiny_engine_fixture.h"
+#include "tests/testing/cacheless_backend.h"
 
 namespace preft::engine {
 namespace {
@@ -107,7 +108,7 @@ TEST_F(DisaggregatedEngineTest, SplitRunEqualsOneEngineGreedyAndSeeded) {
 // own, and host_cache() (what a KV transport moves) is a separate copy that only KvToHost and
 // KvFromHost fill. A split run over two of them gives one engine's tokens only if the engine
 // copies a prefilled prompt out before handing it over and an imported one in before decoding.
-class MirroredCpuBackend : public model::ForwardBackend {
+class MirroredCpuBackend : public testing::CachelessBackend {
  public:
   static std::unique_ptr<MirroredCpuBackend> Create(model::Model* m, int64_t blocks) {
     auto cpu = model::CpuBackend::Create(m, blocks, 16);
@@ -117,22 +118,15 @@ class MirroredCpuBackend : public model::ForwardBackend {
     return std::unique_ptr<MirroredCpuBackend>(
         new MirroredCpuBackend(*std::move(cpu), *std::move(mirror)));
   }
-  const model::ModelConfig& config() const override { return cpu_->config(); }
-  const kv::KvCacheShape& cache_shape() const override { return cpu_->cache_shape(); }
-  absl::Status Forward(const model::ForwardBatch& batch,
-                       base::AlignedVector<float>* logits) override {
-    return cpu_->Forward(batch, logits);
-  }
-  kernels::DType adapter_dtype() const override { return cpu_->adapter_dtype(); }
   kv::KvCache* host_cache() override { return mirror_.get(); }
   absl::Status KvToHost(const std::vector<int32_t>& blocks) override {
     ++to_host;
-    Copy(*cpu_->host_cache(), blocks, mirror_.get());
+    Copy(device_kv(), blocks, mirror_.get());
     return absl::OkStatus();
   }
   absl::Status KvFromHost(const std::vector<int32_t>& blocks) override {
     ++from_host;
-    Copy(*mirror_, blocks, cpu_->host_cache());
+    Copy(*mirror_, blocks, &device_kv());
     return absl::OkStatus();
   }
   const char* name() const override { return "cpu-mirrored"; }
@@ -141,7 +135,7 @@ class MirroredCpuBackend : public model::ForwardBackend {
 
  private:
   MirroredCpuBackend(std::unique_ptr<model::CpuBackend> cpu, std::unique_ptr<kv::KvCache> mirror)
-      : cpu_(std::move(cpu)), mirror_(std::move(mirror)) {}
+      : CachelessBackend(std::move(cpu)), mirror_(std::move(mirror)) {}
   static void Copy(kv::KvCache& from, const std::vector<int32_t>& blocks, kv::KvCache* to) {
     const int64_t bf = from.shape().block_floats();
     for (int64_t l = 0; l < from.shape().num_layers; ++l) {
@@ -150,7 +144,6 @@ class MirroredCpuBackend : public model::ForwardBackend {
       }
     }
   }
-  std::unique_ptr<model::CpuBackend> cpu_;
   std::unique_ptr<kv::KvCache> mirror_;
 };
 

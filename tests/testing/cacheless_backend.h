@@ -2,7 +2,7 @@
 
 // A CPU backend that shows no host cache, as a GPU worker's does when it keeps no host mirror
 // (--device cuda --transport cuda_ipc): what a service must refuse to pair with a transport
-// that moves host memory.
+// that moves host memory. Tests derive from it for other device-like caches (a host mirror).
 
 #include <memory>
 #include <utility>
@@ -19,6 +19,7 @@ class CachelessBackend : public model::ForwardBackend {
     return cpu.ok() ? std::unique_ptr<CachelessBackend>(new CachelessBackend(*std::move(cpu)))
                     : nullptr;
   }
+  explicit CachelessBackend(std::unique_ptr<model::CpuBackend> cpu) : cpu_(std::move(cpu)) {}
   const model::ModelConfig& config() const override { return cpu_->config(); }
   const kv::KvCacheShape& cache_shape() const override { return cpu_->cache_shape(); }
   absl::Status Forward(const model::ForwardBatch& batch,
@@ -28,8 +29,11 @@ class CachelessBackend : public model::ForwardBackend {
   kernels::DType adapter_dtype() const override { return cpu_->adapter_dtype(); }
   const char* name() const override { return "device-like"; }
 
+ protected:
+  // The cache the forward runs on (the "device" one).
+  kv::KvCache& device_kv() { return *cpu_->host_cache(); }
+
  private:
-  explicit CachelessBackend(std::unique_ptr<model::CpuBackend> cpu) : cpu_(std::move(cpu)) {}
   std::unique_ptr<model::CpuBackend> cpu_;
 };
 
