@@ -117,6 +117,7 @@ std::vector<std::shared_ptr<const AdapterWeights>> LoadAdapters(const preft::mod
   std::vector<std::shared_ptr<const AdapterWeights>> out;
   preft::adapters::LoadOptions load;
   load.dtype = model.weight_dtype();
+  load.cpu_layout = true;  // as a CPU worker's store loads them
   for (int i = 0; i < n; ++i) {
     const std::string dir = root + "/" + preft::model::AdapterKindName(kind) + "-r" +
                             std::to_string(rank) + "-" + std::to_string(i);

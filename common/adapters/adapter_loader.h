@@ -23,6 +23,9 @@ namespace preft::adapters {
 struct LoadOptions {
   int64_t max_rank = 128;                       // ranks above are refused
   kernels::DType dtype = kernels::DType::kF32;  // matrices are converted to this dtype
+  // For the CPU kernels: matrices they can take chunked (kernels::cpu::LowRankChunkable) are
+  // stored so, for a faster multi-LoRA decode. Not for adapters a GPU backend uploads.
+  bool cpu_layout = false;
 };
 
 // Loads the adapter in `dir` for a model with config `base`. Errors name the file and the

@@ -3,9 +3,11 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/kernels/cpu/low_rank.h"
 
 namespace preft::adapters::internal {
 
@@ -227,6 +229,33 @@ absl::StatusOr<kernels::MatrixView> CopyMatrix(const model::TensorInfo& t, bool 
     }
   }
   return out;
+}
+
+void ChunkForCpuKernels(model::AdapterWeights* adapter) {
+  std::vector<uint16_t> scratch;
+  auto chunk = [&](kernels::MatrixView* m) {
+    auto* data = static_cast<uint16_t*>(const_cast<void*>(m->data));
+    scratch.assign(data, data + m->rows * m->cols);
+    kernels::cpu::ChunkColumns(scratch.data(), m->rows, m->cols, data);
+    m->chunked = true;
+  };
+  auto visit = [&](model::LowRank& lr) {
+    if (lr.empty() || lr.shrink.chunked || !kernels::cpu::LowRankChunkable(lr.shrink) ||
+        !kernels::cpu::LowRankChunkable(lr.expand)) {
+      return;
+    }
+    chunk(&lr.shrink);
+    chunk(&lr.expand);
+  };
+  for (int64_t l = 0; l < adapter->num_layers(); ++l) {
+    if (adapter->kind() == model::AdapterKind::kLora) {
+      for (int p = 0; p < model::kNumProjections; ++p) {
+        visit(adapter->mutable_lora(l, static_cast<model::Projection>(p)));
+      }
+    } else {
+      visit(adapter->mutable_direft(l));
+    }
+  }
 }
 
 void ReserveStorageFor(const model::SafetensorsFile& weights, kernels::DType dtype,

@@ -79,6 +79,9 @@ absl::StatusOr<model::AdapterPositions> ReadPositions(const ConfigReader& r);
 // value that overflows `dtype`.
 absl::StatusOr<kernels::MatrixView> CopyMatrix(const model::TensorInfo& t, bool transpose,
                                                kernels::DType dtype, model::AdapterWeights* dst);
+// Rewrites, in place, every pair of matrices the CPU kernels take chunked into that layout
+// (LoadOptions::cpu_layout).
+void ChunkForCpuKernels(model::AdapterWeights* adapter);
 // Reserves `dst`'s storage for every tensor of `weights`: 2-D ones in `dtype`, 1-D ones in f32
 // (what CopyMatrix and CopyVector allocate), so the copies need no allocation of their own.
 void ReserveStorageFor(const model::SafetensorsFile& weights, kernels::DType dtype,

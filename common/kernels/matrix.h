@@ -13,6 +13,12 @@ struct MatrixView {
   DType dtype = DType::kF32;
   int64_t rows = 0;
   int64_t cols = 0;
+  // Columns in chunks of kChunkCols: [cols / 32][rows][32], each chunk's rows together. The
+  // CPU low-rank kernels' layout for adapter matrices (one sequential stream per matrix); only
+  // they read it (see cpu/low_rank.h).
+  bool chunked = false;
 };
+
+inline constexpr int64_t kChunkCols = 32;
 
 }  // namespace preft::kernels

@@ -188,10 +188,17 @@ kernels::MatrixView CopyMatrix(const kernels::MatrixView& src, kernels::DType dt
   void* data = const_cast<void*>(out.data);
   if (src.dtype == dtype) {
     std::memcpy(data, src.data, n * kernels::DTypeSize(dtype));
+    out.chunked = src.chunked;
     return out;
   }
-  for (int64_t i = 0; i < n; ++i)
-    kernels::StoreFromF32(data, dtype, i, kernels::LoadAsF32(src.data, src.dtype, i));
+  // Only bf16 is kept chunked: another dtype is written row-major.
+  constexpr int64_t kC = kernels::kChunkCols;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t o = !src.chunked ? i
+                                   : (i % (src.rows * kC)) / kC * src.cols +
+                                         i / (src.rows * kC) * kC + i % kC;
+    kernels::StoreFromF32(data, dtype, o, kernels::LoadAsF32(src.data, src.dtype, i));
+  }
   return out;
 }
 

@@ -51,6 +51,7 @@ class CudaBackend : public ForwardBackend {
     return slots_.Ready(adapter);
   }
   kernels::DType adapter_dtype() const override { return kernels::DType::kBF16; }
+  bool cpu_adapter_kernels() const override { return false; }
   kv::KvCache* host_cache() override { return mirror_.get(); }
   kv::DeviceKvView device_cache() const override { return {cache_->layer_base(0), cache_->shape()}; }
   absl::Status KvToHost(const std::vector<int32_t>& blocks) override;

@@ -355,6 +355,11 @@ absl::StatusOr<std::unique_ptr<DeviceAdapter>> DeviceAdapter::Allocate(const Ada
       if (lr->shrink.dtype != lr->expand.dtype) {
         return absl::InvalidArgumentError("adapter shrink and expand matrices differ in dtype");
       }
+      if (lr->shrink.chunked || lr->expand.chunked) {
+        return absl::InvalidArgumentError(
+            "adapter matrices in the CPU kernels' chunked layout (loaded with "
+            "LoadOptions::cpu_layout) cannot be uploaded to a GPU");
+      }
       Placed& p = out->placed_[Entry(l, slot)];
       p.shrink = plan.Place(lr->shrink.rows * lr->shrink.cols * kernels::DTypeSize(lr->shrink.dtype));
       p.expand = plan.Place(lr->expand.rows * lr->expand.cols * kernels::DTypeSize(lr->expand.dtype));

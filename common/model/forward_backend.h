@@ -62,6 +62,9 @@ class ForwardBackend {
   }
   // The dtype adapters are converted to for compute (the form the adapter store keeps).
   virtual kernels::DType adapter_dtype() const = 0;
+  // Whether the forward runs adapters through the CPU kernels, which take some matrices in a
+  // layout of their own (adapters::LoadOptions::cpu_layout); a GPU backend uploads row-major.
+  virtual bool cpu_adapter_kernels() const { return true; }
   // The KV cache in host memory, which the KV transport reads and writes; null when the cache
   // lives on a device and keeps no host mirror.
   virtual kv::KvCache* host_cache() { return nullptr; }

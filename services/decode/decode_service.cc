@@ -245,7 +245,9 @@ absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(
   impl->block_tokens = engine->backend().cache_shape().block_tokens;
   impl->total_blocks = engine->allocator().num_blocks();
   if (options.all_position_adapters || options.colocated) {
-    impl->store = std::make_unique<adapters::AdapterStore>(impl->config, options.store);
+    adapters::AdapterStoreOptions store = options.store;
+    store.load.cpu_layout = engine->backend().cpu_adapter_kernels();
+    impl->store = std::make_unique<adapters::AdapterStore>(impl->config, store);
     impl->versioned =
         std::make_unique<adapters::VersionedAdapters>(impl->store.get(), options.adapter_root);
   }

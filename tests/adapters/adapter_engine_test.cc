@@ -19,6 +19,8 @@
 #include "common/base/mapped_file.h"
 #include "common/engine/engine.h"
 #include "common/engine/sampler.h"
+#include "common/kernels/cpu/linear_kernels.h"
+#include "common/kernels/cpu/low_rank.h"
 #include "common/model/make_model.h"
 #include "common/model/model.h"
 #include "common/model/safetensors.h"
@@ -374,6 +376,59 @@ TEST_F(AdapterEngineTest, TokensAreIdenticalAloneAndAmong32Adapters) {
       EXPECT_GT(e->stats().preemptions, 0);
     }
   }
+}
+
+// Adapters loaded in the CPU kernels' chunked layout (what a CPU worker's store does) generate
+// exactly what the row-major ones do: tokens and logprobs, prompt and decode rows, LoRA and
+// DiReFT, prompt-only and all positions, in one mixed batch.
+TEST_F(AdapterEngineTest, CpuLayoutAdaptersGenerateExactlyTheRowMajorOnes) {
+  const std::string dir = TempDir("cpu_layout");
+  model::MakeModelOptions mo;
+  mo.preset = "tiny";
+  mo.dtype = kernels::DType::kBF16;
+  mo.seed = 5;
+  mo.out_dir = dir + "/model";
+  ASSERT_TRUE(model::MakeModel(mo).ok());
+  auto m = Model::Load(mo.out_dir);
+  ASSERT_TRUE(m.ok()) << m.status();
+  const model::ModelConfig& c = (*m)->config();
+  std::vector<Request> row_major, chunked;
+  bool any_chunked = false;
+  for (int i = 0; i < 10; ++i) {
+    adapters::RandomAdapterSpec spec;
+    spec.seed = 300 + i;
+    spec.dtype = kernels::DType::kBF16;
+    spec.kind = i % 3 == 2 ? model::AdapterKind::kDireft : model::AdapterKind::kLora;
+    spec.rank = spec.kind == model::AdapterKind::kDireft ? 4 : 4 << (i % 3);
+    const std::string adir = dir + "/adapter" + std::to_string(i);
+    ASSERT_TRUE(adapters::WriteRandomAdapter(c, spec, adir).ok());
+    adapters::LoadOptions lo;
+    lo.dtype = kernels::DType::kBF16;
+    auto plain = adapters::LoadAdapter(adir, c, lo);
+    lo.cpu_layout = true;
+    auto cpu = adapters::LoadAdapter(adir, c, lo);
+    ASSERT_TRUE(plain.ok() && cpu.ok());
+    const model::LowRank& lr = spec.kind == model::AdapterKind::kLora
+                                   ? (*cpu)->lora(0, model::Projection::kGate)
+                                   : (*cpu)->direft(0);
+    any_chunked |= lr.shrink.chunked;
+    EXPECT_EQ(lr.shrink.chunked, kernels::cpu::LowRankChunkable(lr.shrink));
+    std::vector<int32_t> prompt;
+    for (int k = 0; k < 5 + 9 * i; ++k) prompt.push_back((k * 13 + i * 29) % 290);
+    const auto pos = i % 2 == 0 ? AdapterPositions::kAll : AdapterPositions::kPrompt;
+    row_major.push_back(MakeRequest("r" + std::to_string(i), prompt, 10,
+                                    std::shared_ptr<const AdapterWeights>(*std::move(plain)), pos));
+    chunked.push_back(MakeRequest("r" + std::to_string(i), prompt, 10,
+                                  std::shared_ptr<const AdapterWeights>(*std::move(cpu)), pos));
+  }
+  if (kernels::cpu::ActiveLinearIsa() >= kernels::cpu::LinearIsa::kAvx512Bf16) {
+    EXPECT_TRUE(any_chunked);
+  }
+  auto a = MakeEngine(m->get()), b = MakeEngine(m->get());
+  const auto want = RunAll(a.get(), row_major);
+  const auto got = RunAll(b.get(), chunked);
+  ASSERT_EQ(want.size(), got.size());
+  for (size_t i = 0; i < want.size(); ++i) ExpectSameGeneration(got[i], want[i], 0.0, row_major[i].id);
 }
 
 // A CPU backend whose adapter copies take a while, as a GPU's do: AdapterReady says no to its

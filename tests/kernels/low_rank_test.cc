@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <string>
 #include <numeric>
 #include <random>
 #include <tuple>
@@ -189,6 +191,75 @@ TEST_P(LowRankTest, InPlaceUpdateReadsEachRowBeforeWritingIt) {
     for (int64_t i = 0; i < num_rows * d; ++i)
       ASSERT_NEAR(x[i], expect[i], 1e-3 * (1 + std::abs(expect[i]))) << "element " << i;
   }
+}
+
+// The chunked layout changes where the kernels read, not what they sum: decode rows (BGMV),
+// prompt groups (SGMV) and in-place updates give the row-major layout's results bit for bit.
+TEST(LowRankTest, ChunkedMatricesGiveRowMajorResultsBitForBit) {
+  if (ActiveLinearIsa() < LinearIsa::kAvx512Bf16) GTEST_SKIP() << "no AVX-512-BF16 here";
+  std::mt19937 rng(23);
+  std::normal_distribution<float> dist(0.f, 1.f);
+  for (auto [in, out, rank] : {std::tuple<int64_t, int64_t, int64_t>{896, 128, 16},
+                               {128, 4864, 16}, {64, 96, 4}, {96, 96, 8}, {64, 160, 12},
+                               {96, 64, 20}, {64, 64, 32}}) {
+    SCOPED_TRACE("in=" + std::to_string(in) + " out=" + std::to_string(out) +
+                 " rank=" + std::to_string(rank));
+    const int64_t num_rows = 24;
+    std::vector<float> x(num_rows * in), y(num_rows * out);
+    for (float& v : x) v = dist(rng);
+    for (float& v : y) v = dist(rng);
+    // Rows 0-3 decode rows of their own adapters, 4-23 two prompt groups (SGMV) of 9 and 11
+    // rows (a last work item of one row among them).
+    std::vector<std::vector<int32_t>> rows = {{0}, {1}, {2}, {3}, {}, {}};
+    for (int32_t r = 4; r < num_rows; ++r) rows[r < 13 ? 4 : 5].push_back(r);
+    std::vector<Case> cases;
+    std::vector<std::vector<uint16_t>> chunked;  // shrink, expand per case
+    std::vector<LowRankGroup> row_major, chunk;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      Case c{rank, rows[i], MakeMat(DType::kBF16, rank, in, rng),
+             MakeMat(DType::kBF16, rank, out, rng), {}, 0.5f + i};
+      if (i % 2 == 0) {
+        c.bias.resize(rank);
+        for (float& b : c.bias) b = dist(rng);
+      }
+      cases.push_back(std::move(c));
+    }
+    for (const Case& c : cases) {
+      LowRankGroup g{c.rows.data(), static_cast<int64_t>(c.rows.size()), c.shrink.View(),
+                     c.expand.View(), c.bias.empty() ? nullptr : c.bias.data(), c.scale};
+      row_major.push_back(g);
+      for (const MatrixView* m : {&g.shrink, &g.expand}) {
+        ASSERT_TRUE(LowRankChunkable(*m));
+        chunked.emplace_back(m->rows * m->cols);
+        ChunkColumns(static_cast<const uint16_t*>(m->data), m->rows, m->cols,
+                     chunked.back().data());
+        // ... and back, exactly.
+        std::vector<uint16_t> back(m->rows * m->cols);
+        UnchunkColumns(chunked.back().data(), m->rows, m->cols, back.data());
+        ASSERT_EQ(0, std::memcmp(back.data(), m->data, back.size() * 2));
+      }
+      g.shrink.data = chunked[chunked.size() - 2].data();
+      g.expand.data = chunked.back().data();
+      g.shrink.chunked = g.expand.chunked = true;
+      chunk.push_back(g);
+    }
+    std::vector<float> y_row = y, y_chunk = y;
+    LowRankAdd(x.data(), in, y_row.data(), out, row_major.data(), row_major.size());
+    LowRankAdd(x.data(), in, y_chunk.data(), out, chunk.data(), chunk.size());
+    ASSERT_EQ(0, std::memcmp(y_row.data(), y_chunk.data(), y.size() * sizeof(float)));
+    EXPECT_NE(y_row, y);  // something was added
+    if (in != out) continue;
+    // In place (DiReFT on the residual stream).
+    std::vector<float> x_row = x, x_chunk = x;
+    LowRankAdd(x_row.data(), in, x_row.data(), in, row_major.data(), row_major.size());
+    LowRankAdd(x_chunk.data(), in, x_chunk.data(), in, chunk.data(), chunk.size());
+    ASSERT_EQ(0, std::memcmp(x_row.data(), x_chunk.data(), x.size() * sizeof(float)));
+  }
+  // Shapes the chunked kernels do not take stay row-major.
+  std::vector<uint16_t> w(16 * 100);
+  EXPECT_FALSE(LowRankChunkable(MatrixView{w.data(), DType::kBF16, 16, 100}));  // cols
+  EXPECT_FALSE(LowRankChunkable(MatrixView{w.data(), DType::kBF16, 6, 96}));    // rank
+  EXPECT_FALSE(LowRankChunkable(MatrixView{w.data(), DType::kF32, 16, 64}));    // dtype
 }
 
 TEST(LowRankTest, EmptyGroupsAndNoGroupsLeaveOutputAlone) {

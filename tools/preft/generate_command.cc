@@ -144,6 +144,7 @@ int RunGenerate(const GenerateFlags& f) {
   std::vector<engine::RequestAdapter> adapters;
   adapters::LoadOptions load;
   load.dtype = f.device == "cuda" ? kernels::DType::kBF16 : (*model)->weight_dtype();
+  load.cpu_layout = f.device != "cuda";
   for (const std::string& dir : f.adapters) {
     engine::RequestAdapter ra;
     if (dir != "none") {

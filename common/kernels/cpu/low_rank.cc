@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "common/base/check.h"
@@ -29,6 +30,11 @@ constexpr int64_t kMaxExpandOut = 32768;
 // Elements ahead at which a decode row's shrink and expand prefetch S and E (64 rows on 64
 // adapters: 1.56-2.08 x the byte bound without, 1.26-1.37 with).
 constexpr int64_t kPrefetchElems = 1024;
+
+// Where row k, columns [c, c + 32) of a matrix start (c a multiple of 32): data + k RowStep +
+// c ColScale, in either layout.
+int64_t RowStep(const MatrixView& m) { return m.chunked ? kChunkCols : m.cols; }
+int64_t ColScale(const MatrixView& m) { return m.chunked ? m.rows : 1; }
 
 // ---- A decode row on bf16 weights with AVX-512 (the multi-LoRA BGMV) ----
 // 64 bytes of bf16 read as 16 pairs widen to f32 in one instruction per half: the even
@@ -139,6 +145,84 @@ PREFT_AVX512 void ExpandRowBf16Avx512(const float* z, const uint16_t* e, int64_t
     AddInterleaved(_mm512_load_ps(t + c), _mm512_load_ps(t + c + 16), sc, yr + c);
   }
   ExpandTailBf16(z, e, rank, out, vec_end, scale, yr);
+}
+
+// ---- A decode row on chunked bf16 matrices ([cols / 32][rank][32], MatrixView::chunked) ----
+// Each matrix is one sequential stream, and one pass covers K rank rows (all of them up to
+// 16): the shrink keeps K accumulators, the expand K broadcasts of z and writes y once. The
+// sums are those of the row-major kernels above, term for term, so results are bit-identical
+// (the row-major kernels stream each matrix as four rank rows at a row's stride: in the
+// engine's multi-LoRA step 10-20% slower, NOTES step 15).
+
+// z[k0 .. k0 + K) = xs . S[k] for one row; xs in the even/odd order of ShrinkRowBf16Avx512.
+template <int K>
+PREFT_AVX512 void ShrinkChunkedPass(const float* xs, const uint16_t* s, int64_t rank,
+                                    int64_t k0, int64_t in, float* z) {
+  __m512 acc[K];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (int64_t c = 0; c < in; c += kChunkCols) {
+    const __m512 xe = _mm512_load_ps(xs + c), xo = _mm512_load_ps(xs + c + 16);
+    const uint16_t* p = s + c * rank + k0 * kChunkCols;
+#pragma GCC unroll 16
+    for (int k = 0; k < K; ++k) {
+      const __m512i v = _mm512_loadu_si512(p + k * kChunkCols);
+      acc[k] = _mm512_fmadd_ps(EvenBf16(v), xe, acc[k]);
+      acc[k] = _mm512_fmadd_ps(OddBf16(v), xo, acc[k]);
+    }
+  }
+  for (int k = 0; k < K; ++k) z[k0 + k] = _mm512_reduce_add_ps(acc[k]);
+}
+
+PREFT_AVX512 void ShrinkRowChunkedAvx512(const float* xr, const uint16_t* s, int64_t rank,
+                                         int64_t in, const float* bias, float* z) {
+  alignas(64) float xs[kMaxExpandOut];
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int64_t c = 0; c < in; c += kChunkCols) {
+    const __m512 a = _mm512_loadu_ps(xr + c), b = _mm512_loadu_ps(xr + c + 16);
+    _mm512_store_ps(xs + c, _mm512_permutex2var_ps(a, even, b));
+    _mm512_store_ps(xs + c + 16, _mm512_permutex2var_ps(a, odd, b));
+  }
+  for (int64_t k0 = 0; k0 < rank; k0 += 16) {
+    switch (std::min<int64_t>(16, rank - k0)) {
+      case 16: ShrinkChunkedPass<16>(xs, s, rank, k0, in, z); break;
+      case 12: ShrinkChunkedPass<12>(xs, s, rank, k0, in, z); break;
+      case 8: ShrinkChunkedPass<8>(xs, s, rank, k0, in, z); break;
+      default: ShrinkChunkedPass<4>(xs, s, rank, k0, in, z); break;  // rank % 4 == 0
+    }
+  }
+  // As ShrinkRowBf16Avx512 adds them (+0 without a bias), so the two layouts agree bit for bit.
+  for (int64_t k = 0; k < rank; ++k) z[k] = z[k] + (bias != nullptr ? bias[k] : 0.0f);
+}
+
+// te/to (even/odd outputs of one 32-column chunk) += z[k] E[k] for k in [k0, k0 + K).
+template <int K>
+PREFT_AVX512 inline void ExpandChunk(const float* z, const uint16_t* p, __m512* te, __m512* to) {
+#pragma GCC unroll 16
+  for (int k = 0; k < K; ++k) {
+    const __m512i v = _mm512_loadu_si512(p + k * kChunkCols);
+    const __m512 zk = _mm512_set1_ps(z[k]);
+    *te = _mm512_fmadd_ps(zk, EvenBf16(v), *te);
+    *to = _mm512_fmadd_ps(zk, OddBf16(v), *to);
+  }
+}
+
+PREFT_AVX512 void ExpandRowChunkedAvx512(const float* z, const uint16_t* e, int64_t rank,
+                                         int64_t out, float scale, float* yr) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t c = 0; c < out; c += kChunkCols) {
+    __m512 te = _mm512_setzero_ps(), to = _mm512_setzero_ps();
+    const uint16_t* p = e + c * rank;
+    for (int64_t k0 = 0; k0 < rank; k0 += 16) {
+      switch (std::min<int64_t>(16, rank - k0)) {
+        case 16: ExpandChunk<16>(z + k0, p + k0 * kChunkCols, &te, &to); break;
+        case 12: ExpandChunk<12>(z + k0, p + k0 * kChunkCols, &te, &to); break;
+        case 8: ExpandChunk<8>(z + k0, p + k0 * kChunkCols, &te, &to); break;
+        default: ExpandChunk<4>(z + k0, p + k0 * kChunkCols, &te, &to); break;
+      }
+    }
+    AddInterleaved(te, to, sc, yr + c);
+  }
 }
 
 // ---- Prompt rows on bf16 weights with AVX-512 (SGMV): compute-bound, each loaded weight
@@ -280,9 +364,10 @@ PREFT_AVX512BF16 inline __m512 Sum16(const __m512 (&acc)[16]) {
 
 // z[r][k] = xb[r] . S[k] (+ b[k]): four rows of x x four rank rows per pass (16 accumulators,
 // 8 loads per 16 vdpbf16ps), over blocks of `in`.
+// S[k][c .. c + 32) is at s + k row_step + c col_scale: (in, 1) row-major, (32, rank) chunked.
 PREFT_AVX512BF16 void ShrinkRowsDotBf16(const uint16_t* xb, int64_t ld, int64_t n,
-                                        const uint16_t* s, int64_t rank, int64_t in,
-                                        const float* bias, float* z) {
+                                        const uint16_t* s, int64_t row_step, int64_t col_scale,
+                                        int64_t rank, int64_t in, const float* bias, float* z) {
   const int64_t vec_end = in & ~(kDotElems - 1);
   const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (in - vec_end)) - 1);
   for (int64_t r = 0; r < n; ++r) {
@@ -293,7 +378,7 @@ PREFT_AVX512BF16 void ShrinkRowsDotBf16(const uint16_t* xb, int64_t ld, int64_t 
     for (int64_t k0 = 0; k0 < rank; k0 += 4) {
       const int64_t kn = std::min<int64_t>(4, rank - k0);
       const uint16_t* srow[4];
-      for (int64_t j = 0; j < 4; ++j) srow[j] = s + (k0 + std::min(j, kn - 1)) * in;
+      for (int64_t j = 0; j < 4; ++j) srow[j] = s + (k0 + std::min(j, kn - 1)) * row_step;
       for (int64_t r0 = 0; r0 < n; r0 += 4) {
         const int64_t m = std::min<int64_t>(4, n - r0);
         const uint16_t* xr[4];
@@ -306,7 +391,7 @@ PREFT_AVX512BF16 void ShrinkRowsDotBf16(const uint16_t* xb, int64_t ld, int64_t 
           __m512bh sv[4];
 #pragma GCC unroll 4
           for (int64_t j = 0; j < 4; ++j)
-            sv[j] = (__m512bh)_mm512_maskz_loadu_epi16(valid, srow[j] + c);
+            sv[j] = (__m512bh)_mm512_maskz_loadu_epi16(valid, srow[j] + c * col_scale);
 #pragma GCC unroll 4
           for (int64_t i = 0; i < 4; ++i) {
             const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr[i] + c);
@@ -329,11 +414,12 @@ PREFT_AVX512BF16 void ShrinkRowsDotBf16(const uint16_t* xb, int64_t ld, int64_t 
 // into vdpbf16ps pairs once and applied to all n rows). acc lane d of the unpacked "lo" half
 // is output 8 (d / 4) + d % 4, of the "hi" half that plus 4. With `last`, y[rows] (masked to
 // the valid outputs) gets scale times the sum; otherwise the sums carry over in t [n][32].
+// E[k][o .. o + 32) is at e + k row_step + o col_scale (as S in ShrinkRowsDotBf16).
 template <int NP>
 PREFT_AVX512BF16 void ExpandPass(const uint32_t* zp, int64_t zld, const int32_t* rows, int64_t n,
-                                 const uint16_t* e, int64_t rank, int64_t out, int64_t o,
-                                 int64_t k0, bool first, bool last, float scale, float* y,
-                                 int64_t y_stride, float* t) {
+                                 const uint16_t* e, int64_t row_step, int64_t col_scale,
+                                 int64_t rank, int64_t out, int64_t o, int64_t k0, bool first,
+                                 bool last, float scale, float* y, int64_t y_stride, float* t) {
   const int64_t left = out - o;
   const bool full = left >= 32;
   const __mmask32 mask = full ? ~__mmask32{0} : static_cast<__mmask32>((1u << left) - 1);
@@ -341,9 +427,10 @@ PREFT_AVX512BF16 void ExpandPass(const uint32_t* zp, int64_t zld, const int32_t*
 #pragma GCC unroll 8
   for (int p = 0; p < NP; ++p) {
     const int64_t k = k0 + 2 * p;
-    const __m512i a = _mm512_maskz_loadu_epi16(mask, e + k * out + o);
+    const uint16_t* at = e + k * row_step + o * col_scale;
+    const __m512i a = _mm512_maskz_loadu_epi16(mask, at);
     const __m512i b =
-        k + 1 < rank ? _mm512_maskz_loadu_epi16(mask, e + (k + 1) * out + o) : _mm512_setzero_si512();
+        k + 1 < rank ? _mm512_maskz_loadu_epi16(mask, at + row_step) : _mm512_setzero_si512();
     lo[p] = (__m512bh)_mm512_unpacklo_epi16(a, b);
     hi[p] = (__m512bh)_mm512_unpackhi_epi16(a, b);
   }
@@ -405,8 +492,8 @@ PREFT_AVX512BF16 void ExpandPass(const uint32_t* zp, int64_t zld, const int32_t*
 }
 
 using ExpandPassFn = void (*)(const uint32_t*, int64_t, const int32_t*, int64_t, const uint16_t*,
-                              int64_t, int64_t, int64_t, int64_t, bool, bool, float, float*,
-                              int64_t, float*);
+                              int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool,
+                              float, float*, int64_t, float*);
 constexpr ExpandPassFn kExpandPasses[kExpandPairs + 1] = {
     nullptr,       ExpandPass<1>, ExpandPass<2>, ExpandPass<3>, ExpandPass<4>,
     ExpandPass<5>, ExpandPass<6>, ExpandPass<7>, ExpandPass<8>};
@@ -419,8 +506,8 @@ PREFT_AVX512BF16 void RunItemDotBf16(const float* x, int64_t x_stride, float* y,
   const int64_t ld = RoundUp(in, kDotElems);
   auto* xb = static_cast<uint16_t*>(ThreadScratch(kLowRankScratchSlot, n * ld * sizeof(uint16_t)));
   PackRowsBf16(x, x_stride, rows, n, in, ld, xb);
-  ShrinkRowsDotBf16(xb, ld, n, static_cast<const uint16_t*>(g.shrink.data), rank, in,
-                    g.shrink_bias, z);
+  ShrinkRowsDotBf16(xb, ld, n, static_cast<const uint16_t*>(g.shrink.data), RowStep(g.shrink),
+                    ColScale(g.shrink), rank, in, g.shrink_bias, z);
   // z in bf16 pairs (z[k] low, z[k + 1] high), zero past the rank.
   const int64_t pairs = CeilDiv(rank, 2);
   alignas(64) uint32_t zp[kRowsPerItem * (kMaxRank / 2)];
@@ -440,8 +527,9 @@ PREFT_AVX512BF16 void RunItemDotBf16(const float* x, int64_t x_stride, float* y,
     for (int64_t o = 0; o < out; o += 32) {
       for (int64_t p0 = 0; p0 < pairs; p0 += kExpandPairs) {
         const int64_t np = std::min(kExpandPairs, pairs - p0);
-        kExpandPasses[np](zp + r0 * pairs, pairs, rows + r0, rn, e, rank, out, o, 2 * p0,
-                          p0 == 0, p0 + kExpandPairs >= pairs, g.scale, yy, ys, t);
+        kExpandPasses[np](zp + r0 * pairs, pairs, rows + r0, rn, e, RowStep(g.expand),
+                          ColScale(g.expand), rank, out, o, 2 * p0, p0 == 0,
+                          p0 + kExpandPairs >= pairs, g.scale, yy, ys, t);
       }
     }
   }
@@ -604,6 +692,20 @@ void Expand(const float* z, const int32_t* rows, int64_t n, const MatrixView& e,
 template <DType T>
 void RunItem(const float* x, int64_t x_stride, float* y, int64_t y_stride, const LowRankGroup& g,
              int64_t begin, int64_t end, float* z) {
+  if (g.shrink.chunked) {  // bf16, AVX-512-BF16, shapes checked by LowRankAdd
+    if (g.num_rows > 1) {  // per group, as below: every row of a prompt rounds the same way
+      RunItemDotBf16(x, x_stride, y, y_stride, g, g.rows + begin, end - begin, z);
+      return;
+    }
+    const int32_t row = g.rows[begin];
+    ShrinkRowChunkedAvx512(x + row * x_stride, static_cast<const uint16_t*>(g.shrink.data),
+                           g.shrink.rows, g.shrink.cols, g.shrink_bias, z);
+    float* yy = g.y != nullptr ? g.y : y;
+    const int64_t ys = g.y != nullptr ? g.y_stride : y_stride;
+    ExpandRowChunkedAvx512(z, static_cast<const uint16_t*>(g.expand.data), g.expand.rows,
+                           g.expand.cols, g.scale, yy + row * ys);
+    return;
+  }
   if constexpr (T == DType::kBF16) {
     // Decided per group, not per item, so every row of a prompt rounds the same way.
     if (g.num_rows > 1 && ActiveLinearIsa() >= LinearIsa::kAvx512Bf16) {
@@ -630,6 +732,8 @@ void LowRankAdd(const float* x, int64_t x_stride, float* y, int64_t y_stride,
     const LowRankGroup& gr = groups[g];
     PREFT_CHECK(gr.shrink.rows == gr.expand.rows && gr.shrink.rows <= kMaxRank);
     PREFT_CHECK(gr.shrink.dtype == gr.expand.dtype);
+    PREFT_CHECK(gr.shrink.chunked == gr.expand.chunked);
+    PREFT_CHECK(!gr.shrink.chunked || (LowRankChunkable(gr.shrink) && LowRankChunkable(gr.expand)));
     for (int64_t b = 0; b < gr.num_rows; b += kRowsPerItem) {
       items.push_back({static_cast<int32_t>(g), static_cast<int32_t>(b),
                        static_cast<int32_t>(std::min(gr.num_rows, b + kRowsPerItem))});
@@ -684,6 +788,30 @@ void LowRankAdd(const float* x, int64_t x_stride, float* y, int64_t y_stride,
     alignas(64) float z[kRowsPerItem * kMaxRank];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_items; ++i) run(i, z);
+  }
+}
+
+bool LowRankChunkable(const MatrixView& m) {
+  return m.dtype == DType::kBF16 && m.rows % 4 == 0 && m.rows <= kMaxRank &&
+         m.cols % kChunkCols == 0 && m.cols <= kMaxExpandOut &&
+         ActiveLinearIsa() >= LinearIsa::kAvx512Bf16;
+}
+
+void ChunkColumns(const uint16_t* src, int64_t rows, int64_t cols, uint16_t* dst) {
+  for (int64_t c = 0; c < cols; c += kChunkCols) {
+    for (int64_t k = 0; k < rows; ++k) {
+      std::memcpy(dst + c * rows + k * kChunkCols, src + k * cols + c,
+                  kChunkCols * sizeof(uint16_t));
+    }
+  }
+}
+
+void UnchunkColumns(const uint16_t* src, int64_t rows, int64_t cols, uint16_t* dst) {
+  for (int64_t c = 0; c < cols; c += kChunkCols) {
+    for (int64_t k = 0; k < rows; ++k) {
+      std::memcpy(dst + k * cols + c, src + c * rows + k * kChunkCols,
+                  kChunkCols * sizeof(uint16_t));
+    }
   }
 }
 
