@@ -212,8 +212,12 @@ TEST(CudaIpcTransportTest, BlocksReachAnotherProcessThroughIpc) {
   ASSERT_FALSE(hex.empty()) << "the receiver printed no address";
   CudaIpcTransport sender(from->view(), Control());
   ASSERT_TRUE(sender.Start(nullptr, Layout(), [](uint64_t, uint32_t) {}).ok());
+  auto first = sender.Connect(absl::HexStringToBytes(hex));
+  ASSERT_TRUE(first.ok()) << first.status();
+  // Connecting again (as after a dropped peer) reuses the mapping: CUDA opens a handle once.
   auto peer = sender.Connect(absl::HexStringToBytes(hex));
   ASSERT_TRUE(peer.ok()) << peer.status();
+  EXPECT_NE(*peer, *first);
   EXPECT_TRUE(WriteAndWait(sender, *peer).ok());
   EXPECT_EQ(next_line("VERIFIED "), "ok");
   int status = 0;

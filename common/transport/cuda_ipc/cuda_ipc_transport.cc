@@ -120,8 +120,11 @@ absl::StatusOr<PeerId> CudaIpcTransport::Connect(const std::string& peer_address
   Peer peer;
   peer.control = control;
   peer.num_blocks = a.num_blocks;
+  peer.handle = a.handle;
   if (a.pid == getpid()) {
     peer.base = reinterpret_cast<char*>(a.base);  // one process: one address space
+  } else if (char* earlier = MappedBase(a.handle); earlier != nullptr) {
+    peer.base = earlier;  // connected again (after a failure, say): a handle opens once
   } else {
     char handle[cuda::kIpcHandleBytes];
     a.handle.copy(handle, sizeof(handle));
@@ -141,6 +144,14 @@ absl::StatusOr<PeerId> CudaIpcTransport::Connect(const std::string& peer_address
   const PeerId id = next_peer_++;
   peers_[id] = peer;
   return id;
+}
+
+char* CudaIpcTransport::MappedBase(const std::string& handle) const {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, peer] : peers_) {
+    if (peer.opened && peer.handle == handle) return peer.base;
+  }
+  return nullptr;
 }
 
 void CudaIpcTransport::Write(PeerId peer, const BlockTransfer& transfer,

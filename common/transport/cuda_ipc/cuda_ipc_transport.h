@@ -59,8 +59,9 @@ class CudaIpcTransport final : public KvTransport {
   struct Peer {
     PeerId control = 0;
     char* base = nullptr;  // the peer's layer 0, block 0, mapped here
-    bool opened = false;   // mapped through IPC (closed on destruction)
+    bool opened = false;   // mapped through IPC here (closed on destruction)
     int64_t num_blocks = 0;
+    std::string handle;  // the peer's IPC handle
   };
   struct Command {
     PeerId peer = 0;
@@ -69,6 +70,8 @@ class CudaIpcTransport final : public KvTransport {
     double start = 0;  // seconds on the monotonic clock
   };
 
+  // Where an earlier Connect mapped `handle`, or null (CUDA maps a handle once per process).
+  char* MappedBase(const std::string& handle) const;
   void CopyLoop();
   // The copies of one command; OK once they are on the peer's device.
   absl::Status Copy(const Peer& peer, const BlockTransfer& transfer, int64_t* bytes);
