@@ -85,11 +85,8 @@ absl::StatusOr<std::unique_ptr<model::AdapterWeights>> LoadAdapter(const std::st
   PREFT_ASSIGN_OR_RETURN(std::unique_ptr<model::SafetensorsFile> weights,
                          model::SafetensorsFile::Read(weights_path));
 
-  absl::StatusOr<std::unique_ptr<model::AdapterWeights>> adapter =
-      peft_type == "LORA" ? internal::LoadLora(config, *weights, base, options)
-                          : internal::LoadDireft(config, *weights, base, options);
-  if (adapter.ok() && options.cpu_layout) internal::ChunkForCpuKernels(adapter->get());
-  return adapter;
+  if (peft_type == "LORA") return internal::LoadLora(config, *weights, base, options);
+  return internal::LoadDireft(config, *weights, base, options);
 }
 
 }  // namespace preft::adapters

@@ -162,11 +162,19 @@ bool AllFinite(const void* data, kernels::DType dtype, int64_t n) {
   return false;
 }
 
-// dst [cols, rows] = src [rows, cols] transposed, elements of one dtype copied as bits. Rows
-// go four at a time for 2-byte elements, so each store writes 8 bytes (a LoRA B [out, r] is
-// most of an adapter's bytes: one element per store took ~15% of a load).
+// Where element (r, c) of a [rows, cols] matrix lives: row-major, or chunked
+// ([cols / 32][rows][32], MatrixView::chunked).
+int64_t At(int64_t r, int64_t c, int64_t rows, int64_t cols, bool chunked) {
+  constexpr int64_t kC = kernels::kChunkCols;
+  return chunked ? c / kC * rows * kC + r * kC + c % kC : r * cols + c;
+}
+
+// dst [cols, rows] = src [rows, cols] transposed (dst chunked or not), elements of one dtype
+// copied as bits. Rows go four at a time for 2-byte elements, so each store writes 8 bytes (a
+// LoRA B [out, r] is most of an adapter's bytes: one element per store took ~15% of a load);
+// four consecutive outputs stay together in a 32-wide chunk.
 template <class Bits>
-void TransposeBits(const void* src, int64_t rows, int64_t cols, void* dst) {
+void TransposeBits(const void* src, int64_t rows, int64_t cols, bool chunked, void* dst) {
   const auto* in = static_cast<const uint8_t*>(src);
   auto* out = static_cast<Bits*>(dst);
   auto element = [&](int64_t i, int64_t j) {
@@ -181,36 +189,41 @@ void TransposeBits(const void* src, int64_t rows, int64_t cols, void* dst) {
         const uint64_t packed = uint64_t{element(i, j)} | uint64_t{element(i + 1, j)} << 16 |
                                 uint64_t{element(i + 2, j)} << 32 |
                                 uint64_t{element(i + 3, j)} << 48;
-        std::memcpy(&out[j * rows + i], &packed, 8);
+        std::memcpy(&out[At(j, i, cols, rows, chunked)], &packed, 8);
       }
     }
   }
   for (; i < rows; ++i) {
-    for (int64_t j = 0; j < cols; ++j) out[j * rows + i] = element(i, j);
+    for (int64_t j = 0; j < cols; ++j) out[At(j, i, cols, rows, chunked)] = element(i, j);
   }
 }
 
 }  // namespace
 
 absl::StatusOr<kernels::MatrixView> CopyMatrix(const model::TensorInfo& t, bool transpose,
-                                               kernels::DType dtype, model::AdapterWeights* dst) {
+                                               kernels::DType dtype, model::AdapterWeights* dst,
+                                               bool chunked) {
   if (t.shape.size() != 2) {
     return absl::InvalidArgumentError(absl::StrCat(
         t.file, ": tensor '", t.name, "' must be 2-D, has shape ", ShapeString(t.shape)));
   }
   const int64_t rows = t.shape[0], cols = t.shape[1];
-  kernels::MatrixView out =
-      dst->AllocateMatrix(dtype, transpose ? cols : rows, transpose ? rows : cols);
+  const int64_t out_rows = transpose ? cols : rows, out_cols = transpose ? rows : cols;
+  kernels::MatrixView out = dst->AllocateMatrix(dtype, out_rows, out_cols);
+  out.chunked = chunked;
   void* data = const_cast<void*>(out.data);
   // The file already holds the dtype wanted (a bf16 adapter for a bf16 model): copy the bits.
   // Otherwise, or when a value is not finite, the element loop converts and names the element.
   if (t.dtype == dtype && AllFinite(t.data, dtype, rows * cols)) {
-    if (!transpose) {
+    if (!transpose && !chunked) {
       std::memcpy(data, t.data, rows * cols * kernels::DTypeSize(dtype));
+    } else if (!transpose) {  // chunked is bf16 only (kernels::cpu::LowRankChunkable)
+      kernels::cpu::ChunkColumns(static_cast<const uint16_t*>(t.data), rows, cols,
+                                 static_cast<uint16_t*>(data));
     } else if (kernels::DTypeSize(dtype) == 2) {
-      TransposeBits<uint16_t>(t.data, rows, cols, data);
+      TransposeBits<uint16_t>(t.data, rows, cols, chunked, data);
     } else {
-      TransposeBits<uint32_t>(t.data, rows, cols, data);
+      TransposeBits<uint32_t>(t.data, rows, cols, chunked, data);
     }
     return out;
   }
@@ -219,7 +232,8 @@ absl::StatusOr<kernels::MatrixView> CopyMatrix(const model::TensorInfo& t, bool 
       const int64_t src = i * cols + j;
       const float v = kernels::LoadAsF32(t.data, t.dtype, src);
       if (!std::isfinite(v)) return NonFinite(t, src, v);
-      const int64_t o = transpose ? j * rows + i : src;
+      const int64_t o = transpose ? At(j, i, out_rows, out_cols, chunked)
+                                  : At(i, j, out_rows, out_cols, chunked);
       kernels::StoreFromF32(data, dtype, o, v);
       if (dtype == kernels::DType::kF16 && !std::isfinite(kernels::LoadAsF32(data, dtype, o))) {
         return absl::InvalidArgumentError(absl::StrCat(t.file, ": tensor '", t.name, "' value ", v,
@@ -231,31 +245,10 @@ absl::StatusOr<kernels::MatrixView> CopyMatrix(const model::TensorInfo& t, bool 
   return out;
 }
 
-void ChunkForCpuKernels(model::AdapterWeights* adapter) {
-  std::vector<uint16_t> scratch;
-  auto chunk = [&](kernels::MatrixView* m) {
-    auto* data = static_cast<uint16_t*>(const_cast<void*>(m->data));
-    scratch.assign(data, data + m->rows * m->cols);
-    kernels::cpu::ChunkColumns(scratch.data(), m->rows, m->cols, data);
-    m->chunked = true;
-  };
-  auto visit = [&](model::LowRank& lr) {
-    if (lr.empty() || lr.shrink.chunked || !kernels::cpu::LowRankChunkable(lr.shrink) ||
-        !kernels::cpu::LowRankChunkable(lr.expand)) {
-      return;
-    }
-    chunk(&lr.shrink);
-    chunk(&lr.expand);
-  };
-  for (int64_t l = 0; l < adapter->num_layers(); ++l) {
-    if (adapter->kind() == model::AdapterKind::kLora) {
-      for (int p = 0; p < model::kNumProjections; ++p) {
-        visit(adapter->mutable_lora(l, static_cast<model::Projection>(p)));
-      }
-    } else {
-      visit(adapter->mutable_direft(l));
-    }
-  }
+bool ChunkPair(const LoadOptions& options, int64_t rank, int64_t in, int64_t out) {
+  return options.cpu_layout &&
+         kernels::cpu::LowRankChunkable(kernels::MatrixView{nullptr, options.dtype, rank, in}) &&
+         kernels::cpu::LowRankChunkable(kernels::MatrixView{nullptr, options.dtype, rank, out});
 }
 
 void ReserveStorageFor(const model::SafetensorsFile& weights, kernels::DType dtype,

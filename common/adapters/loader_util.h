@@ -77,11 +77,14 @@ absl::StatusOr<model::AdapterPositions> ReadPositions(const ConfigReader& r);
 // Copies a 2-D tensor into `dst`'s storage in `dtype`, transposed when `transpose` (rows and
 // columns swap). Fails with InvalidArgument naming the file and tensor on NaN/Inf, or on a
 // value that overflows `dtype`.
+// With `chunked`, the copy is written in the CPU kernels' chunked layout (only where
+// ChunkPair says so).
 absl::StatusOr<kernels::MatrixView> CopyMatrix(const model::TensorInfo& t, bool transpose,
-                                               kernels::DType dtype, model::AdapterWeights* dst);
-// Rewrites, in place, every pair of matrices the CPU kernels take chunked into that layout
-// (LoadOptions::cpu_layout).
-void ChunkForCpuKernels(model::AdapterWeights* adapter);
+                                               kernels::DType dtype, model::AdapterWeights* dst,
+                                               bool chunked = false);
+// Whether a low-rank pair of `rank` with these widths is stored chunked under `options`
+// (LoadOptions::cpu_layout and kernels::cpu::LowRankChunkable for both matrices).
+bool ChunkPair(const LoadOptions& options, int64_t rank, int64_t in, int64_t out);
 // Reserves `dst`'s storage for every tensor of `weights`: 2-D ones in `dtype`, 1-D ones in f32
 // (what CopyMatrix and CopyVector allocate), so the copies need no allocation of their own.
 void ReserveStorageFor(const model::SafetensorsFile& weights, kernels::DType dtype,

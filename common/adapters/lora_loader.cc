@@ -468,10 +468,11 @@ absl::StatusOr<std::unique_ptr<model::AdapterWeights>> LoadLora(
                       absl::StrCat("lora_B is [out, r]; ", model::ProjectionName(p),
                                    " of the base model has ", dims.out, " outputs")));
       model::LowRank& lr = adapter->mutable_lora(l, p);
-      PREFT_ASSIGN_OR_RETURN(lr.shrink,
-                             CopyMatrix(*a, /*transpose=*/false, options.dtype, adapter.get()));
-      PREFT_ASSIGN_OR_RETURN(lr.expand,
-                             CopyMatrix(*b, /*transpose=*/true, options.dtype, adapter.get()));
+      const bool chunked = ChunkPair(options, rank, dims.in, dims.out);
+      PREFT_ASSIGN_OR_RETURN(
+          lr.shrink, CopyMatrix(*a, /*transpose=*/false, options.dtype, adapter.get(), chunked));
+      PREFT_ASSIGN_OR_RETURN(
+          lr.expand, CopyMatrix(*b, /*transpose=*/true, options.dtype, adapter.get(), chunked));
       lr.scale = static_cast<float>(rslora ? alpha / std::sqrt(static_cast<double>(rank))
                                            : alpha / static_cast<double>(rank));
       ++num_modules;

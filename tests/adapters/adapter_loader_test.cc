@@ -4,10 +4,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <string>
 #include <vector>
 
+#include "common/kernels/cpu/low_rank.h"
 #include "common/model/adapter_weights.h"
 #include "tests/adapters/adapter_test_util.h"
 
@@ -148,6 +150,50 @@ TEST(AdapterLoaderTest, ConvertsToBf16) {
   EXPECT_EQ((*d)->direft(0).shrink_bias[0], ByName(ReadTensors(FixtureAdapter("direft")))
                                                 .at("layers.0.direft.learned_source.bias")
                                                 .values[0]);
+}
+
+// LoadOptions::cpu_layout writes each chunkable pair in the CPU kernels' chunked order: the
+// row-major copy's bits, rearranged; from a file in another dtype (the converting loop) and
+// from one in the compute dtype (bits copied, B transposed straight into chunks).
+TEST(AdapterLoaderTest, CpuLayoutWritesTheChunkedOrderOfTheRowMajorCopy) {
+  if (!kernels::cpu::LowRankChunkable(kernels::MatrixView{nullptr, DType::kBF16, 8, 64})) {
+    GTEST_SKIP() << "this CPU's kernels take no chunked matrices";
+  }
+  const std::string bf16_dir = CopyFixture("lora", "lora_bf16_file");
+  std::vector<Tensor> tensors = ReadTensors(bf16_dir);
+  for (Tensor& t : tensors) t.dtype = DType::kBF16;
+  WriteTensors(bf16_dir, tensors);
+  int chunked_pairs = 0;
+  for (const std::string& dir : {FixtureAdapter("lora"), bf16_dir, FixtureAdapter("direft")}) {
+    SCOPED_TRACE(dir);
+    LoadOptions o;
+    o.dtype = DType::kBF16;
+    auto row = LoadAdapter(dir, TinyConfig(), o);
+    o.cpu_layout = true;
+    auto chunk = LoadAdapter(dir, TinyConfig(), o);
+    ASSERT_TRUE(row.ok() && chunk.ok());
+    auto same = [&](const model::LowRank& r, const model::LowRank& c) {
+      if (r.empty()) return;
+      ASSERT_TRUE(c.shrink.chunked && c.expand.chunked);
+      for (auto [rm, cm] : {std::pair{r.shrink, c.shrink}, std::pair{r.expand, c.expand}}) {
+        std::vector<uint16_t> want(rm.rows * rm.cols);
+        kernels::cpu::ChunkColumns(static_cast<const uint16_t*>(rm.data), rm.rows, rm.cols,
+                                   want.data());
+        ASSERT_EQ(0, std::memcmp(want.data(), cm.data, want.size() * 2));
+      }
+      ++chunked_pairs;
+    };
+    for (int64_t l = 0; l < (*row)->num_layers(); ++l) {
+      if ((*row)->kind() == model::AdapterKind::kDireft) {
+        same((*row)->direft(l), (*chunk)->direft(l));
+        continue;
+      }
+      for (int p = 0; p < model::kNumProjections; ++p) {
+        same((*row)->lora(l, static_cast<Projection>(p)), (*chunk)->lora(l, static_cast<Projection>(p)));
+      }
+    }
+  }
+  EXPECT_GT(chunked_pairs, 8);
 }
 
 TEST(AdapterLoaderTest, ReadsBf16AndF16Files) {
