@@ -233,10 +233,6 @@ TEST(LowRankTest, ChunkedMatricesGiveRowMajorResultsBitForBit) {
         chunked.emplace_back(m->rows * m->cols);
         ChunkColumns(static_cast<const uint16_t*>(m->data), m->rows, m->cols,
                      chunked.back().data());
-        // ... and back, exactly.
-        std::vector<uint16_t> back(m->rows * m->cols);
-        UnchunkColumns(chunked.back().data(), m->rows, m->cols, back.data());
-        ASSERT_EQ(0, std::memcmp(back.data(), m->data, back.size() * 2));
       }
       g.shrink.data = chunked[chunked.size() - 2].data();
       g.expand.data = chunked.back().data();

@@ -806,13 +806,4 @@ void ChunkColumns(const uint16_t* src, int64_t rows, int64_t cols, uint16_t* dst
   }
 }
 
-void UnchunkColumns(const uint16_t* src, int64_t rows, int64_t cols, uint16_t* dst) {
-  for (int64_t c = 0; c < cols; c += kChunkCols) {
-    for (int64_t k = 0; k < rows; ++k) {
-      std::memcpy(dst + k * cols + c, src + c * rows + k * kChunkCols,
-                  kChunkCols * sizeof(uint16_t));
-    }
-  }
-}
-
 }  // namespace preft::kernels::cpu

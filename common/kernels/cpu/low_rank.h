@@ -39,8 +39,7 @@ void LowRankAdd(const float* x, int64_t x_stride, float* y, int64_t y_stride,
 // and only matrices for which LowRankChunkable holds: bf16, rows a multiple of 4, cols of 32,
 // on a CPU with AVX-512-BF16. Results are bit-identical to the row-major layout's.
 bool LowRankChunkable(const MatrixView& m);
-// dst = src [rows, cols] row-major, chunked; and back. cols a multiple of 32.
+// dst = src [rows, cols] row-major, chunked. cols a multiple of 32.
 void ChunkColumns(const uint16_t* src, int64_t rows, int64_t cols, uint16_t* dst);
-void UnchunkColumns(const uint16_t* src, int64_t rows, int64_t cols, uint16_t* dst);
 
 }  // namespace preft::kernels::cpu
