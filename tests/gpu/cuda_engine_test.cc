@@ -9,11 +9,11 @@
 #include <unistd.h>
 
 #include <cstring>
-#include <map>
-#include <set>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -136,6 +136,30 @@ TEST(CudaEngineTest, MixedAdapterRequestsMatchTheCpuEngine) {
   EXPECT_LE(diverged, 2u) << "near ties are rare; flips in most requests are a bug";
 }
 
+// Three greedy requests with prompts of 20, 29 and 38 random tokens, 8 new tokens each: the
+// split (prefill engine -> decode engine) tests' workload.
+std::vector<Request> SplitRequests(uint64_t seed) {
+  std::vector<Request> reqs;
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  for (int i = 0; i < 3; ++i) {
+    Request r;
+    r.id = "s" + std::to_string(i);
+    for (int t = 0; t < 20 + 9 * i; ++t) r.prompt_ids.push_back(static_cast<int32_t>(rng() % 250));
+    r.sampling.max_tokens = 8;
+    r.sampling.ignore_eos = true;
+    reqs.push_back(std::move(r));
+  }
+  return reqs;
+}
+
+Request RequestWithId(const std::vector<Request>& reqs, const std::string& id) {
+  for (const Request& r : reqs) {
+    if (r.id == id) return r;
+  }
+  ADD_FAILURE() << "no request " << id;
+  return {};
+}
+
 // Disaggregated serving on GPUs: a prefill engine's prompt blocks reach a decode engine's
 // device cache through the two host mirrors (the KV transport's memcpy done here by hand),
 // bit for bit, and the decode engine generates from them.
@@ -157,16 +181,9 @@ TEST(CudaEngineTest, PromptBlocksReachAnotherGpuEngineThroughHostMirrors) {
   ASSERT_TRUE(prefill.ok() && decode.ok());
   ASSERT_NE((*prefill)->cache(), nullptr);  // the mirror
 
-  std::vector<Request> reqs;
+  const std::vector<Request> reqs = SplitRequests(seed);
   std::vector<PrefilledPrompt> handed;
-  std::mt19937 rng(static_cast<uint32_t>(seed));
-  for (int i = 0; i < 3; ++i) {
-    Request r;
-    r.id = "s" + std::to_string(i);
-    for (int t = 0; t < 20 + 9 * i; ++t) r.prompt_ids.push_back(static_cast<int32_t>(rng() % 250));
-    r.sampling.max_tokens = 8;
-    r.sampling.ignore_eos = true;
-    reqs.push_back(r);
+  for (Request r : reqs) {
     r.on_prefilled = [&](const PrefilledPrompt& p) { handed.push_back(p); };
     ASSERT_TRUE((*prefill)->Add(std::move(r)).ok());
   }
@@ -186,10 +203,7 @@ TEST(CudaEngineTest, PromptBlocksReachAnotherGpuEngineThroughHostMirrors) {
       }
     }
     moved.emplace_back(p.blocks, std::vector<int32_t>(blocks->begin(), blocks->begin() + p.blocks.size()));
-    Request r;
-    for (const Request& q : reqs) {
-      if (q.id == p.request_id) r = q;
-    }
+    Request r = RequestWithId(reqs, p.request_id);
     r.sampling.seed = p.seed;
     r.imported = ImportedPrompt{*blocks, p.first_token, p.first_logprob};
     ASSERT_TRUE((*decode)->Add(std::move(r)).ok());  // copies the blocks to the device
@@ -263,16 +277,9 @@ TEST(CudaEngineTest, DecodeFromBlocksMovedGpuToGpuMatchesOneEngine) {
   ASSERT_TRUE(peer.ok()) << peer.status();
 
   std::map<std::string, std::vector<int32_t>> want, got;
-  std::vector<Request> reqs;
+  const std::vector<Request> reqs = SplitRequests(seed);
   std::vector<PrefilledPrompt> handed;
-  std::mt19937 rng(static_cast<uint32_t>(seed));
-  for (int i = 0; i < 3; ++i) {
-    Request r;
-    r.id = "s" + std::to_string(i);
-    for (int t = 0; t < 20 + 9 * i; ++t) r.prompt_ids.push_back(static_cast<int32_t>(rng() % 250));
-    r.sampling.max_tokens = 8;
-    r.sampling.ignore_eos = true;
-    reqs.push_back(r);
+  for (Request r : reqs) {
     Request a = r;
     a.on_token = [&](const TokenEvent& e) {
       if (e.token_id >= 0) want[e.request_id].push_back(e.token_id);
@@ -298,10 +305,7 @@ TEST(CudaEngineTest, DecodeFromBlocksMovedGpuToGpuMatchesOneEngine) {
     });
     ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(30)));
     ASSERT_TRUE(status.ok()) << status;
-    Request r;
-    for (const Request& q : reqs) {
-      if (q.id == p.request_id) r = q;
-    }
+    Request r = RequestWithId(reqs, p.request_id);
     r.sampling.seed = p.seed;
     r.imported = ImportedPrompt{*blocks, p.first_token, p.first_logprob};
     r.on_token = [&](const TokenEvent& e) {
