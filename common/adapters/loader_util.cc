@@ -165,8 +165,7 @@ bool AllFinite(const void* data, kernels::DType dtype, int64_t n) {
 // Where element (r, c) of a [rows, cols] matrix lives: row-major, or chunked
 // ([cols / 32][rows][32], MatrixView::chunked).
 int64_t At(int64_t r, int64_t c, int64_t rows, int64_t cols, bool chunked) {
-  constexpr int64_t kC = kernels::kChunkCols;
-  return chunked ? c / kC * rows * kC + r * kC + c % kC : r * cols + c;
+  return chunked ? kernels::ChunkedAt(r, c, rows) : r * cols + c;
 }
 
 // dst [cols, rows] = src [rows, cols] transposed (dst chunked or not), elements of one dtype

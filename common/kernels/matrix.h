@@ -21,4 +21,9 @@ struct MatrixView {
 
 inline constexpr int64_t kChunkCols = 32;
 
+// Where element (r, c) of a chunked matrix of `rows` rows lives.
+inline int64_t ChunkedAt(int64_t r, int64_t c, int64_t rows) {
+  return c / kChunkCols * rows * kChunkCols + r * kChunkCols + c % kChunkCols;
+}
+
 }  // namespace preft::kernels

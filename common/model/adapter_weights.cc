@@ -192,12 +192,12 @@ kernels::MatrixView CopyMatrix(const kernels::MatrixView& src, kernels::DType dt
     return out;
   }
   // Only bf16 is kept chunked: another dtype is written row-major.
-  constexpr int64_t kC = kernels::kChunkCols;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t o = !src.chunked ? i
-                                   : (i % (src.rows * kC)) / kC * src.cols +
-                                         i / (src.rows * kC) * kC + i % kC;
-    kernels::StoreFromF32(data, dtype, o, kernels::LoadAsF32(src.data, src.dtype, i));
+  for (int64_t r = 0; r < src.rows; ++r) {
+    for (int64_t c = 0; c < src.cols; ++c) {
+      const int64_t i = src.chunked ? kernels::ChunkedAt(r, c, src.rows) : r * src.cols + c;
+      kernels::StoreFromF32(data, dtype, r * src.cols + c,
+                            kernels::LoadAsF32(src.data, src.dtype, i));
+    }
   }
   return out;
 }

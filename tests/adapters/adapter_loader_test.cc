@@ -183,6 +183,18 @@ TEST(AdapterLoaderTest, CpuLayoutWritesTheChunkedOrderOfTheRowMajorCopy) {
       }
       ++chunked_pairs;
     };
+    // A copy into another dtype is row-major again, with the row-major copy's values.
+    auto row_f32 = (*row)->ConvertTo(DType::kF32), chunk_f32 = (*chunk)->ConvertTo(DType::kF32);
+    const model::LowRank& rf = (*row)->kind() == model::AdapterKind::kDireft
+                                   ? row_f32->direft(0)
+                                   : row_f32->lora(0, Projection::kQ);
+    const model::LowRank& cf = (*row)->kind() == model::AdapterKind::kDireft
+                                   ? chunk_f32->direft(0)
+                                   : chunk_f32->lora(0, Projection::kQ);
+    ASSERT_FALSE(rf.empty());
+    ASSERT_FALSE(cf.expand.chunked);
+    ASSERT_EQ(0, std::memcmp(rf.expand.data, cf.expand.data,
+                             rf.expand.rows * rf.expand.cols * sizeof(float)));
     for (int64_t l = 0; l < (*row)->num_layers(); ++l) {
       if ((*row)->kind() == model::AdapterKind::kDireft) {
         same((*row)->direft(l), (*chunk)->direft(l));

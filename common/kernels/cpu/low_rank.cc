@@ -800,7 +800,7 @@ bool LowRankChunkable(const MatrixView& m) {
 void ChunkColumns(const uint16_t* src, int64_t rows, int64_t cols, uint16_t* dst) {
   for (int64_t c = 0; c < cols; c += kChunkCols) {
     for (int64_t k = 0; k < rows; ++k) {
-      std::memcpy(dst + c * rows + k * kChunkCols, src + k * cols + c,
+      std::memcpy(dst + ChunkedAt(k, c, rows), src + k * cols + c,
                   kChunkCols * sizeof(uint16_t));
     }
   }
