@@ -51,7 +51,6 @@ class Placer {
   size_t size_ = 0;
 };
 
-
 // Uniform bound with standard deviation `std`.
 float UniformBound(double std) { return static_cast<float>(std * std::sqrt(3.0)); }
 

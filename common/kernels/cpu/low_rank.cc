@@ -71,6 +71,18 @@ inline void ExpandTailBf16(const float* z, const uint16_t* e, int64_t rank, int6
   }
 }
 
+// xs[c .. c + 15] = the even elements of x's 32-element chunk at c, xs[c + 16 ..] the odd ones,
+// for c < n (a multiple of 32): the order in which a loaded vector of bf16 pairs widens.
+PREFT_AVX512 void DeinterleaveEvenOdd(const float* x, int64_t n, float* xs) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int64_t c = 0; c < n; c += 32) {
+    const __m512 a = _mm512_loadu_ps(x + c), b = _mm512_loadu_ps(x + c + 16);
+    _mm512_store_ps(xs + c, _mm512_permutex2var_ps(a, even, b));
+    _mm512_store_ps(xs + c + 16, _mm512_permutex2var_ps(a, odd, b));
+  }
+}
+
 // Rank rows handled per pass: four streams of S or E, each loaded vector of x (or of the
 // expand sum) reused four times.
 constexpr int64_t kRowsPerPass = 4;
@@ -79,15 +91,8 @@ constexpr int64_t kRowsPerPass = 4;
 PREFT_AVX512 void ShrinkRowBf16Avx512(const float* xr, const uint16_t* s, int64_t rank,
                                       int64_t in, const float* bias, float* z) {
   const int64_t vec_end = in & ~int64_t{31};
-  // xs[32 c .. 32 c + 15] = even elements of x's chunk c, [32 c + 16 ..] = odd ones.
   alignas(64) float xs[kMaxExpandOut];
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  for (int64_t c = 0; c < vec_end; c += 32) {
-    const __m512 a = _mm512_loadu_ps(xr + c), b = _mm512_loadu_ps(xr + c + 16);
-    _mm512_store_ps(xs + c, _mm512_permutex2var_ps(a, even, b));
-    _mm512_store_ps(xs + c + 16, _mm512_permutex2var_ps(a, odd, b));
-  }
+  DeinterleaveEvenOdd(xr, vec_end, xs);
   for (int64_t k = 0; k < rank; k += kRowsPerPass) {
     const int64_t kn = std::min(kRowsPerPass, rank - k);
     const uint16_t* row[kRowsPerPass];
@@ -151,8 +156,8 @@ PREFT_AVX512 void ExpandRowBf16Avx512(const float* z, const uint16_t* e, int64_t
 // Each matrix is one sequential stream, and one pass covers K rank rows (all of them up to
 // 16): the shrink keeps K accumulators, the expand K broadcasts of z and writes y once. The
 // sums are those of the row-major kernels above, term for term, so results are bit-identical
-// (the row-major kernels stream each matrix as four rank rows at a row's stride: in the
-// engine's multi-LoRA step 10-20% slower, NOTES step 15).
+// (the row-major kernels stream each matrix as four rank rows at a row's stride: 1.1-1.3x the
+// time in low_rank_bench, NOTES step 15).
 
 // z[k0 .. k0 + K) = xs . S[k] for one row; xs in the even/odd order of ShrinkRowBf16Avx512.
 template <int K>
@@ -176,13 +181,7 @@ PREFT_AVX512 void ShrinkChunkedPass(const float* xs, const uint16_t* s, int64_t 
 PREFT_AVX512 void ShrinkRowChunkedAvx512(const float* xr, const uint16_t* s, int64_t rank,
                                          int64_t in, const float* bias, float* z) {
   alignas(64) float xs[kMaxExpandOut];
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  for (int64_t c = 0; c < in; c += kChunkCols) {
-    const __m512 a = _mm512_loadu_ps(xr + c), b = _mm512_loadu_ps(xr + c + 16);
-    _mm512_store_ps(xs + c, _mm512_permutex2var_ps(a, even, b));
-    _mm512_store_ps(xs + c + 16, _mm512_permutex2var_ps(a, odd, b));
-  }
+  DeinterleaveEvenOdd(xr, in, xs);
   for (int64_t k0 = 0; k0 < rank; k0 += 16) {
     switch (std::min<int64_t>(16, rank - k0)) {
       case 16: ShrinkChunkedPass<16>(xs, s, rank, k0, in, z); break;
