@@ -47,6 +47,9 @@ MODES = {  # name -> (adapter kind, positions, decode workers hold adapters)
 }
 BASELINE = {"lorap": "lora", "direftp": "lora"}  # PreFT mode -> the multi-LoRA baseline
 ACQUIRE_RESULTS = ("compute_hit", "joined", "host_hit", "disk_load", "load_failure")
+# The router's split of the time to first token (preft:router_ttft_stage_seconds), in order.
+TTFT_STAGES = ("admit", "reserve", "prefill_queue", "prefill_compute", "kv_transfer",
+               "prefill_rpc", "decode_start")
 
 
 def log(*a):
@@ -144,6 +147,7 @@ class Cluster:
             router += ["--prefill", ",".join(self.address(n) for n in prefills)]
         self.start("router", router)
         self.router = self.address("router")
+        self.router_metrics = self.address("router", metrics=True)
 
     def start(self, name, argv):
         f = open(os.path.join(self.logs, f"{name}.log"), "w")
@@ -202,8 +206,13 @@ STEP_SERIES = ("preft:forward_seconds_sum", "preft:forward_seconds_count",
 def counters(cluster):
     """One scrape of every worker: adapter store acquires by result (all workers), and each
     tier's engine-step counters (where a step's time goes, the forward against the whole
-    inter-token gap, without a profiler), summed."""
+    inter-token gap, without a profiler), summed; and the router's TTFT stage sums and counts."""
     out = {"acquires": dict.fromkeys(ACQUIRE_RESULTS, 0.0)}
+    r = Metrics.scrape(cluster.router_metrics)
+    out["stages"] = {st: (Metrics.total(r, "preft:router_ttft_stage_seconds_sum", f'stage="{st}"'),
+                          Metrics.total(r, "preft:router_ttft_stage_seconds_count",
+                                        f'stage="{st}"'))
+                     for st in TTFT_STAGES}
     for tier, workers in (("decode", cluster.decode_metrics), ("prefill", cluster.prefill_metrics)):
         steps = out[tier] = dict.fromkeys(STEP_SERIES, 0.0)
         for a in workers:
@@ -213,6 +222,18 @@ def counters(cluster):
                                                     f'result="{r}"')
             for name in STEP_SERIES:
                 steps[name] += Metrics.total(s, name)
+    return out
+
+
+def stage_means(before, after):
+    """Mean milliseconds of each TTFT stage over the cell's requests (stages a deployment
+    never enters, such as reserve when colocated, are left out)."""
+    out = {}
+    for st in TTFT_STAGES:
+        total = after[st][0] - before[st][0]
+        count = after[st][1] - before[st][1]
+        if count:
+            out[st] = 1e3 * total / count
     return out
 
 
@@ -333,6 +354,7 @@ def measure_cell(args, cell, deployment, mode, n, concurrency, requests):
         "adapter_hit_rate": got["compute_hit"] / total if total else None,
         "decode_steps": step_summary(before["decode"], after["decode"], result.get("seconds"),
                                      cluster.decode_metrics),
+        "ttft_stage_ms_mean": stage_means(before["stages"], after["stages"]),
     })
     if cluster.prefill_metrics:
         result["prefill_steps"] = step_summary(before["prefill"], after["prefill"],
@@ -342,8 +364,10 @@ def measure_cell(args, cell, deployment, mode, n, concurrency, requests):
         f"({st['tokens_per_step']:.1f} tokens, busy {100 * st['step_busy']:.0f}%)"
         for tier in ("decode", "prefill")
         for st in [result.get(f"{tier}_steps")] if st and st["steps"])
+    stages = ", ".join(f"{st} {ms:.0f}" for st, ms in result["ttft_stage_ms_mean"].items())
     log(f"cell {cell}: {result['output_tokens_per_s']:.1f} tok/s, "
-        f"TTFT p50 {result['ttft_ms']['p50']:.0f} ms, ITL p50 {result['itl_ms']['p50']:.1f} ms{step}")
+        f"TTFT p50 {result['ttft_ms']['p50']:.0f} ms, ITL p50 {result['itl_ms']['p50']:.1f} ms{step}"
+        f"; TTFT by stage, mean ms: {stages}")
     return result
 
 
@@ -390,6 +414,8 @@ def flatten(c):
     for tier in ("decode", "prefill"):
         for k, v in (c.get(f"{tier}_steps") or {}).items():
             row[f"{tier}_{k}"] = v
+    for st, ms in (c.get("ttft_stage_ms_mean") or {}).items():
+        row[f"ttft_{st}_ms_mean"] = ms
     return row
 
 
@@ -398,7 +424,8 @@ CSV_FIELDS = ["deployment", "mode", "num_adapters", "concurrency", "requests", "
               "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms",
               "itl_p99_ms", "e2e_p50_ms", "kv_usage_mean", "kv_usage_max", "adapter_hit_rate",
               "decode_step_ms_mean", "decode_tokens_per_step", "decode_step_busy",
-              "prefill_step_ms_mean", "prefill_tokens_per_step", "prefill_step_busy", "rounds"]
+              "prefill_step_ms_mean", "prefill_tokens_per_step", "prefill_step_busy", "rounds",
+              *(f"ttft_{st}_ms_mean" for st in TTFT_STAGES)]
 
 
 def plot(out, cells, top_c, load_n):

@@ -63,6 +63,15 @@ def main():
         check(st["steps"] > 0 and st["tokens_per_step"] * st["steps"] >= 50 - 10,
               f"{name}: decode steps {st}")
         check(0 < st["step_busy"] <= 1 and st["step_ms_mean"] > 0, f"{name}: step time {st}")
+        # The router's TTFT split: every stage of a disaggregated call (they add up to the
+        # router's TTFT, so their means stay under the slowest request's), only admission
+        # when colocated.
+        stages = c["ttft_stage_ms_mean"]
+        want_stages = (["admit", "reserve", "prefill_queue", "prefill_compute", "kv_transfer",
+                        "prefill_rpc", "decode_start"] if c["deployment"] == "disaggregated"
+                       else ["admit"])
+        check(list(stages) == want_stages and all(v >= 0 for v in stages.values()) and
+              sum(stages.values()) <= c["ttft_ms"]["p99"] + 1, f"{name}: TTFT stages {stages}")
         pt = c.get("prefill_steps")
         check((pt is not None) == (c["deployment"] == "disaggregated"), f"{name}: prefill steps")
         if pt:  # every prompt token goes through a prefill step
@@ -81,6 +90,8 @@ def main():
     rows = list(csv.DictReader(open(f"{work}/out/results.csv")))
     check(len(rows) == len(cells) and all(float(x["output_tokens_per_s"]) > 0 for x in rows),
           "results.csv has every cell")
+    check(all((x["ttft_reserve_ms_mean"] != "") == (x["deployment"] == "disaggregated")
+              for x in rows), "results.csv has the TTFT stages of disaggregated cells")
     check(len(list(csv.DictReader(open(f"{work}/out/ratios.csv")))) == len(r["ratios"]),
           "ratios.csv has every ratio")
     for svg in ("throughput_vs_adapters.svg", "latency_vs_load.svg"):
