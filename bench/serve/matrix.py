@@ -220,6 +220,8 @@ def counters(cluster):
             for r in ACQUIRE_RESULTS:
                 out["acquires"][r] += Metrics.total(s, "preft:adapter_acquires_total",
                                                     f'result="{r}"')
+            out["disk_load_s"] = (out.get("disk_load_s", 0.0) +
+                                  Metrics.total(s, "preft:adapter_disk_load_seconds_total"))
             for name in STEP_SERIES:
                 steps[name] += Metrics.total(s, name)
     return out
@@ -346,12 +348,15 @@ def measure_cell(args, cell, deployment, mode, n, concurrency, requests):
         cluster.stop()
     got = {r: after["acquires"][r] - before["acquires"][r] for r in ACQUIRE_RESULTS}
     total = sum(got.values())
+    # One disk load's own cost on the loader thread (what waits add beyond it is queueing).
+    disk_s = after.get("disk_load_s", 0.0) - before.get("disk_load_s", 0.0)
     result.update({
         "deployment": deployment, "mode": mode, "num_adapters": n, "concurrency": concurrency,
         "kv_usage_mean": sum(sampler.usage) / len(sampler.usage) if sampler.usage else 0,
         "kv_usage_max": max(sampler.usage, default=0),
         "adapter_acquires": got,
         "adapter_hit_rate": got["compute_hit"] / total if total else None,
+        "adapter_disk_load_ms_mean": 1e3 * disk_s / got["disk_load"] if got["disk_load"] else None,
         "decode_steps": step_summary(before["decode"], after["decode"], result.get("seconds"),
                                      cluster.decode_metrics),
         "ttft_stage_ms_mean": stage_means(before["stages"], after["stages"]),
@@ -365,6 +370,8 @@ def measure_cell(args, cell, deployment, mode, n, concurrency, requests):
         for tier in ("decode", "prefill")
         for st in [result.get(f"{tier}_steps")] if st and st["steps"])
     stages = ", ".join(f"{st} {ms:.0f}" for st, ms in result["ttft_stage_ms_mean"].items())
+    if result["adapter_disk_load_ms_mean"] is not None:
+        step += f", adapter disk load {result['adapter_disk_load_ms_mean']:.1f} ms each"
     log(f"cell {cell}: {result['output_tokens_per_s']:.1f} tok/s, "
         f"TTFT p50 {result['ttft_ms']['p50']:.0f} ms, ITL p50 {result['itl_ms']['p50']:.1f} ms{step}"
         f"; TTFT by stage, mean ms: {stages}")
@@ -425,6 +432,7 @@ CSV_FIELDS = ["deployment", "mode", "num_adapters", "concurrency", "requests", "
               "itl_p99_ms", "e2e_p50_ms", "kv_usage_mean", "kv_usage_max", "adapter_hit_rate",
               "decode_step_ms_mean", "decode_tokens_per_step", "decode_step_busy",
               "prefill_step_ms_mean", "prefill_tokens_per_step", "prefill_step_busy", "rounds",
+              "adapter_disk_load_ms_mean",
               *(f"ttft_{st}_ms_mean" for st in TTFT_STAGES)]
 
 

@@ -283,8 +283,11 @@ void StoreCore::RunFlight(const VersionPtr& v, WeightsPtr host, const std::strin
                           std::vector<Ready>* ready) {
   const bool from_disk = host == nullptr;
   absl::Status status;
+  int64_t load_micros = 0;
   if (from_disk) {
+    const absl::Time start = absl::Now();
     absl::StatusOr<WeightsPtr> loaded = LoadHost(v->name, dir);
+    load_micros = absl::ToInt64Microseconds(absl::Now() - start);
     if (loaded.ok()) {
       host = *std::move(loaded);
     } else {
@@ -294,6 +297,7 @@ void StoreCore::RunFlight(const VersionPtr& v, WeightsPtr host, const std::strin
   if (status.ok()) status = CheckFits(v->name, dir, static_cast<int64_t>(host->bytes()));
 
   absl::MutexLock lock(&mu_);
+  stats_.disk_load_micros += load_micros;
   if (stopping_) {
     FailWaiters(v.get(), absl::CancelledError("the adapter store is shutting down"), ready);
     return;

@@ -55,6 +55,9 @@ struct AdapterStoreStats {
   int64_t disk_loads = 0;     // flights that read the folder from disk
   int64_t load_failures = 0;  // flights that failed: the loader's error, or ResourceExhausted
                               // (the adapter alone exceeds a tier's whole budget)
+  // Time loader threads spent reading and parsing adapters from disk, failures included:
+  // over disk_loads, what one load costs (what a request waits beyond it is queueing).
+  int64_t disk_load_micros = 0;
   // Copies dropped to make room (LRU). Dropping a superseded or unregistered version's copies
   // is not an eviction.
   int64_t compute_evictions = 0;

@@ -37,7 +37,10 @@ AdapterStoreMetrics::AdapterStoreMetrics(prometheus::Registry& r)
                               "load already under way), host_hit, disk_load, load_failure. Misses "
                               "are all but compute_hit.")),
       evictions_(CounterFamily(r, "preft:adapter_evictions_total",
-                               "Adapter copies dropped to make room, by tier (compute, host).")) {}
+                               "Adapter copies dropped to make room, by tier (compute, host).")),
+      disk_load_seconds_(Counter(r, "preft:adapter_disk_load_seconds_total",
+                                 "Time loader threads spent reading adapters from disk; over "
+                                 "acquires with result disk_load, one load's cost.")) {}
 
 void AdapterStoreMetrics::Set(const State& s) {
   versions_.Add({{"state", "compute"}}).Set(static_cast<double>(s.in_compute));
@@ -57,6 +60,10 @@ void AdapterStoreMetrics::Set(const State& s) {
   Advance(acquires_.Add({{"result", "load_failure"}}), n.load_failures, b.load_failures);
   Advance(evictions_.Add({{"tier", "compute"}}), n.compute_evictions, b.compute_evictions);
   Advance(evictions_.Add({{"tier", "host"}}), n.host_evictions, b.host_evictions);
+  if (n.disk_load_micros > b.disk_load_micros) {
+    disk_load_seconds_.Increment(1e-6 * static_cast<double>(n.disk_load_micros -
+                                                            b.disk_load_micros));
+  }
   last_ = n;
 }
 

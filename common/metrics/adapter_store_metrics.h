@@ -43,6 +43,7 @@ class AdapterStoreMetrics {
   prometheus::Family<prometheus::Gauge>& capacity_;
   prometheus::Family<prometheus::Counter>& acquires_;
   prometheus::Family<prometheus::Counter>& evictions_;
+  prometheus::Counter& disk_load_seconds_;
   absl::Mutex mu_;
   adapters::AdapterStoreStats last_ ABSL_GUARDED_BY(mu_);
 };

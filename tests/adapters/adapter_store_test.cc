@@ -242,6 +242,7 @@ TEST_F(AdapterStoreTest, MissesLoadOnLoaderThread) {
   Write("a");
   AdapterStore store(TinyConfig(), AdapterStoreOptions{});
   ASSERT_TRUE(store.Register("a", root_ + "/a").ok());
+  int64_t load_micros = 0;
   for (int i = 0; i < 2; ++i) {
     absl::Notification done;
     std::thread::id callback_thread;
@@ -253,12 +254,15 @@ TEST_F(AdapterStoreTest, MissesLoadOnLoaderThread) {
     done.WaitForNotification();
     if (i == 0) {
       EXPECT_NE(callback_thread, std::this_thread::get_id()) << "a miss ran on the caller";
+      load_micros = store.stats().disk_load_micros;
+      EXPECT_GT(load_micros, 0) << "the load's time is counted";
     } else {
       EXPECT_EQ(callback_thread, std::this_thread::get_id()) << "a hit was deferred";
     }
   }
   EXPECT_EQ(store.stats().disk_loads, 1);
   EXPECT_EQ(store.stats().compute_hits, 1);
+  EXPECT_EQ(store.stats().disk_load_micros, load_micros) << "a hit loads nothing";
 }
 
 // With a bf16 model both tiers hold bf16 (the compute slot its own arena copy).

@@ -47,7 +47,8 @@ def main():
         check(c["adapters"] == (1 if c["mode"] == "base" else 3), f"{name}: adapters sent")
         acq = sum(c["adapter_acquires"].values())
         if c["mode"] == "base":
-            check(acq == 0 and c["adapter_hit_rate"] is None, f"{name}: no adapter acquired")
+            check(acq == 0 and c["adapter_hit_rate"] is None and
+                  c["adapter_disk_load_ms_mean"] is None, f"{name}: no adapter acquired")
         else:
             # One acquire per request on the tier that runs the prompt (and, for the
             # all-position baseline when disaggregated, one more on the decode tier).
@@ -55,6 +56,10 @@ def main():
             check(acq == 10 * per, f"{name}: {acq} acquires, want {10 * per}")
             check(0 <= c["adapter_hit_rate"] <= 1 and c["adapter_acquires"]["load_failure"] == 0,
                   f"{name}: hit rate")
+            # Every cell starts a fresh cluster, so its first request per adapter reads it
+            # from disk, and the loads' own time is reported.
+            check(c["adapter_acquires"]["disk_load"] > 0 and c["adapter_disk_load_ms_mean"] > 0,
+                  f"{name}: disk loads timed ({c['adapter_disk_load_ms_mean']})")
         check(0 <= c["kv_usage_mean"] <= c["kv_usage_max"] <= 1, f"{name}: KV usage")
         check(c["ttft_ms"]["p50"] <= c["ttft_ms"]["p99"], f"{name}: TTFT percentiles")
         st = c["decode_steps"]

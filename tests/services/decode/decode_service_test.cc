@@ -917,6 +917,7 @@ TEST_F(DecodeServiceTest, MetricsShowTheAdapterStoreOfABaselineWorker) {
   std::string text = scrape();
   EXPECT_EQ(Sample(text, "preft:adapter_capacity_bytes{tier=\"compute\"}"), 3 << 20) << text;
   EXPECT_EQ(Sample(text, "preft:adapter_acquires_total{result=\"disk_load\"}"), 0) << text;
+  EXPECT_EQ(Sample(text, "preft:adapter_disk_load_seconds_total"), 0) << text;
   auto w = adapters::LoadAdapter(testing::TinyLlamaFixture() + "/lora", loaded_->model->config());
   ASSERT_TRUE(w.ok()) << w.status();
   const std::shared_ptr<const model::AdapterWeights> weights = std::move(w).value();
@@ -930,6 +931,7 @@ TEST_F(DecodeServiceTest, MetricsShowTheAdapterStoreOfABaselineWorker) {
   text = scrape();
   EXPECT_EQ(Sample(text, "preft:adapter_acquires_total{result=\"disk_load\"}"), 1) << text;
   EXPECT_EQ(Sample(text, "preft:adapter_acquires_total{result=\"compute_hit\"}"), 1) << text;
+  EXPECT_GT(Sample(text, "preft:adapter_disk_load_seconds_total"), 0) << text;
   EXPECT_EQ(Sample(text, "preft:adapters{state=\"compute\"}"), 1) << text;
   EXPECT_GT(Sample(text, "preft:adapter_bytes{tier=\"compute\"}"), 0) << text;
 }
