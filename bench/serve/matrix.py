@@ -207,7 +207,7 @@ def counters(cluster):
     """One scrape of every worker: adapter store acquires by result (all workers), and each
     tier's engine-step counters (where a step's time goes, the forward against the whole
     inter-token gap, without a profiler), summed; and the router's TTFT stage sums and counts."""
-    out = {"acquires": dict.fromkeys(ACQUIRE_RESULTS, 0.0)}
+    out = {"acquires": dict.fromkeys(ACQUIRE_RESULTS, 0.0), "disk_load_s": 0.0}
     r = Metrics.scrape(cluster.router_metrics)
     out["stages"] = {st: (Metrics.total(r, "preft:router_ttft_stage_seconds_sum", f'stage="{st}"'),
                           Metrics.total(r, "preft:router_ttft_stage_seconds_count",
@@ -220,8 +220,7 @@ def counters(cluster):
             for r in ACQUIRE_RESULTS:
                 out["acquires"][r] += Metrics.total(s, "preft:adapter_acquires_total",
                                                     f'result="{r}"')
-            out["disk_load_s"] = (out.get("disk_load_s", 0.0) +
-                                  Metrics.total(s, "preft:adapter_disk_load_seconds_total"))
+            out["disk_load_s"] += Metrics.total(s, "preft:adapter_disk_load_seconds_total")
             for name in STEP_SERIES:
                 steps[name] += Metrics.total(s, name)
     return out
@@ -349,7 +348,7 @@ def measure_cell(args, cell, deployment, mode, n, concurrency, requests):
     got = {r: after["acquires"][r] - before["acquires"][r] for r in ACQUIRE_RESULTS}
     total = sum(got.values())
     # One disk load's own cost on the loader thread (what waits add beyond it is queueing).
-    disk_s = after.get("disk_load_s", 0.0) - before.get("disk_load_s", 0.0)
+    disk_s = after["disk_load_s"] - before["disk_load_s"]
     result.update({
         "deployment": deployment, "mode": mode, "num_adapters": n, "concurrency": concurrency,
         "kv_usage_mean": sum(sampler.usage) / len(sampler.usage) if sampler.usage else 0,

@@ -5,8 +5,10 @@
 namespace preft::metrics {
 namespace {
 
-void Advance(prometheus::Counter& c, int64_t now, int64_t before) {
-  if (now > before) c.Increment(static_cast<double>(now - before));
+// Moves c on by what the store counted since the last reading, in c's unit (`unit` of the
+// store's count each).
+void Advance(prometheus::Counter& c, int64_t now, int64_t before, double unit = 1.0) {
+  if (now > before) c.Increment(unit * static_cast<double>(now - before));
 }
 
 }  // namespace
@@ -60,10 +62,7 @@ void AdapterStoreMetrics::Set(const State& s) {
   Advance(acquires_.Add({{"result", "load_failure"}}), n.load_failures, b.load_failures);
   Advance(evictions_.Add({{"tier", "compute"}}), n.compute_evictions, b.compute_evictions);
   Advance(evictions_.Add({{"tier", "host"}}), n.host_evictions, b.host_evictions);
-  if (n.disk_load_micros > b.disk_load_micros) {
-    disk_load_seconds_.Increment(1e-6 * static_cast<double>(n.disk_load_micros -
-                                                            b.disk_load_micros));
-  }
+  Advance(disk_load_seconds_, n.disk_load_micros, b.disk_load_micros, 1e-6);
   last_ = n;
 }
 
