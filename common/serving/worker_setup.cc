@@ -54,6 +54,7 @@ absl::StatusOr<std::unique_ptr<transport::KvTransport>> MakeTransport(
   transport::UcxTransportOptions o;
   o.tls = flags.ucx_tls;
   o.net_devices = flags.ucx_net_devices;
+  o.transfer_timeout = absl::Seconds(flags.kv_transfer_timeout_s);
   if (flags.kind == "ucx") return std::make_unique<transport::UcxTransport>(o);
   if (flags.kind == "cuda_ipc") {
     if (device_cache.base == nullptr) {
@@ -145,6 +146,11 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f) {
   app.add_option("--ucx-tls", f->transport.ucx_tls,
                  "UCX_TLS for this worker, e.g. posix,self (readiness is refused on others)");
   app.add_option("--ucx-net-devices", f->transport.ucx_net_devices, "UCX_NET_DEVICES, e.g. lo");
+  app.add_option("--kv-transfer-timeout-s", f->transport.kv_transfer_timeout_s,
+                 "a KV write (UCX) not acknowledged within this fails, and its decode worker is "
+                 "tried again on the next write; keep it under the router's admission timeout")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--drain-timeout-s", f->drain_timeout_s,
                  "on SIGTERM, how long work in flight may take to finish")
       ->capture_default_str()

@@ -38,6 +38,9 @@ struct TransportFlags {
   std::string kind = "ucx";
   std::string ucx_tls;       // UCX_TLS for this worker ("" = environment / UCX default)
   std::string ucx_net_devices;
+  // A KV write not acknowledged within this fails and drops the peer (the next write connects
+  // again). Well under the router's admission timeout, so a retry elsewhere still has time.
+  double kv_transfer_timeout_s = 10;
 };
 
 // InvalidArgument for an unknown kind; "cuda_ipc" moves `device_cache` (the engine's

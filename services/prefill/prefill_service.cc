@@ -25,6 +25,7 @@
 #include "common/engine/engine_loop.h"
 #include "services/prefill/prefill_metrics.h"
 #include "services/wire/convert.h"
+#include "services/wire/kv_path.h"
 #include "common/rpc/status.h"
 
 namespace preft::prefill {
@@ -98,9 +99,10 @@ struct PrefillService::Impl {
 // posted exactly once, after the transfer ends (or at once if the call was already answered).
 class PrefillService::Impl::Call : public std::enable_shared_from_this<Call> {
  public:
-  Call(Impl* impl, grpc::ServerUnaryReactor* reactor, const PrefillRequest& request,
-       PrefillResponse* response)
+  Call(Impl* impl, grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
+       const PrefillRequest& request, PrefillResponse* response)
       : impl_(impl),
+        context_(context),
         reactor_(reactor),
         response_(response),
         request_(request),
@@ -122,10 +124,12 @@ class PrefillService::Impl::Call : public std::enable_shared_from_this<Call> {
                      absl::Duration took);  // transport thread
   void EngineRequestEnded();                // nothing left to abort; drops the adapter lease
   void PostRelease();
-  // Answers once; later calls do nothing.
-  void Finish(const absl::Status& status);
+  // Answers once; later calls do nothing. `kv_path_failed` blames the decode worker's side
+  // of the KV path (wire::kKvPathFailedKey).
+  void Finish(const absl::Status& status, bool kv_path_failed = false);
 
   Impl* const impl_;
+  grpc::CallbackServerContext* const context_;  // valid until Finish
   grpc::ServerUnaryReactor* const reactor_;  // valid until Finish
   PrefillResponse* const response_;          // valid until Finish
   const PrefillRequest request_;             // a copy: gRPC's goes away with the answer
@@ -216,7 +220,12 @@ absl::Status PrefillService::Impl::Call::Validate() const {
 void PrefillService::Impl::Call::Start() {
   if (absl::Status s = Validate(); !s.ok()) return Finish(s);
   absl::StatusOr<transport::PeerId> peer = impl_->Peer(request_.decode_endpoint().address());
-  if (!peer.ok()) return Finish(peer.status());
+  if (!peer.ok()) {
+    return Finish(absl::Status(peer.status().code(),
+                               absl::StrCat("KV connection to the decode worker failed: ",
+                                            peer.status().message())),
+                  /*kv_path_failed=*/true);
+  }
   peer_ = *peer;
   if (request_.adapter().empty()) return Enqueue();
   impl_->LoadStarted(adapters::VersionKey(request_.adapter(), request_.adapter_version()));
@@ -351,7 +360,8 @@ void PrefillService::Impl::Call::OnTransferred(const absl::Status& status, int64
     if (status.code() == absl::StatusCode::kInvalidArgument) return Finish(status);
     impl_->ForgetPeer(request_.decode_endpoint().address(), peer_);
     return Finish(absl::UnavailableError(
-        absl::StrCat("KV transfer to the decode worker failed: ", status.message())));
+                      absl::StrCat("KV transfer to the decode worker failed: ", status.message())),
+                  /*kv_path_failed=*/true);
   }
   {
     absl::MutexLock lock(&mu_);
@@ -377,12 +387,13 @@ void PrefillService::Impl::Call::Cancel() {
   Finish(absl::CancelledError("the client cancelled the call"));
 }
 
-void PrefillService::Impl::Call::Finish(const absl::Status& status) {
+void PrefillService::Impl::Call::Finish(const absl::Status& status, bool kv_path_failed) {
   {
     absl::MutexLock lock(&mu_);
     if (answered_) return;
     answered_ = true;
     if (status.ok()) *response_ = result_;
+    if (kv_path_failed) context_->AddTrailingMetadata(wire::kKvPathFailedKey, "1");
   }
   impl_->active.fetch_sub(1);
   reactor_->Finish(rpc::ToGrpcStatus(status));
@@ -601,7 +612,7 @@ grpc::ServerUnaryReactor* PrefillService::Prefill(grpc::CallbackServerContext* c
     return reactor;
   }
   impl_->active.fetch_add(1);
-  auto call = std::make_shared<Impl::Call>(impl_.get(), reactor, *request, response);
+  auto call = std::make_shared<Impl::Call>(impl_.get(), context, reactor, *request, response);
   reactor->set_on_cancel([call] { call->Cancel(); });
   call->Start();
   return reactor;

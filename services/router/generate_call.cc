@@ -7,6 +7,7 @@
 #include "common/base/status_macros.h"
 #include "common/rpc/status.h"
 #include "services/wire/convert.h"
+#include "services/wire/kv_path.h"
 
 namespace preft::router {
 
@@ -216,6 +217,7 @@ absl::StatusOr<GenerateCall::DecodeChoice> GenerateCall::DecodeCandidates(int64_
     if (!of_kind) c.views.back().healthy = false;
     // The all-position baseline decodes with the adapter: only workers that run adapters.
     if (!colocated && needs_decode_adapter_ && !w->view.adapters) c.views.back().healthy = false;
+    c.views.back().kv_path_suspect = absl::Now() < w->kv_path_suspect_until;
   }
   if (any_healthy && !any_of_kind) {
     return absl::FailedPreconditionError(
@@ -360,6 +362,25 @@ absl::StatusOr<worker::v1::PrefillResponse> GenerateCall::Prefill(
     if (stopped()) return absl::CancelledError("cancelled");
     if (!Retryable(s.code())) return s;  // the request itself is bad: no other worker helps
     ++attempt;
+    if (ctx.GetServerTrailingMetadata().count(wire::kKvPathFailedKey) > 0) {
+      // The decode worker's side of the KV path failed, not this prefill worker: hold that
+      // decode worker back and move the reservation (over shared memory a sender killed
+      // mid-message can leave a receiver deaf for good: docs/ARCHITECTURE.md).
+      router_->metrics->Retried("kv_path", s);
+      last_error = absl::StrCat(w->address, ": ", s.message());
+      std::fprintf(stderr,
+                   "router: KV of %s could not reach decode worker %s (%s); holding it back for "
+                   "%s and retrying elsewhere\n",
+                   id_.c_str(), res->worker->address.c_str(), s.ToString().c_str(),
+                   absl::FormatDuration(router_->options.kv_path_suspect).c_str());
+      {
+        absl::MutexLock lock(&res->worker->mu);
+        res->worker->kv_path_suspect_until = absl::Now() + router_->options.kv_path_suspect;
+      }
+      PREFT_RETURN_IF_ERROR(MoveReservation(res, prompt.size(), sampling.max_tokens, s,
+                                            "KV path failed; re-reserving"));
+      continue;
+    }
     AttemptFailed("prefill", *w, s, &last_error, &tried);
     // Same reservation, next generation: late writes of the failed attempt cannot land in it.
     grpc::ClientContext rctx;
@@ -373,21 +394,28 @@ absl::StatusOr<worker::v1::PrefillResponse> GenerateCall::Prefill(
       continue;
     }
     if (stopped()) return absl::CancelledError("cancelled");
-    // No fresh blocks there right now: give the reservation back (its blocks are quarantined
-    // against late writes) and queue for room again, on any decode worker.
-    Release(*res, "prefill failed; re-reserving");
-    absl::StatusOr<Reservation> again =
-        Reserve(static_cast<int64_t>(prompt.size()), sampling.max_tokens);
-    if (!again.ok()) {
-      return absl::Status(again.status().code(), absl::StrCat("prefill failed (", s.message(),
-                                                              ") and its retry found no KV room: ",
-                                                              again.status().message()));
-    }
-    *res = std::move(again).value();
+    // No fresh blocks there right now: queue for room again, on any decode worker.
+    PREFT_RETURN_IF_ERROR(MoveReservation(res, prompt.size(), sampling.max_tokens, s,
+                                          "prefill failed; re-reserving"));
   }
   return absl::UnavailableError(absl::StrCat("prefill failed on ",
                                              router_->options.max_prefill_attempts,
                                              " workers (last: ", last_error, ")"));
+}
+
+absl::Status GenerateCall::MoveReservation(Reservation* res, int64_t prompt_tokens,
+                                           int64_t max_new, const absl::Status& failure,
+                                           const std::string& reason) {
+  Release(*res, reason);  // its blocks are quarantined there against late writes
+  absl::StatusOr<Reservation> again = Reserve(prompt_tokens, max_new);
+  if (!again.ok()) {
+    return absl::Status(again.status().code(),
+                        absl::StrCat("prefill failed (", failure.message(),
+                                     ") and its retry found no KV room: ",
+                                     again.status().message()));
+  }
+  *res = std::move(again).value();
+  return absl::OkStatus();
 }
 
 void GenerateCall::Release(const Reservation& res, const std::string& reason) {

@@ -89,6 +89,10 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
   // The call's end after a relayed stream from `worker`.
   absl::Status RelayEnd(const Relayed& relayed, DecodeWorker& worker);
   void Release(const Reservation& res, const std::string& reason);
+  // Releases `res` and reserves again on any decode worker (the ranking decides), waiting for
+  // room; the error names `failure`, which made the move necessary.
+  absl::Status MoveReservation(Reservation* res, int64_t prompt_tokens, int64_t max_new,
+                               const absl::Status& failure, const std::string& reason);
   int64_t LeaseMs() const;
   // A new reservation (retry_of 0) or the next generation of `retry_of`.
   worker::v1::ReserveRequest ReserveRequestFor(int64_t prompt_tokens, int64_t max_new,

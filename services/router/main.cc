@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
   std::string admin_token_file, api_token_file;
   rpc::TlsFiles tls;
   rpc::AddTlsFlags(app, &tls);
-  double admission_timeout_s = 30, drain_timeout_s = 30;
+  double admission_timeout_s = 30, drain_timeout_s = 30, kv_path_suspect_s = 30;
   app.add_option("--model", model_dir, "base model folder (config.json, tokenizer.json)")->required();
   app.add_option("--listen", listen, "host:port to serve on (port 0 picks one)");
   app.add_option("--http-listen", http_listen, "OpenAI-compatible HTTP on host:port (/v1/completions, /v1/chat/completions, /v1/models, /health)");
@@ -56,6 +56,7 @@ int main(int argc, char** argv) {
   app.add_option("--poll-ms", poll_ms, "worker status poll interval")->check(CLI::PositiveNumber);
   app.add_option("--admission-timeout-s", admission_timeout_s, "wait for capacity when the client sets no deadline");
   app.add_option("--drain-timeout-s", drain_timeout_s, "on SIGTERM, wait this long for running requests");
+  app.add_option("--kv-path-suspect-s", kv_path_suspect_s, "after a prefill worker could not deliver KV to a decode worker, use that decode worker only as a last resort for this long")->check(CLI::NonNegativeNumber)->capture_default_str();
   app.add_option("--admin-token-file", admin_token_file, "adapter admin RPCs need 'authorization: Bearer <this file's token>'");
   app.add_option("--api-token-file", api_token_file, "every other RPC needs 'authorization: Bearer <this file's token>' (or the admin token)");
   app.add_option("--max-streams-per-client", max_streams_per_client, "concurrent Generate streams per client (TLS identity, token or IP); 0: no cap")->check(CLI::NonNegativeNumber);
@@ -129,6 +130,7 @@ int main(int argc, char** argv) {
   options.base_dtype = absl::AsciiStrToLower(kernels::DTypeName(config->torch_dtype));
   options.lease = absl::Milliseconds(lease_ms);
   options.admission_timeout = absl::Seconds(admission_timeout_s);
+  options.kv_path_suspect = absl::Seconds(kv_path_suspect_s);
   options.max_prompt_tokens = max_prompt_tokens;
   options.colocated = colocated;
   options.access.max_streams_per_client = max_streams_per_client;

@@ -33,6 +33,9 @@ struct RouterOptions {
   absl::Duration admission_timeout = absl::Seconds(30);
   absl::Duration lease = absl::Seconds(30);  // reservation lease asked of decode workers
   int max_prefill_attempts = 3;  // workers tried per prompt (prefill; colocated: decode)
+  // How long a decode worker stays a last resort (DecodeView::kv_path_suspect) after a prefill
+  // worker could not deliver KV to it.
+  absl::Duration kv_path_suspect = absl::Seconds(30);
   // Whole requests on colocated decode workers (DecodeWorker.Run); no prefill workers.
   bool colocated = false;
   AccessOptions access;                      // tokens and the per-client stream cap

@@ -18,8 +18,10 @@ std::vector<size_t> RankDecode(const std::vector<DecodeView>& workers, int64_t b
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
     const DecodeView& x = workers[a];
     const DecodeView& y = workers[b];
-    return std::make_tuple(-(x.free_blocks - blocks_needed), x.running + x.queue_depth) <
-           std::make_tuple(-(y.free_blocks - blocks_needed), y.running + y.queue_depth);
+    return std::make_tuple(x.kv_path_suspect, -(x.free_blocks - blocks_needed),
+                           x.running + x.queue_depth) <
+           std::make_tuple(y.kv_path_suspect, -(y.free_blocks - blocks_needed),
+                           y.running + y.queue_depth);
   });
   return order;
 }

@@ -20,6 +20,10 @@ struct DecodeView {
   int64_t queue_depth = 0;
   bool adapters = false;  // runs adapters on generated tokens (the all-position baseline)
   bool colocated = false;  // runs whole requests (Run), refuses Reserve
+  // A prefill worker recently could not deliver KV to it (no acknowledgement, no connection):
+  // ranked after every worker that has room and is not suspect, so it is used only as a last
+  // resort while the suspicion lasts (RouterOptions::kv_path_suspect).
+  bool kv_path_suspect = false;
 };
 
 // Where an adapter stands on one prefill worker, best first.

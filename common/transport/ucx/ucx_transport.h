@@ -51,7 +51,7 @@ struct UcxTransportOptions {
   // peer that died without closing its sockets (or one on shared memory) is noticed. Applied
   // unless the environment sets it; zero leaves UCX's default.
   absl::Duration keepalive_interval = absl::Seconds(1);
-  absl::Duration transfer_timeout = absl::Seconds(30);  // Write to ACK
+  absl::Duration transfer_timeout = absl::Seconds(10);  // Write to ACK
   absl::Duration connect_timeout = absl::Seconds(30);   // waiting for the progress thread
   // After activity the progress thread busy-polls this long before sleeping on the worker's
   // event fd: a transfer in flight keeps its latency, an idle transport costs no CPU.

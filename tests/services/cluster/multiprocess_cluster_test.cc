@@ -32,6 +32,16 @@ constexpr int kAdapters = 32;
 
 std::string Bin(const std::string& rel) { return std::string(PREFT_BINARY_DIR) + "/" + rel; }
 
+// Where two token streams part (gtest prints only their first 32 tokens).
+std::string Divergence(const std::vector<int32_t>& got, const std::vector<int32_t>& want) {
+  size_t i = 0;
+  while (i < got.size() && i < want.size() && got[i] == want[i]) ++i;
+  if (i == got.size() && i == want.size()) return "same tokens";
+  return absl::StrCat("first difference at token ", i, " of ", got.size(), " (want ",
+                      want.size(), "): got ", i < got.size() ? got[i] : -1, ", want ",
+                      i < want.size() ? want[i] : -1);
+}
+
 class MultiProcessClusterTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -73,7 +83,8 @@ class MultiProcessClusterTest : public ::testing::Test {
                                        "--kv-bytes", "16777216", "--threads", "1",
                                        "--quarantine-ms", "100", "--adapters", "all-positions",
                                        "--adapter-root", (*dir_ / "adapters").string()};
-      argv.insert(argv.end(), ucx.begin(), ucx.end());
+      const std::vector<std::string> transport = DecodeTransportFlags(i);
+      argv.insert(argv.end(), transport.begin(), transport.end());
       auto p = ChildProcess::Spawn(argv, (*dir_ / ("decode" + std::to_string(i) + ".log")).string());
       ASSERT_TRUE(p.ok()) << p.status();
       decode_.push_back(std::move(p).value());
@@ -123,6 +134,9 @@ class MultiProcessClusterTest : public ::testing::Test {
   }
 
   virtual std::vector<std::string> PrefillFlags() const { return {}; }
+  virtual std::vector<std::string> DecodeTransportFlags(int /*i*/) const {
+    return {"--transport", "ucx", "--ucx-tls", "posix,self"};
+  }
 
   void TearDown() override {
     if (HasFailure()) {
@@ -264,7 +278,8 @@ TEST_F(MultiProcessClusterTest, FiveHundredMixedRequestsMatchOneEngine) {
   int ok = 0;
   for (size_t i = 0; i < requests.size(); ++i) {
     EXPECT_TRUE(got[i].status.ok()) << i << ": " << got[i].status.error_message();
-    EXPECT_EQ(got[i].token_ids, want[i]) << "request " << i << " model " << requests[i].model();
+    EXPECT_EQ(got[i].token_ids, want[i]) << "request " << i << " model " << requests[i].model()
+                                          << ": " << Divergence(got[i].token_ids, want[i]);
     ok += got[i].status.ok() && got[i].token_ids == want[i];
   }
   EXPECT_EQ(ok, 500);
@@ -290,7 +305,7 @@ TEST_F(MultiProcessClusterTest, KillingADecodeWorkerFailsOnlyItsStreams) {
   int failed = 0;
   for (size_t i = 0; i < requests.size(); ++i) {
     if (got[i].status.ok()) {
-      EXPECT_EQ(got[i].token_ids, want[i]) << i;
+      EXPECT_EQ(got[i].token_ids, want[i]) << i << ": " << Divergence(got[i].token_ids, want[i]);
     } else {
       ++failed;
       EXPECT_EQ(got[i].status.error_code(), grpc::StatusCode::UNAVAILABLE) << got[i].status.error_message();
@@ -322,7 +337,7 @@ TEST_F(MultiProcessClusterTest, SigtermDrainsADecodeWorker) {
   for (auto& t : threads) t.join();
   for (size_t i = 0; i < requests.size(); ++i) {
     EXPECT_TRUE(got[i].status.ok()) << i << ": " << got[i].status.error_message();
-    EXPECT_EQ(got[i].token_ids, want[i]) << i;
+    EXPECT_EQ(got[i].token_ids, want[i]) << i << ": " << Divergence(got[i].token_ids, want[i]);
   }
   const int status = decode_[victim]->Wait();
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "exit status " << status;
@@ -364,8 +379,40 @@ TEST_F(MultiProcessPrefillFaultTest, KillingAPrefillWorkerRetriesItsPrompts) {
   EXPECT_NE(router_->Log().find("retrying"), std::string::npos) << "no prompt was retried";
   for (size_t i = 0; i < requests.size(); ++i) {
     EXPECT_TRUE(got[i].status.ok()) << i << ": " << got[i].status.error_message();
-    EXPECT_EQ(got[i].token_ids, want[i]) << i;
+    EXPECT_EQ(got[i].token_ids, want[i]) << i << ": " << Divergence(got[i].token_ids, want[i]);
   }
+  ExpectDecodeClean(0);
+  ExpectDecodeClean(1);
+}
+
+// Decode worker 1 speaks UCX over TCP only, which the prefill workers (shared memory) cannot
+// reach: the KV path into it fails while its gRPC side stays healthy. This stands in for a
+// decode worker gone deaf on the KV path (over shared memory, a sender killed mid-message can
+// leave the receiver's queue stuck for good: docs/ARCHITECTURE.md).
+class MultiProcessKvPathFaultTest : public MultiProcessClusterTest {
+ protected:
+  std::vector<std::string> DecodeTransportFlags(int i) const override {
+    if (i == 0) return MultiProcessClusterTest::DecodeTransportFlags(i);
+    return {"--transport", "ucx", "--ucx-tls", "tcp", "--ucx-net-devices", "lo"};
+  }
+};
+
+// Prompts whose reservation lands on the unreachable decode worker move to the other one
+// (the prefill worker is not blamed) and complete with the right tokens; the router then keeps
+// the deaf worker as a last resort, and both workers end clean.
+TEST_F(MultiProcessKvPathFaultTest, ReservationsMoveOffADecodeWorkerTheKvCannotReach) {
+  std::vector<v1::GenerateRequest> requests;
+  for (int i = 0; i < 24; ++i) requests.push_back(Workload(i, 4));
+  const auto want = Expected(requests);
+  const auto got = RunAll(requests, 8);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    EXPECT_TRUE(got[i].status.ok()) << i << ": " << got[i].status.error_message();
+    EXPECT_EQ(got[i].token_ids, want[i]) << i << ": " << Divergence(got[i].token_ids, want[i]);
+  }
+  const std::string log = router_->Log();
+  EXPECT_NE(log.find("could not reach decode worker " + decode_addresses_[1]), std::string::npos)
+      << log;
+  EXPECT_EQ(log.find("prefill of"), std::string::npos) << "a prefill worker was blamed:\n" << log;
   ExpectDecodeClean(0);
   ExpectDecodeClean(1);
 }

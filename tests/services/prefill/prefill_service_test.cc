@@ -29,6 +29,7 @@
 #include "common/engine/engine.h"
 #include "common/model/model.h"
 #include "services/wire/convert.h"
+#include "services/wire/kv_path.h"
 #include "common/rpc/server.h"
 #include "common/transport/inproc_transport.h"
 #include "proto/preft/v1/worker.grpc.pb.h"
@@ -269,8 +270,11 @@ class PrefillServiceTest : public ::testing::Test {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::microseconds(absl::ToInt64Microseconds(deadline)));
-    return stub_->Prefill(&ctx, request, response);
+    const grpc::Status s = stub_->Prefill(&ctx, request, response);
+    last_blamed_kv_path_ = ctx.GetServerTrailingMetadata().count(wire::kKvPathFailedKey) > 0;
+    return s;
   }
+  bool last_blamed_kv_path_ = false;  // the last CallPrefill's answer blamed the KV path
 
   worker::v1::PrefillStatusResponse CallStatus() {
     grpc::ClientContext ctx;
@@ -567,6 +571,7 @@ TEST_F(PrefillServiceTest, PromptLargerThanTheCacheFailsWithTheEngineError) {
   const grpc::Status s = CallPrefill(MakePrefill(c, Reserve(c, *decode_), 1, *decode_), &response);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
   EXPECT_NE(s.error_message().find("KV blocks"), std::string::npos) << s.error_message();
+  EXPECT_FALSE(last_blamed_kv_path_);  // the prompt's own failure
   ExpectNothingHeld();
 }
 
@@ -576,16 +581,19 @@ TEST_F(PrefillServiceTest, LostDecodePeerFailsUnavailableAndLeaksNothing) {
   const PrefillRequest request = MakePrefill(c, blocks, 1, *decode_);
   PrefillResponse response;
   ASSERT_TRUE(CallPrefill(request, &response).ok());  // connected
+  EXPECT_FALSE(last_blamed_kv_path_);
   decode_->transport.reset();                         // the decode worker goes away
   const grpc::Status s = CallPrefill(request, &response);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
   EXPECT_NE(s.error_message().find("KV transfer"), std::string::npos) << s.error_message();
+  EXPECT_TRUE(last_blamed_kv_path_) << "the router must learn the decode side failed";
   ExpectNothingHeld();
   // Never connected: Connect itself fails.
   std::unique_ptr<DecodeSide> fresh = MakeDecode(16, kModelId);
   const PrefillRequest to_fresh = MakePrefill(c, blocks, 2, *fresh);
   fresh->transport.reset();
   EXPECT_EQ(CallPrefill(to_fresh, &response).error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_TRUE(last_blamed_kv_path_);
   ExpectNothingHeld();
 }
 

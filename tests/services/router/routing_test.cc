@@ -31,6 +31,13 @@ TEST(RoutingTest, DecodePrefersMostFreeThenLightestAndSkipsTheUnfit) {
   EXPECT_TRUE(RankDecode(w, 60).empty());
 }
 
+TEST(RoutingTest, ADecodeWorkerWithASuspectKvPathIsALastResort) {
+  std::vector<DecodeView> w = {Decode(90, 0), Decode(20, 5), Decode(10, 0)};
+  w[0].kv_path_suspect = true;  // the most room, but its KV path just failed
+  EXPECT_EQ(RankDecode(w, 4), (std::vector<size_t>{1, 2, 0}));
+  EXPECT_EQ(RankDecode(w, 30), (std::vector<size_t>{0}));  // the only one with room: still used
+}
+
 TEST(RoutingTest, PrefillOrdersResidentFreeSlotLoadingFullThenLoad) {
   PrefillView resident_busy{true, false, 5, 3, 0, true, false};
   PrefillView free_slot{true, false, 0, 0, 1000, false, false};
