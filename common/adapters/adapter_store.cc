@@ -1,6 +1,11 @@
 #include "common/adapters/adapter_store.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <deque>
 #include <list>
 #include <map>
@@ -469,6 +474,21 @@ void StoreCore::CancelPending() {
   Fire(&ready);
 }
 
+namespace {
+
+// Raises the calling thread's nice value by `by` (capped at 19). Linux schedules threads, and
+// setpriority on a thread id changes only that thread. Failure (not expected when lowering a
+// priority) leaves it as it was: a load then just costs the engine more.
+void LowerThisThreadsPriority(int by) {
+  const auto tid = static_cast<id_t>(::syscall(SYS_gettid));
+  errno = 0;
+  const int now = ::getpriority(PRIO_PROCESS, tid);
+  if (errno != 0) return;
+  (void)::setpriority(PRIO_PROCESS, tid, std::min(19, now + by));
+}
+
+}  // namespace
+
 struct AdapterStore::Impl {
   std::shared_ptr<StoreCore> core;
   std::vector<std::thread> loaders;
@@ -479,7 +499,10 @@ AdapterStore::AdapterStore(const model::ModelConfig& base, const AdapterStoreOpt
   impl_->core = std::make_shared<StoreCore>(base, options);
   const int n = std::max(1, options.loader_threads);
   for (int i = 0; i < n; ++i) {
-    impl_->loaders.emplace_back([core = impl_->core.get()] { core->LoaderLoop(); });
+    impl_->loaders.emplace_back([core = impl_->core.get(), nice = options.loader_nice] {
+      if (nice > 0) LowerThisThreadsPriority(nice);
+      core->LoaderLoop();
+    });
   }
 }
 

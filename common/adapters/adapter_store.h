@@ -32,6 +32,11 @@ struct AdapterStoreOptions {
   int64_t host_bytes = int64_t{4} << 30;     // parsed adapters kept in host memory
   int64_t compute_bytes = int64_t{1} << 30;  // compute slots (pinned + cached)
   int loader_threads = 1;
+  // Loader threads run this much nicer than the process (Linux keeps a nice value per thread):
+  // a load then takes mostly what the engine leaves, instead of a core's fair share that
+  // stalls a whole parallel step. 0 keeps the process's. On a busy 2-core host, LoRAP at 512
+  // adapters: 0.90 -> 0.96 x base-only throughput, loads 45 -> 70 ms (bench/NOTES.md step 17).
+  int loader_nice = 10;
   LoadOptions load;  // max_rank; load.dtype is the compute dtype (the model's)
 };
 

@@ -174,6 +174,11 @@ void AddAdapterStoreFlags(CLI::App& app, AdapterStoreFlags* f) {
                  "adapters loaded from disk at once (each load also takes a core)")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
+  app.add_option("--adapter-loader-nice", f->loader_nice,
+                 "loader threads run this much nicer than the engine, so a load takes what the "
+                 "engine leaves rather than stalling a step (0: same priority)")
+      ->check(CLI::Range(0, 19))
+      ->capture_default_str();
 }
 
 adapters::AdapterStoreOptions StoreOptions(const AdapterStoreFlags& f, kernels::DType compute_dtype) {
@@ -182,6 +187,7 @@ adapters::AdapterStoreOptions StoreOptions(const AdapterStoreFlags& f, kernels::
   o.compute_bytes = f.compute_bytes;
   o.load.max_rank = f.max_rank;
   o.loader_threads = f.loader_threads;
+  o.loader_nice = f.loader_nice;
   o.load.dtype = compute_dtype;
   return o;
 }

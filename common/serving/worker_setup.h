@@ -84,6 +84,7 @@ struct AdapterStoreFlags {
   int64_t compute_bytes = int64_t{1} << 30;
   int64_t max_rank = 128;
   int loader_threads = 1;  // adapters loaded from disk at once
+  int loader_nice = 10;    // AdapterStoreOptions::loader_nice
 };
 void AddAdapterStoreFlags(CLI::App& app, AdapterStoreFlags* flags);
 // The store's options, computing in `compute_dtype` (the model's weight dtype).

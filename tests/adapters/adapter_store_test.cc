@@ -1,6 +1,7 @@
 #include "common/adapters/adapter_store.h"
 
 #include <stdlib.h>
+#include <sys/resource.h>
 
 #include <atomic>
 #include <chrono>
@@ -263,6 +264,29 @@ TEST_F(AdapterStoreTest, MissesLoadOnLoaderThread) {
   EXPECT_EQ(store.stats().disk_loads, 1);
   EXPECT_EQ(store.stats().compute_hits, 1);
   EXPECT_EQ(store.stats().disk_load_micros, load_micros) << "a hit loads nothing";
+}
+
+// Loads run on threads loader_nice nicer than the caller's, so on a busy host they take what
+// the engine leaves (0: the same priority).
+TEST_F(AdapterStoreTest, LoaderThreadsRunNicer) {
+  Watchdog watchdog(30);
+  Write("a");
+  const int mine = ::getpriority(PRIO_PROCESS, 0);  // Linux: the calling thread's nice
+  for (int nice : {0, 5}) {
+    AdapterStoreOptions options;
+    options.loader_nice = nice;
+    AdapterStore store(TinyConfig(), options);
+    ASSERT_TRUE(store.Register("a", root_ + "/a").ok());
+    absl::Notification done;
+    int loader = -100;
+    store.Acquire("a", [&](absl::StatusOr<AdapterLease> lease) {  // a miss: on the loader
+      EXPECT_TRUE(lease.ok()) << lease.status();
+      loader = ::getpriority(PRIO_PROCESS, 0);
+      done.Notify();
+    });
+    done.WaitForNotification();
+    EXPECT_EQ(loader, std::min(19, mine + nice)) << "loader_nice " << nice;
+  }
 }
 
 // With a bf16 model both tiers hold bf16 (the compute slot its own arena copy).
