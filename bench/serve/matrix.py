@@ -111,7 +111,8 @@ class Cluster:
         store = ["--adapter-root", adapter_root,
                  "--adapter-host-bytes", str(args.adapter_host_mib << 20),
                  "--adapter-compute-bytes", str(args.adapter_compute_mib << 20),
-                 "--adapter-loader-threads", str(args.adapter_loader_threads)]
+                 "--adapter-loader-threads", str(args.adapter_loader_threads),
+                 "--adapter-loader-nice", str(args.adapter_loader_nice)]
         kv = ["--kv-bytes", str(args.kv_mib << 20)]
         # A colocated worker moves no KV: its transport stays in process.
         transport = args.transport if deployment == "disaggregated" else "inproc"
@@ -540,6 +541,8 @@ def main():
     p.add_argument("--adapter-compute-mib", type=int, default=2048)
     p.add_argument("--adapter-loader-threads", type=int, default=1,
                    help="per worker: adapters loaded from disk at once")
+    p.add_argument("--adapter-loader-nice", type=int, default=10,
+                   help="how much nicer than the engine the workers' adapter loaders run")
     p.add_argument("--transport", default="ucx", choices=["ucx", "cuda_ipc", "grpc"],
                    help="disaggregated cells' KV transport (cuda_ipc: GPU to GPU, --device cuda)")
     p.add_argument("--ucx-tls", default="posix,self")

@@ -34,8 +34,9 @@ struct AdapterStoreOptions {
   int loader_threads = 1;
   // Loader threads run this much nicer than the process (Linux keeps a nice value per thread):
   // a load then takes mostly what the engine leaves, instead of a core's fair share that
-  // stalls a whole parallel step. 0 keeps the process's. On a busy 2-core host, LoRAP at 512
-  // adapters: 0.90 -> 0.96 x base-only throughput, loads 45 -> 70 ms (bench/NOTES.md step 17).
+  // stalls a whole parallel step. 0 keeps the process's. Measured on a busy 2-core host
+  // (bench/NOTES.md step 17): LoRAP at 512 adapters moved -2 to +7 points of base-only
+  // throughput (within that host's noise); each load took 45 -> 60-75 ms.
   int loader_nice = 10;
   LoadOptions load;  // max_rank; load.dtype is the compute dtype (the model's)
 };
