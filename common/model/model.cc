@@ -1,6 +1,7 @@
 #include "common/model/model.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 
@@ -183,8 +184,14 @@ void Model::ApplyLora(int64_t li, const float* x, int64_t in,
                          lr.shrink_bias, lr.scale, t.y, t.out});
     }
   }
-  if (!groups_.empty())
-    cpu::LowRankAdd(x, in, nullptr, 0, groups_.data(), static_cast<int64_t>(groups_.size()));
+  if (!groups_.empty()) RunLowRank(x, in, nullptr, 0);
+}
+
+void Model::RunLowRank(const float* x, int64_t x_stride, float* y, int64_t y_stride) {
+  const auto start = std::chrono::steady_clock::now();
+  cpu::LowRankAdd(x, x_stride, y, y_stride, groups_.data(), static_cast<int64_t>(groups_.size()));
+  adapter_seconds_ +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 void Model::ApplyDireft(int64_t li, float* x) {
@@ -196,8 +203,7 @@ void Model::ApplyDireft(int64_t li, float* x) {
                        lr.shrink_bias, lr.scale});
   }
   const int64_t d = config_.hidden_size;
-  if (!groups_.empty())
-    cpu::LowRankAdd(x, d, x, d, groups_.data(), static_cast<int64_t>(groups_.size()));
+  if (!groups_.empty()) RunLowRank(x, d, x, d);
 }
 
 absl::Status Model::Forward(const ForwardBatch& batch, kv::KvCache* cache,

@@ -53,6 +53,9 @@ class Model {
   // applied to the tokens its mask selects: LoRA on the targeted projections, DiReFT on the
   // intervened layers' outputs, grouped per adapter (one kernel call per projection).
   absl::Status Forward(const ForwardBatch& batch, kv::KvCache* cache, base::AlignedVector<float>* logits);
+  // Wall time all forwards so far spent in the adapters' low-rank products (LoRA and DiReFT),
+  // so a benchmark can tell the multi-LoRA kernels' own time from the step around them.
+  double adapter_seconds() const { return adapter_seconds_; }
 
   // The weights, for other backends to copy (DeviceModel). Matrices are views into the
   // mapping; norms and biases f32.
@@ -87,6 +90,8 @@ class Model {
   };
   void ApplyLora(int64_t li, const float* x, int64_t in, std::initializer_list<LoraTarget> targets);
   void ApplyDireft(int64_t li, float* x);
+  // cpu::LowRankAdd over groups_, timed into adapter_seconds_.
+  void RunLowRank(const float* x, int64_t x_stride, float* y, int64_t y_stride);
 
   ModelConfig config_;
   std::unique_ptr<Checkpoint> checkpoint_;
@@ -100,6 +105,7 @@ class Model {
   base::AlignedVector<float> x_, h_, q_, k_, v_, attn_, tmp_, gate_, up_, last_;
   std::vector<AdapterRows> lora_rows_, direft_rows_;
   std::vector<kernels::cpu::LowRankGroup> groups_;
+  double adapter_seconds_ = 0;  // see adapter_seconds()
 };
 
 }  // namespace preft::model

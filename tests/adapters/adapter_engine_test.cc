@@ -270,6 +270,7 @@ TEST_F(AdapterEngineTest, LorapEqualsMergedPrefillThenBaseDecode) {
   ASSERT_TRUE(merged.ok());
   auto e = MakeEngine(base_);
   auto e_merged = MakeEngine(merged->get());
+  const double adapter_seconds = base_->adapter_seconds();
   for (size_t i = 0; i < kPrompts.size(); ++i) {
     const auto got =
         RunAll(e.get(), {MakeRequest("p", kPrompts[i], 16, lora, AdapterPositions::kPrompt)});
@@ -283,6 +284,9 @@ TEST_F(AdapterEngineTest, LorapEqualsMergedPrefillThenBaseDecode) {
         RunAll(e.get(), {MakeRequest("a", kPrompts[i], 16, lora, AdapterPositions::kAll)});
     EXPECT_NE(all.at(0).token_ids, got.at(0).token_ids) << "prompt " << i;
   }
+  // The adapters' products are timed (adapter_bench reads it); a model that ran none, none.
+  EXPECT_GT(base_->adapter_seconds(), adapter_seconds);
+  EXPECT_EQ((*merged)->adapter_seconds(), 0.0);
 }
 
 // DiReFTP: the intervention on prompt positions only, then plain base decode.
