@@ -36,6 +36,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using preft::bench::Clock;
+using preft::bench::Median;
 using preft::bench::Seconds;
 using preft::model::AdapterPositions;
 using preft::model::AdapterWeights;
@@ -101,15 +102,8 @@ class Run {
     RunResult r;
     r.e2e_tokens_per_s = engine_->stats().generated_tokens / busy_s_;
     r.decode_steps = static_cast<int64_t>(decode_steps_.size());
-    if (!decode_steps_.empty()) {
-      std::nth_element(decode_steps_.begin(), decode_steps_.begin() + decode_steps_.size() / 2,
-                       decode_steps_.end());
-      r.decode_step_s = decode_steps_[decode_steps_.size() / 2];
-      std::nth_element(decode_adapter_.begin(),
-                       decode_adapter_.begin() + decode_adapter_.size() / 2,
-                       decode_adapter_.end());
-      r.decode_adapter_s = decode_adapter_[decode_adapter_.size() / 2];
-    }
+    r.decode_step_s = Median(decode_steps_);  // 0 when no step had the full batch
+    r.decode_adapter_s = Median(decode_adapter_);
     return r;
   }
 
@@ -233,10 +227,6 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < runs.size(); ++i) rounds[i].push_back(runs[i]->Result());
     triads.push_back(preft::bench::TriadGBps());
   }
-  auto median_of = [](std::vector<double> v) {
-    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-    return v[v.size() / 2];
-  };
   auto median_result = [&](const std::vector<RunResult>& rs) {
     std::vector<double> tps, step, adapter;
     for (const RunResult& r : rs) {
@@ -245,9 +235,9 @@ int main(int argc, char** argv) {
       adapter.push_back(r.decode_adapter_s);
     }
     RunResult m;
-    m.e2e_tokens_per_s = median_of(tps);
-    m.decode_step_s = median_of(step);
-    m.decode_adapter_s = median_of(adapter);
+    m.e2e_tokens_per_s = Median(tps);
+    m.decode_step_s = Median(step);
+    m.decode_adapter_s = Median(adapter);
     return m;
   };
   const double triad = *std::max_element(triads.begin(), triads.end());

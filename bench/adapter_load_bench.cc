@@ -30,6 +30,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using preft::bench::Clock;
+using preft::bench::Median;
 using preft::bench::Seconds;
 
 void PinToCpu(int cpu) {
@@ -37,11 +38,6 @@ void PinToCpu(int cpu) {
   CPU_ZERO(&set);
   CPU_SET(cpu, &set);
   pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
 }
 
 struct Timings {

@@ -17,6 +17,12 @@ inline double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
+// The middle element (the upper one of an even count); 0 for none.
+inline double Median(std::vector<double> v) {
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
 // STREAM triad a = b + s*c over 1 GiB arrays; bytes counted as 3 streams (2 reads, 1 write).
 inline double TriadGBps() {
   const size_t n = (size_t{1} << 30) / sizeof(float);

@@ -44,11 +44,6 @@ struct Result {
   double tok_per_s = 0;
 };
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
-
 Result RunEngine(const std::string& model_dir, const Workload& w) {
   auto m = model::Model::Load(model_dir);
   if (!m.ok()) {

@@ -32,6 +32,9 @@ constexpr int kAdapters = 32;
 
 std::string Bin(const std::string& rel) { return std::string(PREFT_BINARY_DIR) + "/" + rel; }
 
+// Every worker's KV transport unless a test changes a decode worker's: UCX shared memory.
+const std::vector<std::string> kShmUcxFlags = {"--transport", "ucx", "--ucx-tls", "posix,self"};
+
 // Where two token streams part (gtest prints only their first 32 tokens).
 std::string Divergence(const std::vector<int32_t>& got, const std::vector<int32_t>& want) {
   size_t i = 0;
@@ -77,7 +80,6 @@ class MultiProcessClusterTest : public ::testing::Test {
 
   void SetUp() override {
     const std::string model = testing::TinyLlamaFixture();
-    const std::vector<std::string> ucx = {"--transport", "ucx", "--ucx-tls", "posix,self"};
     for (int i = 0; i < 2; ++i) {
       std::vector<std::string> argv = {Bin("services/decode/preft-decode"), "--model", model,
                                        "--kv-bytes", "16777216", "--threads", "1",
@@ -93,7 +95,7 @@ class MultiProcessClusterTest : public ::testing::Test {
       std::vector<std::string> argv = {Bin("services/prefill/preft-prefill"), "--model", model,
                                        "--kv-bytes", "8388608", "--threads", "1",
                                        "--adapter-root", (*dir_ / "adapters").string()};
-      argv.insert(argv.end(), ucx.begin(), ucx.end());
+      argv.insert(argv.end(), kShmUcxFlags.begin(), kShmUcxFlags.end());
       for (const std::string& flag : PrefillFlags()) argv.push_back(flag);
       auto p = ChildProcess::Spawn(argv, (*dir_ / ("prefill" + std::to_string(i) + ".log")).string());
       ASSERT_TRUE(p.ok()) << p.status();
@@ -134,9 +136,7 @@ class MultiProcessClusterTest : public ::testing::Test {
   }
 
   virtual std::vector<std::string> PrefillFlags() const { return {}; }
-  virtual std::vector<std::string> DecodeTransportFlags(int /*i*/) const {
-    return {"--transport", "ucx", "--ucx-tls", "posix,self"};
-  }
+  virtual std::vector<std::string> DecodeTransportFlags(int /*i*/) const { return kShmUcxFlags; }
 
   void TearDown() override {
     if (HasFailure()) {
@@ -475,8 +475,8 @@ TEST_F(MultiProcessClusterTest, AllPositionRequestWaitsForALateDecodeWorker) {
   std::vector<std::string> argv = {Bin("services/decode/preft-decode"), "--model",
                                    testing::TinyLlamaFixture(), "--listen", late, "--kv-bytes",
                                    "16777216", "--threads", "1", "--adapters", "all-positions",
-                                   "--adapter-root", (*dir_ / "adapters").string(), "--transport",
-                                   "ucx", "--ucx-tls", "posix,self"};
+                                   "--adapter-root", (*dir_ / "adapters").string()};
+  argv.insert(argv.end(), kShmUcxFlags.begin(), kShmUcxFlags.end());
   auto d = ChildProcess::Spawn(argv, (*dir_ / "late_decode.log").string());
   ASSERT_TRUE(d.ok()) << d.status();
   client.join();
