@@ -4,6 +4,9 @@
 // engine's compute slots are (AdapterWeights::ConvertTo); the same step runs on a copy in the
 // row-major layout and one in the CPU kernels' chunked layout (LowRankChunkable; a CPU
 // worker's store loads adapters so), alternately, so the layouts are compared within one run.
+// Then the chunked step again as the engine runs it: each call after the base linears of its
+// layer (bf16 weights of the model's shapes), so the adapters are read right after the GEMMs
+// streamed theirs; the calls' own time, and the step's time less the linears' alone.
 //   low_rank_bench [adapters 64] [rows per adapter 1]
 
 #include <immintrin.h>
@@ -15,6 +18,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "common/kernels/cpu/linear.h"
 #include "common/kernels/cpu/low_rank.h"
 #include "common/kernels/cpu/threads.h"
 #include "common/kernels/dtype.h"
@@ -139,6 +143,82 @@ int main(int argc, char** argv) {
         bytes / 1e6, best[chunked] * 1e3, bytes / best[chunked] / 1e9, triad,
         best[chunked] / (bytes / (triad * 1e9)));
   }
+  // The step with the base linears: q/k/v, o, gate/up, down per layer, each followed by its
+  // adapters' call (as Model::Forward; the attention, norms and MLP activation left out).
+  const size_t base_elems = [&] {
+    size_t n = 0;
+    for (const Proj& p : projs) n += static_cast<size_t>(p.in) * p.out;
+    return n * layers;
+  }();
+  auto* base = static_cast<uint16_t*>(mmap(nullptr, base_elems * 2, PROT_READ | PROT_WRITE,
+                                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  if (base == MAP_FAILED) return 1;
+  madvise(base, base_elems * 2, MADV_HUGEPAGE);
+  std::fill(base, base + base_elems, preft::kernels::F32ToBf16(0.02f));
+  std::vector<std::vector<MatrixView>> weights(layers);
+  for (int64_t l = 0, at = 0; l < layers; ++l) {
+    for (const Proj& p : projs) {
+      weights[l].push_back(MatrixView{base + at, DType::kBF16, p.out, p.in});
+      at += p.in * p.out;
+    }
+  }
+  std::vector<std::vector<float>> outs(7);
+  for (int p = 0; p < 7; ++p) outs[p].assign(m * projs[p].out, 0.f);
+  double in_calls = 0;  // seconds inside LowRankAdd this step
+  auto base_step = [&](bool with_adapters) {
+    for (int64_t l = 0; l < layers; ++l) {
+      for (size_t c = 0; c < calls.size(); ++c) {
+        const std::vector<int>& call = calls[c];
+        if (call.size() == 1) {
+          preft::kernels::cpu::Linear(x.data(), m, weights[l][call[0]], nullptr,
+                                      outs[call[0]].data());
+        } else if (call.size() == 2) {
+          preft::kernels::cpu::LinearShared(
+              x.data(), m, {{weights[l][4], nullptr, outs[4].data()},
+                            {weights[l][5], nullptr, outs[5].data()}});
+        } else {
+          preft::kernels::cpu::LinearShared(x.data(), m,
+                                            {{weights[l][0], nullptr, outs[0].data()},
+                                             {weights[l][1], nullptr, outs[1].data()},
+                                             {weights[l][2], nullptr, outs[2].data()}});
+        }
+        if (!with_adapters) continue;
+        call_groups.clear();
+        for (int a = 0; a < adapters; ++a) {
+          for (int p : call) {
+            LowRankGroup g = groups[1][l][p][a];
+            g.y = outs[p].data();
+            g.y_stride = projs[p].out;
+            call_groups.push_back(g);
+          }
+        }
+        const auto t0 = preft::bench::Clock::now();
+        preft::kernels::cpu::LowRankAdd(x.data(), projs[call[0]].in, nullptr, 0,
+                                        call_groups.data(),
+                                        static_cast<int64_t>(call_groups.size()));
+        in_calls += preft::bench::Seconds(t0, preft::bench::Clock::now());
+      }
+    }
+  };
+  base_step(true);
+  std::vector<double> alone, with, calls_time;
+  for (int rep = 0; rep < 7; ++rep) {
+    for (bool with_adapters : {false, true}) {
+      in_calls = 0;
+      const auto t0 = preft::bench::Clock::now();
+      base_step(with_adapters);
+      (with_adapters ? with : alone).push_back(preft::bench::Seconds(t0, preft::bench::Clock::now()));
+      if (with_adapters) calls_time.push_back(in_calls);
+    }
+  }
+  const double bound = bytes / (triad * 1e9);
+  const double step_alone = preft::bench::Median(alone), step_with = preft::bench::Median(with);
+  const double call_med = preft::bench::Median(calls_time);
+  std::printf("chunked in a step of %d rows (medians of 7): linears alone %.1f ms, with the "
+              "adapters %.1f ms; the calls %.2f ms = %.2f x the bound; step overhead %.2f ms = "
+              "%.2f x the bound\n",
+              static_cast<int>(m), step_alone * 1e3, step_with * 1e3, call_med * 1e3,
+              call_med / bound, (step_with - step_alone) * 1e3, (step_with - step_alone) / bound);
   std::printf("plain read of the same bytes: %.2f ms = %.1f GB/s (fold %llx)\n", best[2] * 1e3,
               bytes / best[2] / 1e9, static_cast<unsigned long long>(fold & 0xff));
   std::printf("chunked / row-major time: %.2f; each / the plain read: %.2f, %.2f\n",

@@ -95,6 +95,19 @@ std::string TempDir(const std::string& name) {
   return dir;
 }
 
+// A random model of the tiny preset, written under `dir` and loaded.
+std::unique_ptr<Model> MakeTinyModel(const std::string& dir, kernels::DType dtype, uint64_t seed) {
+  model::MakeModelOptions mo;
+  mo.preset = "tiny";
+  mo.dtype = dtype;
+  mo.seed = seed;
+  mo.out_dir = dir + "/model";
+  EXPECT_TRUE(model::MakeModel(mo).ok());
+  auto m = Model::Load(mo.out_dir);
+  EXPECT_TRUE(m.ok()) << m.status();
+  return m.ok() ? *std::move(m) : nullptr;
+}
+
 // A copy of the fixture model with every LoRA module merged: W += s * B A.
 std::string WriteMergedModel(const std::string& base_dir, const AdapterWeights& lora,
                              const std::string& out_dir) {
@@ -311,14 +324,9 @@ TEST_F(AdapterEngineTest, DireftpEqualsAdaptedPrefillThenBaseDecode) {
 // requests, greedy and seeded; also when the KV cache is small enough to force preemptions.
 TEST_F(AdapterEngineTest, TokensAreIdenticalAloneAndAmong32Adapters) {
   const std::string dir = TempDir("batch32");
-  model::MakeModelOptions mo;
-  mo.preset = "tiny";
-  mo.seed = 3;
-  mo.out_dir = dir + "/model";
-  ASSERT_TRUE(model::MakeModel(mo).ok());
-  auto m = Model::Load(mo.out_dir);
-  ASSERT_TRUE(m.ok()) << m.status();
-  const model::ModelConfig& c = (*m)->config();
+  const std::unique_ptr<Model> m = MakeTinyModel(dir, kernels::DType::kF32, 3);
+  ASSERT_TRUE(m);
+  const model::ModelConfig& c = m->config();
 
   std::vector<Request> reqs;
   for (int i = 0; i < 40; ++i) {
@@ -357,7 +365,7 @@ TEST_F(AdapterEngineTest, TokensAreIdenticalAloneAndAmong32Adapters) {
   }
   std::vector<std::vector<int32_t>> alone;
   for (const Request& r : reqs) {
-    auto e = MakeEngine(m->get());
+    auto e = MakeEngine(m.get());
     alone.push_back(RunAll(e.get(), {r}).at(0).token_ids);
   }
   // Adapters must matter for this to mean anything: most adapted requests differ from base.
@@ -365,13 +373,13 @@ TEST_F(AdapterEngineTest, TokensAreIdenticalAloneAndAmong32Adapters) {
   for (int i = 0; i < 32; ++i) {
     Request base = reqs[i];
     base.adapter = {};
-    auto e = MakeEngine(m->get());
+    auto e = MakeEngine(m.get());
     differs += RunAll(e.get(), {base}).at(0).token_ids != alone[i];
   }
   EXPECT_GE(differs, 24);
 
   for (int64_t kv_blocks : {256, 24}) {  // 24 blocks: preemption and recomputation
-    auto e = MakeEngine(m->get(), kv_blocks, 64);
+    auto e = MakeEngine(m.get(), kv_blocks, 64);
     const auto together = RunAll(e.get(), reqs);
     ASSERT_EQ(together.size(), reqs.size());
     for (size_t i = 0; i < reqs.size(); ++i)
@@ -387,15 +395,9 @@ TEST_F(AdapterEngineTest, TokensAreIdenticalAloneAndAmong32Adapters) {
 // DiReFT, prompt-only and all positions, in one mixed batch.
 TEST_F(AdapterEngineTest, CpuLayoutAdaptersGenerateExactlyTheRowMajorOnes) {
   const std::string dir = TempDir("cpu_layout");
-  model::MakeModelOptions mo;
-  mo.preset = "tiny";
-  mo.dtype = kernels::DType::kBF16;
-  mo.seed = 5;
-  mo.out_dir = dir + "/model";
-  ASSERT_TRUE(model::MakeModel(mo).ok());
-  auto m = Model::Load(mo.out_dir);
-  ASSERT_TRUE(m.ok()) << m.status();
-  const model::ModelConfig& c = (*m)->config();
+  const std::unique_ptr<Model> m = MakeTinyModel(dir, kernels::DType::kBF16, 5);
+  ASSERT_TRUE(m);
+  const model::ModelConfig& c = m->config();
   std::vector<Request> row_major, chunked;
   bool any_chunked = false;
   for (int i = 0; i < 10; ++i) {
@@ -428,11 +430,52 @@ TEST_F(AdapterEngineTest, CpuLayoutAdaptersGenerateExactlyTheRowMajorOnes) {
   if (kernels::cpu::ActiveLinearIsa() >= kernels::cpu::LinearIsa::kAvx512Bf16) {
     EXPECT_TRUE(any_chunked);
   }
-  auto a = MakeEngine(m->get()), b = MakeEngine(m->get());
+  auto a = MakeEngine(m.get()), b = MakeEngine(m.get());
   const auto want = RunAll(a.get(), row_major);
   const auto got = RunAll(b.get(), chunked);
   ASSERT_EQ(want.size(), got.size());
   for (size_t i = 0; i < want.size(); ++i) ExpectSameGeneration(got[i], want[i], 0.0, row_major[i].id);
+}
+
+// Requests sharing a bf16 adapter: the engine groups their rows into one low-rank product per
+// adapter, so a decode row's group has one row alone and several in a batch (and the kernels
+// pair neighbouring groups). A user's tokens may not change with who else is on their adapter.
+// (Logprobs are not compared: the bf16 base linears themselves differ in the last bits
+// between one row and many.)
+TEST_F(AdapterEngineTest, RequestsSharingAnAdapterGenerateAsTheyDoAlone) {
+  const std::string dir = TempDir("shared_adapter");
+  const std::unique_ptr<Model> m = MakeTinyModel(dir, kernels::DType::kBF16, 9);
+  ASSERT_TRUE(m);
+  const model::ModelConfig& c = m->config();
+  std::vector<Request> reqs;
+  for (int a = 0; a < 3; ++a) {
+    adapters::RandomAdapterSpec spec;
+    spec.seed = 500 + a;
+    spec.dtype = kernels::DType::kBF16;
+    spec.kind = a == 2 ? model::AdapterKind::kDireft : model::AdapterKind::kLora;
+    spec.rank = a == 2 ? 4 : 16;
+    const std::string adir = dir + "/adapter" + std::to_string(a);
+    ASSERT_TRUE(adapters::WriteRandomAdapter(c, spec, adir).ok());
+    adapters::LoadOptions lo;
+    lo.dtype = kernels::DType::kBF16;
+    lo.cpu_layout = a != 1;  // chunked where this CPU's kernels take it; row-major for one
+    auto w = adapters::LoadAdapter(adir, c, lo);
+    ASSERT_TRUE(w.ok()) << w.status();
+    const std::shared_ptr<const AdapterWeights> shared(*std::move(w));
+    for (int i = 0; i < 4; ++i) {  // four users per adapter, all positions adapted
+      std::vector<int32_t> prompt;
+      for (int k = 0; k < 4 + 5 * i + a; ++k) prompt.push_back((k * 11 + i * 37 + a * 5) % 290);
+      reqs.push_back(MakeRequest("a" + std::to_string(a) + "u" + std::to_string(i), prompt, 12,
+                                 shared, AdapterPositions::kAll));
+    }
+  }
+  auto e = MakeEngine(m.get());
+  const auto together = RunAll(e.get(), reqs);
+  ASSERT_EQ(together.size(), reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    auto solo = MakeEngine(m.get());
+    EXPECT_EQ(together[i].token_ids, RunAll(solo.get(), {reqs[i]}).at(0).token_ids) << reqs[i].id;
+  }
 }
 
 // A CPU backend whose adapter copies take a while, as a GPU's do: AdapterReady says no to its

@@ -97,7 +97,7 @@ class CudaOpsTest : public ::testing::Test {
 };
 
 // The CPU's low-rank kernels in f32 for the scope, as the CUDA ones compute (with AVX-512-BF16
-// the CPU rounds a prompt group's x and z to bf16).
+// the CPU rounds a bf16 adapter's x and z to bf16, for every row).
 class F32LowRankOnCpu {
  public:
   F32LowRankOnCpu() { cpu::SetLinearIsaCapForTesting(cpu::LinearIsa::kAvx512); }

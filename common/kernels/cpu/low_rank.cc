@@ -152,78 +152,6 @@ PREFT_AVX512 void ExpandRowBf16Avx512(const float* z, const uint16_t* e, int64_t
   ExpandTailBf16(z, e, rank, out, vec_end, scale, yr);
 }
 
-// ---- A decode row on chunked bf16 matrices ([cols / 32][rank][32], MatrixView::chunked) ----
-// Each matrix is one sequential stream, and one pass covers K rank rows (all of them up to
-// 16): the shrink keeps K accumulators, the expand K broadcasts of z and writes y once. The
-// sums are those of the row-major kernels above, term for term, so results are bit-identical
-// (the row-major kernels stream each matrix as four rank rows at a row's stride: 1.1-1.3x the
-// time in low_rank_bench, NOTES step 15).
-
-// z[k0 .. k0 + K) = xs . S[k] for one row; xs in the even/odd order of ShrinkRowBf16Avx512.
-template <int K>
-PREFT_AVX512 void ShrinkChunkedPass(const float* xs, const uint16_t* s, int64_t rank,
-                                    int64_t k0, int64_t in, float* z) {
-  __m512 acc[K];
-  for (auto& a : acc) a = _mm512_setzero_ps();
-  for (int64_t c = 0; c < in; c += kChunkCols) {
-    const __m512 xe = _mm512_load_ps(xs + c), xo = _mm512_load_ps(xs + c + 16);
-    const uint16_t* p = s + c * rank + k0 * kChunkCols;
-#pragma GCC unroll 16
-    for (int k = 0; k < K; ++k) {
-      const __m512i v = _mm512_loadu_si512(p + k * kChunkCols);
-      acc[k] = _mm512_fmadd_ps(EvenBf16(v), xe, acc[k]);
-      acc[k] = _mm512_fmadd_ps(OddBf16(v), xo, acc[k]);
-    }
-  }
-  for (int k = 0; k < K; ++k) z[k0 + k] = _mm512_reduce_add_ps(acc[k]);
-}
-
-PREFT_AVX512 void ShrinkRowChunkedAvx512(const float* xr, const uint16_t* s, int64_t rank,
-                                         int64_t in, const float* bias, float* z) {
-  alignas(64) float xs[kMaxExpandOut];
-  DeinterleaveEvenOdd(xr, in, xs);
-  for (int64_t k0 = 0; k0 < rank; k0 += 16) {
-    switch (std::min<int64_t>(16, rank - k0)) {
-      case 16: ShrinkChunkedPass<16>(xs, s, rank, k0, in, z); break;
-      case 12: ShrinkChunkedPass<12>(xs, s, rank, k0, in, z); break;
-      case 8: ShrinkChunkedPass<8>(xs, s, rank, k0, in, z); break;
-      default: ShrinkChunkedPass<4>(xs, s, rank, k0, in, z); break;  // rank % 4 == 0
-    }
-  }
-  // As ShrinkRowBf16Avx512 adds them (+0 without a bias), so the two layouts agree bit for bit.
-  for (int64_t k = 0; k < rank; ++k) z[k] = z[k] + (bias != nullptr ? bias[k] : 0.0f);
-}
-
-// te/to (even/odd outputs of one 32-column chunk) += z[k] E[k] for k in [k0, k0 + K).
-template <int K>
-PREFT_AVX512 inline void ExpandChunk(const float* z, const uint16_t* p, __m512* te, __m512* to) {
-#pragma GCC unroll 16
-  for (int k = 0; k < K; ++k) {
-    const __m512i v = _mm512_loadu_si512(p + k * kChunkCols);
-    const __m512 zk = _mm512_set1_ps(z[k]);
-    *te = _mm512_fmadd_ps(zk, EvenBf16(v), *te);
-    *to = _mm512_fmadd_ps(zk, OddBf16(v), *to);
-  }
-}
-
-PREFT_AVX512 void ExpandRowChunkedAvx512(const float* z, const uint16_t* e, int64_t rank,
-                                         int64_t out, float scale, float* yr) {
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int64_t c = 0; c < out; c += kChunkCols) {
-    __m512 te = _mm512_setzero_ps(), to = _mm512_setzero_ps();
-    const uint16_t* p = e + c * rank;
-    for (int64_t k0 = 0; k0 < rank; k0 += 16) {
-      switch (std::min<int64_t>(16, rank - k0)) {
-        case 16: ExpandChunk<16>(z + k0, p + k0 * kChunkCols, &te, &to); break;
-        case 12: ExpandChunk<12>(z + k0, p + k0 * kChunkCols, &te, &to); break;
-        case 8: ExpandChunk<8>(z + k0, p + k0 * kChunkCols, &te, &to); break;
-        default: ExpandChunk<4>(z + k0, p + k0 * kChunkCols, &te, &to); break;
-      }
-    }
-    AddInterleaved(te, to, sc, yr + c);
-  }
-}
-
 // ---- Prompt rows on bf16 weights with AVX-512 (SGMV): compute-bound, each loaded weight
 // vector feeds four rows ----
 
@@ -497,6 +425,194 @@ constexpr ExpandPassFn kExpandPasses[kExpandPairs + 1] = {
     nullptr,       ExpandPass<1>, ExpandPass<2>, ExpandPass<3>, ExpandPass<4>,
     ExpandPass<5>, ExpandPass<6>, ExpandPass<7>, ExpandPass<8>};
 
+// zp[p] = z[2p] (low half) and z[2p + 1] (high) in bf16, the latter zero past the rank.
+inline void PackPairsBf16(const float* z, int64_t rank, uint32_t* zp) {
+  for (int64_t p = 0; p < CeilDiv(rank, 2); ++p) {
+    const uint32_t lo = F32ToBf16(z[2 * p]);
+    const uint32_t hi = 2 * p + 1 < rank ? F32ToBf16(z[2 * p + 1]) : 0;
+    zp[p] = lo | hi << 16;
+  }
+}
+
+// ---- Decode rows through vdpbf16ps (the multi-LoRA BGMV) ----
+// The sums of ShrinkRowsDotBf16 and ExpandPass, term for term and in the same order, so a row's
+// result does not depend on how many rows its group has; without their four-row passes. On
+// chunked matrices of rank <= 16 one pass over S takes all rank rows (a 1 KB run of S per 32
+// inputs: one sequential stream), and two rows of neighbouring groups can run in lockstep: two
+// streams of adapter bytes per thread keep more of the memory's bandwidth busy than one
+// (NOTES step 18).
+
+// acc[n][j] += xb[n] . S_n[k0 + j] over [c0, c1) for j < K and N rows of chunked S (the other
+// accumulators stay zero); each 32 inputs' K rank rows are K consecutive 64-byte lines.
+template <int K, int N>
+PREFT_AVX512BF16 inline void ShrinkChunkedDot(const uint16_t* const* xb, const uint16_t* const* s,
+                                              int64_t rank, int64_t k0, int64_t c0, int64_t c1,
+                                              __m512 (*acc)[16]) {
+  for (int64_t c = c0; c < c1; c += kDotElems) {
+#pragma GCC unroll 2
+    for (int n = 0; n < N; ++n) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb[n] + c);
+      const uint16_t* p = s[n] + c * rank + k0 * kChunkCols;
+#pragma GCC unroll 16
+      for (int j = 0; j < K; ++j) {
+        acc[n][j] =
+            _mm512_dpbf16_ps(acc[n][j], xv, (__m512bh)_mm512_loadu_si512(p + j * kChunkCols));
+      }
+    }
+  }
+}
+
+// z[n][k] = xb[n] . S_n[k] (+ b_n[k]) for N rows of chunked S_n [rank, in], rank % 4 == 0.
+template <int N>
+PREFT_AVX512BF16 void ShrinkChunkedRows(const uint16_t* const* xb, const uint16_t* const* s,
+                                        const float* const* bias, int64_t rank, int64_t in,
+                                        float* const* z) {
+  for (int n = 0; n < N; ++n) {
+    for (int64_t k = 0; k < rank; ++k) z[n][k] = bias[n] != nullptr ? bias[n][k] : 0.0f;
+  }
+  for (int64_t c0 = 0; c0 < in; c0 += kShrinkBlock) {
+    const int64_t c1 = std::min(in, c0 + kShrinkBlock);
+    for (int64_t k0 = 0; k0 < rank; k0 += 16) {
+      const int64_t kn = std::min<int64_t>(16, rank - k0);
+      __m512 acc[N][16];
+      for (auto& row : acc)
+        for (__m512& a : row) a = _mm512_setzero_ps();
+      switch (kn) {
+        case 16: ShrinkChunkedDot<16, N>(xb, s, rank, k0, c0, c1, acc); break;
+        case 12: ShrinkChunkedDot<12, N>(xb, s, rank, k0, c0, c1, acc); break;
+        case 8: ShrinkChunkedDot<8, N>(xb, s, rank, k0, c0, c1, acc); break;
+        default: ShrinkChunkedDot<4, N>(xb, s, rank, k0, c0, c1, acc); break;
+      }
+      for (int n = 0; n < N; ++n) {
+        alignas(64) float sums[16];
+        _mm512_store_ps(sums, Sum16(acc[n]));
+        for (int64_t j = 0; j < kn; ++j) z[n][k0 + j] += sums[j];
+      }
+    }
+  }
+}
+
+// y_n[o0 .. o1) += scale_n * z_n E_n for N rows of chunked E_n, rank 2 NP (at most 16); the
+// rank pairs' broadcasts of z held in registers.
+template <int NP, int N>
+PREFT_AVX512BF16 void ExpandChunkedRows(const uint32_t* const* zp, const uint16_t* const* e,
+                                        const float* scale, float* const* y, int64_t o0,
+                                        int64_t o1) {
+  const __m512i idx0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i idx1 =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  __m512bh zb[N][NP];
+  __m512 sc[N];
+  for (int n = 0; n < N; ++n) {
+    sc[n] = _mm512_set1_ps(scale[n]);
+    for (int p = 0; p < NP; ++p) zb[n][p] = (__m512bh)_mm512_set1_epi32(static_cast<int>(zp[n][p]));
+  }
+  for (int64_t o = o0; o < o1; o += kChunkCols) {
+#pragma GCC unroll 2
+    for (int n = 0; n < N; ++n) {
+      const uint16_t* at = e[n] + o * (2 * NP);
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) {
+        const __m512i a = _mm512_loadu_si512(at + 2 * p * kChunkCols);
+        const __m512i b = _mm512_loadu_si512(at + (2 * p + 1) * kChunkCols);
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_unpacklo_epi16(a, b), zb[n][p]);
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_unpackhi_epi16(a, b), zb[n][p]);
+      }
+      float* yo = y[n] + o;
+      _mm512_storeu_ps(yo, _mm512_fmadd_ps(sc[n], _mm512_permutex2var_ps(a0, idx0, a1),
+                                           _mm512_loadu_ps(yo)));
+      _mm512_storeu_ps(yo + 16, _mm512_fmadd_ps(sc[n], _mm512_permutex2var_ps(a0, idx1, a1),
+                                                _mm512_loadu_ps(yo + 16)));
+    }
+  }
+}
+
+// As ExpandChunkedRows for one row of any rank (a multiple of 4): z's pairs broadcast as used.
+PREFT_AVX512BF16 void ExpandChunkedRowWide(int64_t rank, const uint32_t* zp, const uint16_t* e,
+                                           float scale, float* y, int64_t o0, int64_t o1) {
+  const __m512i idx0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i idx1 =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t o = o0; o < o1; o += kChunkCols) {
+    const uint16_t* at = e + o * rank;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    for (int64_t p = 0; p < rank / 2; ++p) {
+      const __m512i a = _mm512_loadu_si512(at + 2 * p * kChunkCols);
+      const __m512i b = _mm512_loadu_si512(at + (2 * p + 1) * kChunkCols);
+      const __m512bh zb = (__m512bh)_mm512_set1_epi32(static_cast<int>(zp[p]));
+      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_unpacklo_epi16(a, b), zb);
+      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_unpackhi_epi16(a, b), zb);
+    }
+    float* yo = y + o;
+    _mm512_storeu_ps(yo, _mm512_fmadd_ps(sc, _mm512_permutex2var_ps(a0, idx0, a1), _mm512_loadu_ps(yo)));
+    _mm512_storeu_ps(yo + 16, _mm512_fmadd_ps(sc, _mm512_permutex2var_ps(a0, idx1, a1),
+                                             _mm512_loadu_ps(yo + 16)));
+  }
+}
+
+template <int N>
+PREFT_AVX512BF16 void ExpandChunkedRowsAnyRank(int64_t rank, const uint32_t* const* zp,
+                                               const uint16_t* const* e, const float* scale,
+                                               float* const* y, int64_t o0, int64_t o1) {
+  switch (rank) {
+    case 16: ExpandChunkedRows<8, N>(zp, e, scale, y, o0, o1); return;
+    case 12: ExpandChunkedRows<6, N>(zp, e, scale, y, o0, o1); return;
+    case 8: ExpandChunkedRows<4, N>(zp, e, scale, y, o0, o1); return;
+    case 4: ExpandChunkedRows<2, N>(zp, e, scale, y, o0, o1); return;
+    default:  // wider: one row at a time (rows of such ranks are not paired)
+      for (int n = 0; n < N; ++n) ExpandChunkedRowWide(rank, zp[n], e[n], scale[n], y[n], o0, o1);
+      return;
+  }
+}
+
+// Whether two decode rows' groups can run in lockstep: chunked, the same rank (at most 16: the
+// pair's shrink accumulators fill the registers) and the same input width.
+bool Pairable(const LowRankGroup& a, const LowRankGroup& b) {
+  return a.shrink.chunked && b.shrink.chunked && a.shrink.rows == b.shrink.rows &&
+         a.shrink.rows <= 16 && a.shrink.cols == b.shrink.cols;
+}
+
+// One decode row of each of N chunked groups (N = 2: Pairable).
+template <int N>
+PREFT_AVX512BF16 void RunChunkedDecodeRows(const float* x, int64_t x_stride, float* y,
+                                           int64_t y_stride, const LowRankGroup* const* g) {
+  const int64_t rank = g[0]->shrink.rows, in = g[0]->shrink.cols;
+  auto* packed = static_cast<uint16_t*>(ThreadScratch(kLowRankScratchSlot, N * in * sizeof(uint16_t)));
+  const uint16_t *xb[N], *s[N], *e[N];
+  const float* bias[N];
+  float scale[N], *yr[N], *zr[N];
+  const uint32_t* zpr[N];
+  alignas(64) float z[N][kMaxRank];
+  alignas(64) uint32_t zp[N][kMaxRank / 2];
+  // Both rows are read in full before either is written (x may be y: DiReFT in place).
+  for (int n = 0; n < N; ++n) {
+    const LowRankGroup& gn = *g[n];
+    PackRowsBf16(x, x_stride, gn.rows, 1, in, in, packed + n * in);
+    xb[n] = packed + n * in;
+    s[n] = static_cast<const uint16_t*>(gn.shrink.data);
+    e[n] = static_cast<const uint16_t*>(gn.expand.data);
+    bias[n] = gn.shrink_bias;
+    scale[n] = gn.scale;
+    yr[n] = (gn.y != nullptr ? gn.y : y) + gn.rows[0] * (gn.y != nullptr ? gn.y_stride : y_stride);
+    zr[n] = z[n];
+    zpr[n] = zp[n];
+  }
+  ShrinkChunkedRows<N>(xb, s, bias, rank, in, zr);
+  for (int n = 0; n < N; ++n) PackPairsBf16(z[n], rank, zp[n]);
+  // In lockstep over the outputs both rows have, then the wider one alone.
+  int64_t common = g[0]->expand.cols;
+  for (int n = 1; n < N; ++n) common = std::min(common, g[n]->expand.cols);
+  ExpandChunkedRowsAnyRank<N>(rank, zpr, e, scale, yr, 0, common);
+  for (int n = 0; n < N; ++n) {
+    if (g[n]->expand.cols > common) {
+      ExpandChunkedRowsAnyRank<1>(rank, &zpr[n], &e[n], &scale[n], &yr[n], common,
+                                  g[n]->expand.cols);
+    }
+  }
+}
+
 // One work item of a prompt group: rows [0, n) of `rows`, at most kRowsPerItem.
 PREFT_AVX512BF16 void RunItemDotBf16(const float* x, int64_t x_stride, float* y,
                                      int64_t y_stride, const LowRankGroup& g,
@@ -507,16 +623,10 @@ PREFT_AVX512BF16 void RunItemDotBf16(const float* x, int64_t x_stride, float* y,
   PackRowsBf16(x, x_stride, rows, n, in, ld, xb);
   ShrinkRowsDotBf16(xb, ld, n, static_cast<const uint16_t*>(g.shrink.data), RowStep(g.shrink),
                     ColScale(g.shrink), rank, in, g.shrink_bias, z);
-  // z in bf16 pairs (z[k] low, z[k + 1] high), zero past the rank.
+  // z in bf16 pairs, zero past the rank.
   const int64_t pairs = CeilDiv(rank, 2);
   alignas(64) uint32_t zp[kRowsPerItem * (kMaxRank / 2)];
-  for (int64_t r = 0; r < n; ++r) {
-    for (int64_t p = 0; p < pairs; ++p) {
-      const uint32_t lo = F32ToBf16(z[r * rank + 2 * p]);
-      const uint32_t hi = 2 * p + 1 < rank ? F32ToBf16(z[r * rank + 2 * p + 1]) : 0;
-      zp[r * pairs + p] = lo | hi << 16;
-    }
-  }
+  for (int64_t r = 0; r < n; ++r) PackPairsBf16(z + r * rank, rank, zp + r * pairs);
   alignas(64) float t[kRowsPerItem * 32];
   const auto* e = static_cast<const uint16_t*>(g.expand.data);
   float* yy = g.y != nullptr ? g.y : y;
@@ -691,23 +801,15 @@ void Expand(const float* z, const int32_t* rows, int64_t n, const MatrixView& e,
 template <DType T>
 void RunItem(const float* x, int64_t x_stride, float* y, int64_t y_stride, const LowRankGroup& g,
              int64_t begin, int64_t end, float* z) {
-  if (g.shrink.chunked) {  // bf16, AVX-512-BF16, shapes checked by LowRankAdd
-    if (g.num_rows > 1) {  // per group, as below: every row of a prompt rounds the same way
-      RunItemDotBf16(x, x_stride, y, y_stride, g, g.rows + begin, end - begin, z);
-      return;
-    }
-    const int32_t row = g.rows[begin];
-    ShrinkRowChunkedAvx512(x + row * x_stride, static_cast<const uint16_t*>(g.shrink.data),
-                           g.shrink.rows, g.shrink.cols, g.shrink_bias, z);
-    float* yy = g.y != nullptr ? g.y : y;
-    const int64_t ys = g.y != nullptr ? g.y_stride : y_stride;
-    ExpandRowChunkedAvx512(z, static_cast<const uint16_t*>(g.expand.data), g.expand.rows,
-                           g.expand.cols, g.scale, yy + row * ys);
-    return;
-  }
   if constexpr (T == DType::kBF16) {
-    // Decided per group, not per item, so every row of a prompt rounds the same way.
-    if (g.num_rows > 1 && ActiveLinearIsa() >= LinearIsa::kAvx512Bf16) {
+    // Every row of a bf16 group on these CPUs (chunked matrices only exist there), decode rows
+    // included: a row rounds the same way whatever its group's size.
+    if (ActiveLinearIsa() >= LinearIsa::kAvx512Bf16) {
+      if (g.num_rows == 1 && g.shrink.chunked) {
+        const LowRankGroup* one = &g;
+        RunChunkedDecodeRows<1>(x, x_stride, y, y_stride, &one);
+        return;
+      }
       RunItemDotBf16(x, x_stride, y, y_stride, g, g.rows + begin, end - begin, z);
       return;
     }
@@ -778,7 +880,17 @@ void LowRankAdd(const float* x, int64_t x_stride, float* y, int64_t y_stride,
       const auto at = [&](int k) {
         return std::lower_bound(cost.begin(), cost.end(), cost.back() * k / nt) - cost.begin();
       };
-      for (int64_t i = at(t); i < std::min<int64_t>(at(t + 1), num_items); ++i) run(i, z);
+      const int64_t end = std::min<int64_t>(at(t + 1), num_items);
+      for (int64_t i = at(t); i < end; ++i) {
+        const LowRankGroup* pair[2] = {&groups[items[i].group], nullptr};
+        if (i + 1 < end) pair[1] = &groups[items[i + 1].group];
+        if (pair[1] != nullptr && Pairable(*pair[0], *pair[1])) {
+          RunChunkedDecodeRows<2>(x, x_stride, y, y_stride, pair);
+          ++i;
+          continue;
+        }
+        run(i, z);
+      }
     }
     return;
   }

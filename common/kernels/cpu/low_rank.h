@@ -30,6 +30,10 @@ struct LowRankGroup {
 
 // x: [*, in] with row stride x_stride; y: [*, out] with row stride y_stride. x and y may be
 // the same buffer (then in == out): each row is read in full before it is written.
+// bf16 matrices on a CPU with AVX-512-BF16 go through vdpbf16ps for every row: x and the rank-r
+// intermediate are rounded to bf16 (RNE), as the bf16 linears round x and as PEFT runs a bf16
+// model. A row's result is then the same bits whatever its group's size and its neighbours in
+// the call (the engine groups the rows of requests that share an adapter).
 void LowRankAdd(const float* x, int64_t x_stride, float* y, int64_t y_stride,
                 const LowRankGroup* groups, int64_t num_groups);
 
