@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "CLI/CLI.hpp"
 #include "common/kernels/cuda/runtime.cuh"
 #include "common/model/device_model.h"
@@ -58,11 +59,6 @@ void Check(const absl::Status& s, const char* what) {
     std::fprintf(stderr, "cuda_model_bench: %s: %s\n", what, s.ToString().c_str());
     std::exit(1);
   }
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
 }
 
 // Device-to-device copy rate in GB/s (bytes read + written), the ceiling a weight stream meets.
@@ -141,10 +137,10 @@ void UploadFigures(const preft::model::ModelConfig& c, int64_t rank) {
   }
   const double mb = hosts[0]->bytes() / 1e6, ideal_ms = hosts[0]->bytes() / (pinned * 1e9) * 1e3;
   std::printf("| LoRA r%ld upload (%.1f MB), caller held | %.2f ms | - | - | - |\n",
-              static_cast<long>(rank), mb, Median(held) * 1e3);
+              static_cast<long>(rank), mb, preft::bench::Median(held) * 1e3);
   std::printf("| LoRA r%ld upload (%.1f MB), on the device | %.2f ms | page-locked copy %.2f ms | %.2f | - |\n",
-              static_cast<long>(rank), mb, Median(done) * 1e3, ideal_ms,
-              Median(done) * 1e3 / ideal_ms);
+              static_cast<long>(rank), mb, preft::bench::Median(done) * 1e3, ideal_ms,
+              preft::bench::Median(done) * 1e3 / ideal_ms);
 }
 
 struct Seq {
@@ -294,7 +290,7 @@ int main(int argc, char** argv) {
     for (int i = 0; i < (n == 1 ? 32 : 16) && static_cast<int64_t>(seqs[0].tokens.size()) < total; ++i) {
       steps.push_back(run.Step(seqs));
     }
-    const double step = Median(steps);
+    const double step = preft::bench::Median(steps);
     const char* how = dr.graphs ? "CUDA graphs" : "eager";
     if (n == 1) {
       const double gbps = step_bytes / step / 1e9;
@@ -346,7 +342,7 @@ int main(int argc, char** argv) {
     double seconds = prefill;
     for (double s : steps) seconds += s;
     e2e[mi] = requests * new_tokens / seconds;
-    decode[mi] = Median(steps);
+    decode[mi] = preft::bench::Median(steps);
     std::printf("| %s, %ld requests x %ld adapters (%ld+%ld tokens) | %.0f tok/s end to end; prefill %.2f s, decode step %.2f ms | - | - | - |\n",
                 mode.name, static_cast<long>(requests), static_cast<long>(mode.adapter ? requests : 0),
                 static_cast<long>(prompt), static_cast<long>(new_tokens), e2e[mi], prefill,

@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -182,11 +183,6 @@ double WriteSeconds(UcxTransport& transport, preft::transport::PeerId peer,
   return seconds;
 }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 void Run(const std::string& tls, int64_t num_blocks, int reps) {
   Child child(tls, num_blocks);
   const std::string transport_address = Unhex(child.Expect("ADDRESS "));
@@ -249,6 +245,7 @@ void Run(const std::string& tls, int64_t num_blocks, int reps) {
     t_gathered.push_back(bytes / WriteSeconds(transport, *peer, gathered) / 1e9);
     t_probe.push_back(bytes / probe_seconds() / 1e9);
   }
+  using preft::bench::Median;
   const double scattered_gbps = Median(t_scattered), contiguous_gbps = Median(t_contiguous),
                gathered_gbps = Median(t_gathered), probe_gbps = Median(t_probe);
   std::printf(

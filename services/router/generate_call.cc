@@ -373,10 +373,7 @@ absl::StatusOr<worker::v1::PrefillResponse> GenerateCall::Prefill(
                    "%s and retrying elsewhere\n",
                    id_.c_str(), res->worker->address.c_str(), s.ToString().c_str(),
                    absl::FormatDuration(router_->options.kv_path_suspect).c_str());
-      {
-        absl::MutexLock lock(&res->worker->mu);
-        res->worker->kv_path_suspect_until = absl::Now() + router_->options.kv_path_suspect;
-      }
+      res->worker->SuspectKvPath(router_->options.kv_path_suspect);
       PREFT_RETURN_IF_ERROR(MoveReservation(res, prompt.size(), sampling.max_tokens, s,
                                             "KV path failed; re-reserving"));
       continue;

@@ -42,6 +42,12 @@ struct DecodeWorker {
   DecodeView view ABSL_GUARDED_BY(mu);
   // Until then view.kv_path_suspect holds (the poll does not clear it).
   absl::Time kv_path_suspect_until ABSL_GUARDED_BY(mu) = absl::InfinitePast();
+
+  // KV sent to this worker did not arrive: rank it last for `hold` (see DecodeView).
+  void SuspectKvPath(absl::Duration hold) ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    kv_path_suspect_until = absl::Now() + hold;
+  }
 };
 
 struct PrefillWorker {

@@ -289,9 +289,10 @@ PREFT_AVX512BF16 inline __m512 Sum16(const __m512 (&acc)[16]) {
   return _mm512_permutexvar_ps(order, w);
 }
 
-// z[r][k] = xb[r] . S[k] (+ b[k]): four rows of x x four rank rows per pass (16 accumulators,
-// 8 loads per 16 vdpbf16ps), over blocks of `in`.
+// z[r][k] = xb[r] . S[k] (+ b[k]): R rows of x (4, or 1 for a lone row) x four rank rows per
+// pass (up to 16 accumulators, 8 loads per 16 vdpbf16ps), over blocks of `in`.
 // S[k][c .. c + 32) is at s + k row_step + c col_scale: (in, 1) row-major, (32, rank) chunked.
+template <int R>
 PREFT_AVX512BF16 void ShrinkRowsDotBf16(const uint16_t* xb, int64_t ld, int64_t n,
                                         const uint16_t* s, int64_t row_step, int64_t col_scale,
                                         int64_t rank, int64_t in, const float* bias, float* z) {
@@ -306,10 +307,10 @@ PREFT_AVX512BF16 void ShrinkRowsDotBf16(const uint16_t* xb, int64_t ld, int64_t 
       const int64_t kn = std::min<int64_t>(4, rank - k0);
       const uint16_t* srow[4];
       for (int64_t j = 0; j < 4; ++j) srow[j] = s + (k0 + std::min(j, kn - 1)) * row_step;
-      for (int64_t r0 = 0; r0 < n; r0 += 4) {
-        const int64_t m = std::min<int64_t>(4, n - r0);
-        const uint16_t* xr[4];
-        for (int64_t i = 0; i < 4; ++i) xr[i] = xb + (r0 + std::min(i, m - 1)) * ld;
+      for (int64_t r0 = 0; r0 < n; r0 += R) {
+        const int64_t m = std::min<int64_t>(R, n - r0);
+        const uint16_t* xr[R];
+        for (int64_t i = 0; i < R; ++i) xr[i] = xb + (r0 + std::min(i, m - 1)) * ld;
         __m512 acc[16];
         for (__m512& a : acc) a = _mm512_setzero_ps();
         // xb is zero past `in`; S is read only up to it.
@@ -317,10 +318,16 @@ PREFT_AVX512BF16 void ShrinkRowsDotBf16(const uint16_t* xb, int64_t ld, int64_t 
           const __mmask32 valid = c < vec_end ? ~__mmask32{0} : tail;
           __m512bh sv[4];
 #pragma GCC unroll 4
-          for (int64_t j = 0; j < 4; ++j)
+          for (int64_t j = 0; j < 4; ++j) {
+            // A lone row streams four rank rows at a row's stride: prefetch them ahead.
+            if (R == 1 && col_scale == 1) {
+              _mm_prefetch(reinterpret_cast<const char*>(srow[j] + c + kPrefetchElems),
+                           _MM_HINT_T0);
+            }
             sv[j] = (__m512bh)_mm512_maskz_loadu_epi16(valid, srow[j] + c * col_scale);
+          }
 #pragma GCC unroll 4
-          for (int64_t i = 0; i < 4; ++i) {
+          for (int64_t i = 0; i < R; ++i) {
             const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr[i] + c);
 #pragma GCC unroll 4
             for (int64_t j = 0; j < 4; ++j)
@@ -342,7 +349,7 @@ PREFT_AVX512BF16 void ShrinkRowsDotBf16(const uint16_t* xb, int64_t ld, int64_t 
 // is output 8 (d / 4) + d % 4, of the "hi" half that plus 4. With `last`, y[rows] (masked to
 // the valid outputs) gets scale times the sum; otherwise the sums carry over in t [n][32].
 // E[k][o .. o + 32) is at e + k row_step + o col_scale (as S in ShrinkRowsDotBf16).
-template <int NP>
+template <int NP, int R>
 PREFT_AVX512BF16 void ExpandPass(const uint32_t* zp, int64_t zld, const int32_t* rows, int64_t n,
                                  const uint16_t* e, int64_t row_step, int64_t col_scale,
                                  int64_t rank, int64_t out, int64_t o, int64_t k0, bool first,
@@ -367,8 +374,8 @@ PREFT_AVX512BF16 void ExpandPass(const uint32_t* zp, int64_t zld, const int32_t*
   const __m512 sc = _mm512_set1_ps(scale);
   const uint32_t* zk = zp + k0 / 2;
   const __mmask16 m0 = static_cast<__mmask16>(mask), m1 = static_cast<__mmask16>(mask >> 16);
-  // Four rows at a time: eight independent accumulator chains hide vdpbf16ps's latency.
-  constexpr int64_t kRows = 4;
+  // Four rows at a time (R = 4): eight independent accumulator chains hide vdpbf16ps's latency.
+  constexpr int64_t kRows = R;
   for (int64_t r0 = 0; r0 < n; r0 += kRows) {
     const int64_t rn = std::min(kRows, n - r0);
     __m512 a0[kRows], a1[kRows];
@@ -421,9 +428,12 @@ PREFT_AVX512BF16 void ExpandPass(const uint32_t* zp, int64_t zld, const int32_t*
 using ExpandPassFn = void (*)(const uint32_t*, int64_t, const int32_t*, int64_t, const uint16_t*,
                               int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool,
                               float, float*, int64_t, float*);
-constexpr ExpandPassFn kExpandPasses[kExpandPairs + 1] = {
-    nullptr,       ExpandPass<1>, ExpandPass<2>, ExpandPass<3>, ExpandPass<4>,
-    ExpandPass<5>, ExpandPass<6>, ExpandPass<7>, ExpandPass<8>};
+// [rows per pass is 4][rank pairs]
+constexpr ExpandPassFn kExpandPasses[2][kExpandPairs + 1] = {
+    {nullptr, ExpandPass<1, 1>, ExpandPass<2, 1>, ExpandPass<3, 1>, ExpandPass<4, 1>,
+     ExpandPass<5, 1>, ExpandPass<6, 1>, ExpandPass<7, 1>, ExpandPass<8, 1>},
+    {nullptr, ExpandPass<1, 4>, ExpandPass<2, 4>, ExpandPass<3, 4>, ExpandPass<4, 4>,
+     ExpandPass<5, 4>, ExpandPass<6, 4>, ExpandPass<7, 4>, ExpandPass<8, 4>}};
 
 // zp[p] = z[2p] (low half) and z[2p + 1] (high) in bf16, the latter zero past the rank.
 inline void PackPairsBf16(const float* z, int64_t rank, uint32_t* zp) {
@@ -613,6 +623,52 @@ PREFT_AVX512BF16 void RunChunkedDecodeRows(const float* x, int64_t x_stride, flo
   }
 }
 
+// yr += scale * z E for one row of a row-major E: E streamed in memory order, two rank rows
+// at a time, into per-output sums kept in L1 in ExpandPass's lane order. Each output sums the
+// same pairs in the same order as in ExpandPass, so the bits are its bits; ExpandPass itself,
+// run on one row, reads 2 NP rows of E at a row's stride per 32 outputs, streams the
+// prefetchers lose (~2x the time).
+PREFT_AVX512BF16 void ExpandRowStreamedDot(const uint32_t* zp, const uint16_t* e, int64_t rank,
+                                           int64_t out, float scale, float* yr) {
+  alignas(64) float t[kMaxExpandOut + 32];  // [chunk][lo 16, hi 16]
+  const int64_t chunks = CeilDiv(out, 32);
+  std::fill(t, t + chunks * 32, 0.0f);
+  const int64_t vec_end = out & ~int64_t{31};
+  const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (out - vec_end)) - 1);
+  for (int64_t k = 0; k < rank; k += 2) {
+    const __m512bh zb = (__m512bh)_mm512_set1_epi32(static_cast<int>(zp[k / 2]));
+    const uint16_t* ra = e + k * out;
+    const uint16_t* rb = k + 1 < rank ? ra + out : nullptr;
+    for (int64_t o = 0; o < out; o += 32) {
+      const __mmask32 mask = o < vec_end ? ~__mmask32{0} : tail;
+      const __m512i a = _mm512_maskz_loadu_epi16(mask, ra + o);
+      const __m512i b = rb != nullptr ? _mm512_maskz_loadu_epi16(mask, rb + o) : _mm512_setzero_si512();
+      float* tc = t + o;
+      _mm512_store_ps(tc, _mm512_dpbf16_ps(_mm512_load_ps(tc), (__m512bh)_mm512_unpacklo_epi16(a, b), zb));
+      _mm512_store_ps(tc + 16, _mm512_dpbf16_ps(_mm512_load_ps(tc + 16),
+                                                (__m512bh)_mm512_unpackhi_epi16(a, b), zb));
+    }
+  }
+  const __m512i idx0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i idx1 =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t o = 0; o < out; o += 32) {
+    const __m512 a0 = _mm512_load_ps(t + o), a1 = _mm512_load_ps(t + o + 16);
+    const __m512 v0 = _mm512_permutex2var_ps(a0, idx0, a1);
+    const __m512 v1 = _mm512_permutex2var_ps(a0, idx1, a1);
+    float* yo = yr + o;
+    if (o < vec_end) {
+      _mm512_storeu_ps(yo, _mm512_fmadd_ps(sc, v0, _mm512_loadu_ps(yo)));
+      _mm512_storeu_ps(yo + 16, _mm512_fmadd_ps(sc, v1, _mm512_loadu_ps(yo + 16)));
+      continue;
+    }
+    const __mmask16 m0 = static_cast<__mmask16>(tail), m1 = static_cast<__mmask16>(tail >> 16);
+    _mm512_mask_storeu_ps(yo, m0, _mm512_fmadd_ps(sc, v0, _mm512_maskz_loadu_ps(m0, yo)));
+    _mm512_mask_storeu_ps(yo + 16, m1, _mm512_fmadd_ps(sc, v1, _mm512_maskz_loadu_ps(m1, yo + 16)));
+  }
+}
+
 // One work item of a prompt group: rows [0, n) of `rows`, at most kRowsPerItem.
 PREFT_AVX512BF16 void RunItemDotBf16(const float* x, int64_t x_stride, float* y,
                                      int64_t y_stride, const LowRankGroup& g,
@@ -621,8 +677,10 @@ PREFT_AVX512BF16 void RunItemDotBf16(const float* x, int64_t x_stride, float* y,
   const int64_t ld = RoundUp(in, kDotElems);
   auto* xb = static_cast<uint16_t*>(ThreadScratch(kLowRankScratchSlot, n * ld * sizeof(uint16_t)));
   PackRowsBf16(x, x_stride, rows, n, in, ld, xb);
-  ShrinkRowsDotBf16(xb, ld, n, static_cast<const uint16_t*>(g.shrink.data), RowStep(g.shrink),
-                    ColScale(g.shrink), rank, in, g.shrink_bias, z);
+  // A lone row (a decode row of a row-major matrix) in passes of one row, not four copies.
+  (n == 1 ? ShrinkRowsDotBf16<1> : ShrinkRowsDotBf16<4>)(
+      xb, ld, n, static_cast<const uint16_t*>(g.shrink.data), RowStep(g.shrink),
+      ColScale(g.shrink), rank, in, g.shrink_bias, z);
   // z in bf16 pairs, zero past the rank.
   const int64_t pairs = CeilDiv(rank, 2);
   alignas(64) uint32_t zp[kRowsPerItem * (kMaxRank / 2)];
@@ -631,14 +689,18 @@ PREFT_AVX512BF16 void RunItemDotBf16(const float* x, int64_t x_stride, float* y,
   const auto* e = static_cast<const uint16_t*>(g.expand.data);
   float* yy = g.y != nullptr ? g.y : y;
   const int64_t ys = g.y != nullptr ? g.y_stride : y_stride;
+  if (n == 1 && !g.expand.chunked && out <= kMaxExpandOut) {
+    ExpandRowStreamedDot(zp, e, rank, out, g.scale, yy + rows[0] * ys);
+    return;
+  }
   for (int64_t r0 = 0; r0 < n; r0 += 4) {
     const int64_t rn = std::min<int64_t>(4, n - r0);
     for (int64_t o = 0; o < out; o += 32) {
       for (int64_t p0 = 0; p0 < pairs; p0 += kExpandPairs) {
         const int64_t np = std::min(kExpandPairs, pairs - p0);
-        kExpandPasses[np](zp + r0 * pairs, pairs, rows + r0, rn, e, RowStep(g.expand),
-                          ColScale(g.expand), rank, out, o, 2 * p0, p0 == 0,
-                          p0 + kExpandPairs >= pairs, g.scale, yy, ys, t);
+        kExpandPasses[n > 1][np](zp + r0 * pairs, pairs, rows + r0, rn, e, RowStep(g.expand),
+                                 ColScale(g.expand), rank, out, o, 2 * p0, p0 == 0,
+                                 p0 + kExpandPairs >= pairs, g.scale, yy, ys, t);
       }
     }
   }
