@@ -35,14 +35,24 @@ std::string Bin(const std::string& rel) { return std::string(PREFT_BINARY_DIR) +
 // Every worker's KV transport unless a test changes a decode worker's: UCX shared memory.
 const std::vector<std::string> kShmUcxFlags = {"--transport", "ucx", "--ucx-tls", "posix,self"};
 
-// Where two token streams part (gtest prints only their first 32 tokens).
-std::string Divergence(const std::vector<int32_t>& got, const std::vector<int32_t>& want) {
+// Where two token streams part (gtest prints only their first 32 tokens), with the reference's
+// top choices at that token when known: a part at a near-tie points at batch-composition
+// noise (the base linears are not batch-invariant: NOTES step 18), a wide margin at a bug.
+std::string Divergence(const std::vector<int32_t>& got, const std::vector<int32_t>& want,
+                       const std::vector<engine::TokenLogprob>* want_logprobs = nullptr) {
   size_t i = 0;
   while (i < got.size() && i < want.size() && got[i] == want[i]) ++i;
   if (i == got.size() && i == want.size()) return "same tokens";
-  return absl::StrCat("first difference at token ", i, " of ", got.size(), " (want ",
-                      want.size(), "): got ", i < got.size() ? got[i] : -1, ", want ",
-                      i < want.size() ? want[i] : -1);
+  std::string out = absl::StrCat("first difference at token ", i, " of ", got.size(), " (want ",
+                                 want.size(), "): got ", i < got.size() ? got[i] : -1, ", want ",
+                                 i < want.size() ? want[i] : -1);
+  if (want_logprobs != nullptr && i < want_logprobs->size()) {
+    absl::StrAppend(&out, "; the reference's top logprobs there:");
+    for (const auto& [token, logprob] : (*want_logprobs)[i].top) {
+      absl::StrAppend(&out, " ", token, " (", absl::SixDigits(logprob), ")");
+    }
+  }
+  return out;
 }
 
 class MultiProcessClusterTest : public ::testing::Test {
@@ -177,6 +187,7 @@ class MultiProcessClusterTest : public ::testing::Test {
       er.sampling.temperature = reqs[i].sampling().temperature();
       if (reqs[i].sampling().has_seed()) er.sampling.seed = reqs[i].sampling().seed();
       er.sampling.ignore_eos = true;
+      er.sampling.logprobs = 3;  // for Divergence
       if (!reqs[i].model().empty()) {
         const int a = std::stoi(reqs[i].model().substr(1));
         er.adapter = {(*adapters_)[a], reqs[i].model(), 1, std::nullopt};
@@ -186,7 +197,11 @@ class MultiProcessClusterTest : public ::testing::Test {
     auto out = (*e)->Generate(std::move(ers));
     EXPECT_TRUE(out.ok());
     std::vector<std::vector<int32_t>> tokens;
-    for (const auto& r : *out) tokens.push_back(r.token_ids);
+    expected_logprobs_.clear();
+    for (const auto& r : *out) {
+      tokens.push_back(r.token_ids);
+      expected_logprobs_.push_back(r.logprobs);
+    }
     return tokens;
   }
 
@@ -258,6 +273,8 @@ class MultiProcessClusterTest : public ::testing::Test {
   static model::Model* model_;
   static model::Tokenizer* tokenizer_;
   static std::vector<std::shared_ptr<const model::AdapterWeights>>* adapters_;
+  // The logprobs of Expected's last run, request by request (for Divergence).
+  static inline std::vector<std::vector<engine::TokenLogprob>> expected_logprobs_;
   std::vector<std::unique_ptr<ChildProcess>> decode_, prefill_;
   std::vector<std::string> decode_addresses_, prefill_addresses_;
   std::unique_ptr<ChildProcess> router_;
@@ -278,8 +295,9 @@ TEST_F(MultiProcessClusterTest, FiveHundredMixedRequestsMatchOneEngine) {
   int ok = 0;
   for (size_t i = 0; i < requests.size(); ++i) {
     EXPECT_TRUE(got[i].status.ok()) << i << ": " << got[i].status.error_message();
-    EXPECT_EQ(got[i].token_ids, want[i]) << "request " << i << " model " << requests[i].model()
-                                          << ": " << Divergence(got[i].token_ids, want[i]);
+    EXPECT_EQ(got[i].token_ids, want[i])
+        << "request " << i << " model " << requests[i].model() << ": "
+        << Divergence(got[i].token_ids, want[i], &expected_logprobs_[i]);
     ok += got[i].status.ok() && got[i].token_ids == want[i];
   }
   EXPECT_EQ(ok, 500);
@@ -305,7 +323,8 @@ TEST_F(MultiProcessClusterTest, KillingADecodeWorkerFailsOnlyItsStreams) {
   int failed = 0;
   for (size_t i = 0; i < requests.size(); ++i) {
     if (got[i].status.ok()) {
-      EXPECT_EQ(got[i].token_ids, want[i]) << i << ": " << Divergence(got[i].token_ids, want[i]);
+      EXPECT_EQ(got[i].token_ids, want[i]) << i << ": "
+          << Divergence(got[i].token_ids, want[i], &expected_logprobs_[i]);
     } else {
       ++failed;
       EXPECT_EQ(got[i].status.error_code(), grpc::StatusCode::UNAVAILABLE) << got[i].status.error_message();
@@ -337,7 +356,8 @@ TEST_F(MultiProcessClusterTest, SigtermDrainsADecodeWorker) {
   for (auto& t : threads) t.join();
   for (size_t i = 0; i < requests.size(); ++i) {
     EXPECT_TRUE(got[i].status.ok()) << i << ": " << got[i].status.error_message();
-    EXPECT_EQ(got[i].token_ids, want[i]) << i << ": " << Divergence(got[i].token_ids, want[i]);
+    EXPECT_EQ(got[i].token_ids, want[i]) << i << ": "
+        << Divergence(got[i].token_ids, want[i], &expected_logprobs_[i]);
   }
   const int status = decode_[victim]->Wait();
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "exit status " << status;
@@ -379,7 +399,8 @@ TEST_F(MultiProcessPrefillFaultTest, KillingAPrefillWorkerRetriesItsPrompts) {
   EXPECT_NE(router_->Log().find("retrying"), std::string::npos) << "no prompt was retried";
   for (size_t i = 0; i < requests.size(); ++i) {
     EXPECT_TRUE(got[i].status.ok()) << i << ": " << got[i].status.error_message();
-    EXPECT_EQ(got[i].token_ids, want[i]) << i << ": " << Divergence(got[i].token_ids, want[i]);
+    EXPECT_EQ(got[i].token_ids, want[i]) << i << ": "
+        << Divergence(got[i].token_ids, want[i], &expected_logprobs_[i]);
   }
   ExpectDecodeClean(0);
   ExpectDecodeClean(1);
@@ -407,7 +428,8 @@ TEST_F(MultiProcessKvPathFaultTest, ReservationsMoveOffADecodeWorkerTheKvCannotR
   const auto got = RunAll(requests, 8);
   for (size_t i = 0; i < requests.size(); ++i) {
     EXPECT_TRUE(got[i].status.ok()) << i << ": " << got[i].status.error_message();
-    EXPECT_EQ(got[i].token_ids, want[i]) << i << ": " << Divergence(got[i].token_ids, want[i]);
+    EXPECT_EQ(got[i].token_ids, want[i]) << i << ": "
+        << Divergence(got[i].token_ids, want[i], &expected_logprobs_[i]);
   }
   const std::string log = router_->Log();
   EXPECT_NE(log.find("could not reach decode worker " + decode_addresses_[1]), std::string::npos)
