@@ -83,18 +83,23 @@ int main(int argc, char** argv) {
   std::vector<std::vector<float>> ys(7);
   for (int p = 0; p < 7; ++p) ys[p].assign(m * projs[p].out, 0.f);
   std::vector<LowRankGroup> call_groups;
+  // call_groups = layer l's groups for `call`, writing into y[p] per projection.
+  auto set_call_groups = [&](int chunked, int64_t l, const std::vector<int>& call,
+                             std::vector<std::vector<float>>& y) {
+    call_groups.clear();
+    for (int a = 0; a < adapters; ++a) {
+      for (int p : call) {
+        LowRankGroup g = groups[chunked][l][p][a];
+        g.y = y[p].data();
+        g.y_stride = projs[p].out;
+        call_groups.push_back(g);
+      }
+    }
+  };
   auto step = [&](int chunked) {
     for (int64_t l = 0; l < layers; ++l) {
       for (const std::vector<int>& call : calls) {
-        call_groups.clear();
-        for (int a = 0; a < adapters; ++a) {
-          for (int p : call) {
-            LowRankGroup g = groups[chunked][l][p][a];
-            g.y = ys[p].data();
-            g.y_stride = projs[p].out;
-            call_groups.push_back(g);
-          }
-        }
+        set_call_groups(chunked, l, call, ys);
         preft::kernels::cpu::LowRankAdd(x.data(), projs[call[0]].in, nullptr, 0,
                                         call_groups.data(),
                                         static_cast<int64_t>(call_groups.size()));
@@ -183,15 +188,7 @@ int main(int argc, char** argv) {
                                              {weights[l][2], nullptr, outs[2].data()}});
         }
         if (!with_adapters) continue;
-        call_groups.clear();
-        for (int a = 0; a < adapters; ++a) {
-          for (int p : call) {
-            LowRankGroup g = groups[1][l][p][a];
-            g.y = outs[p].data();
-            g.y_stride = projs[p].out;
-            call_groups.push_back(g);
-          }
-        }
+        set_call_groups(1, l, call, outs);
         const auto t0 = preft::bench::Clock::now();
         preft::kernels::cpu::LowRankAdd(x.data(), projs[call[0]].in, nullptr, 0,
                                         call_groups.data(),
@@ -207,7 +204,8 @@ int main(int argc, char** argv) {
       in_calls = 0;
       const auto t0 = preft::bench::Clock::now();
       base_step(with_adapters);
-      (with_adapters ? with : alone).push_back(preft::bench::Seconds(t0, preft::bench::Clock::now()));
+      const double seconds = preft::bench::Seconds(t0, preft::bench::Clock::now());
+      (with_adapters ? with : alone).push_back(seconds);
       if (with_adapters) calls_time.push_back(in_calls);
     }
   }

@@ -344,6 +344,25 @@ PREFT_AVX512BF16 void ShrinkRowsDotBf16(const uint16_t* xb, int64_t ld, int64_t 
   }
 }
 
+// y[0 .. 32) += sc * the 32 sums of an expand over unpacked rank pairs, for the outputs `mask`
+// keeps: lane d of lo is output 8 (d / 4) + d % 4, of hi that plus 4.
+PREFT_AVX512BF16 inline void AddPairSums(__m512 lo, __m512 hi, __m512 sc, float* y,
+                                         __mmask32 mask) {
+  const __m512i idx0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i idx1 =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 v0 = _mm512_permutex2var_ps(lo, idx0, hi);
+  const __m512 v1 = _mm512_permutex2var_ps(lo, idx1, hi);
+  if (mask == ~__mmask32{0}) {  // masked stores are slow on Zen
+    _mm512_storeu_ps(y, _mm512_fmadd_ps(sc, v0, _mm512_loadu_ps(y)));
+    _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(sc, v1, _mm512_loadu_ps(y + 16)));
+    return;
+  }
+  const __mmask16 m0 = static_cast<__mmask16>(mask), m1 = static_cast<__mmask16>(mask >> 16);
+  _mm512_mask_storeu_ps(y, m0, _mm512_fmadd_ps(sc, v0, _mm512_maskz_loadu_ps(m0, y)));
+  _mm512_mask_storeu_ps(y + 16, m1, _mm512_fmadd_ps(sc, v1, _mm512_maskz_loadu_ps(m1, y + 16)));
+}
+
 // One pass of the expand over 32 outputs and NP rank pairs (2 NP rank rows of E, interleaved
 // into vdpbf16ps pairs once and applied to all n rows). acc lane d of the unpacked "lo" half
 // is output 8 (d / 4) + d % 4, of the "hi" half that plus 4. With `last`, y[rows] (masked to
@@ -355,8 +374,7 @@ PREFT_AVX512BF16 void ExpandPass(const uint32_t* zp, int64_t zld, const int32_t*
                                  int64_t rank, int64_t out, int64_t o, int64_t k0, bool first,
                                  bool last, float scale, float* y, int64_t y_stride, float* t) {
   const int64_t left = out - o;
-  const bool full = left >= 32;
-  const __mmask32 mask = full ? ~__mmask32{0} : static_cast<__mmask32>((1u << left) - 1);
+  const __mmask32 mask = left >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << left) - 1);
   __m512bh lo[NP], hi[NP];
 #pragma GCC unroll 8
   for (int p = 0; p < NP; ++p) {
@@ -368,12 +386,8 @@ PREFT_AVX512BF16 void ExpandPass(const uint32_t* zp, int64_t zld, const int32_t*
     lo[p] = (__m512bh)_mm512_unpacklo_epi16(a, b);
     hi[p] = (__m512bh)_mm512_unpackhi_epi16(a, b);
   }
-  const __m512i idx0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i idx1 =
-      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   const __m512 sc = _mm512_set1_ps(scale);
   const uint32_t* zk = zp + k0 / 2;
-  const __mmask16 m0 = static_cast<__mmask16>(mask), m1 = static_cast<__mmask16>(mask >> 16);
   // Four rows at a time (R = 4): eight independent accumulator chains hide vdpbf16ps's latency.
   constexpr int64_t kRows = R;
   for (int64_t r0 = 0; r0 < n; r0 += kRows) {
@@ -410,17 +424,7 @@ PREFT_AVX512BF16 void ExpandPass(const uint32_t* zp, int64_t zld, const int32_t*
         _mm512_store_ps(t + r * 32 + 16, b1);
         continue;
       }
-      float* yr = y + rows[r] * y_stride + o;
-      const __m512 v0 = _mm512_permutex2var_ps(b0, idx0, b1);
-      const __m512 v1 = _mm512_permutex2var_ps(b0, idx1, b1);
-      if (full) {  // masked stores are slow on Zen
-        _mm512_storeu_ps(yr, _mm512_fmadd_ps(sc, v0, _mm512_loadu_ps(yr)));
-        _mm512_storeu_ps(yr + 16, _mm512_fmadd_ps(sc, v1, _mm512_loadu_ps(yr + 16)));
-        continue;
-      }
-      _mm512_mask_storeu_ps(yr, m0, _mm512_fmadd_ps(sc, v0, _mm512_maskz_loadu_ps(m0, yr)));
-      _mm512_mask_storeu_ps(yr + 16, m1,
-                            _mm512_fmadd_ps(sc, v1, _mm512_maskz_loadu_ps(m1, yr + 16)));
+      AddPairSums(b0, b1, sc, y + rows[r] * y_stride + o, mask);
     }
   }
 }
@@ -508,9 +512,6 @@ template <int NP, int N>
 PREFT_AVX512BF16 void ExpandChunkedRows(const uint32_t* const* zp, const uint16_t* const* e,
                                         const float* scale, float* const* y, int64_t o0,
                                         int64_t o1) {
-  const __m512i idx0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i idx1 =
-      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   __m512bh zb[N][NP];
   __m512 sc[N];
   for (int n = 0; n < N; ++n) {
@@ -529,11 +530,7 @@ PREFT_AVX512BF16 void ExpandChunkedRows(const uint32_t* const* zp, const uint16_
         a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_unpacklo_epi16(a, b), zb[n][p]);
         a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_unpackhi_epi16(a, b), zb[n][p]);
       }
-      float* yo = y[n] + o;
-      _mm512_storeu_ps(yo, _mm512_fmadd_ps(sc[n], _mm512_permutex2var_ps(a0, idx0, a1),
-                                           _mm512_loadu_ps(yo)));
-      _mm512_storeu_ps(yo + 16, _mm512_fmadd_ps(sc[n], _mm512_permutex2var_ps(a0, idx1, a1),
-                                                _mm512_loadu_ps(yo + 16)));
+      AddPairSums(a0, a1, sc[n], y[n] + o, ~__mmask32{0});
     }
   }
 }
@@ -541,9 +538,6 @@ PREFT_AVX512BF16 void ExpandChunkedRows(const uint32_t* const* zp, const uint16_
 // As ExpandChunkedRows for one row of any rank (a multiple of 4): z's pairs broadcast as used.
 PREFT_AVX512BF16 void ExpandChunkedRowWide(int64_t rank, const uint32_t* zp, const uint16_t* e,
                                            float scale, float* y, int64_t o0, int64_t o1) {
-  const __m512i idx0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i idx1 =
-      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t o = o0; o < o1; o += kChunkCols) {
     const uint16_t* at = e + o * rank;
@@ -555,10 +549,7 @@ PREFT_AVX512BF16 void ExpandChunkedRowWide(int64_t rank, const uint32_t* zp, con
       a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_unpacklo_epi16(a, b), zb);
       a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_unpackhi_epi16(a, b), zb);
     }
-    float* yo = y + o;
-    _mm512_storeu_ps(yo, _mm512_fmadd_ps(sc, _mm512_permutex2var_ps(a0, idx0, a1), _mm512_loadu_ps(yo)));
-    _mm512_storeu_ps(yo + 16, _mm512_fmadd_ps(sc, _mm512_permutex2var_ps(a0, idx1, a1),
-                                             _mm512_loadu_ps(yo + 16)));
+    AddPairSums(a0, a1, sc, y + o, ~__mmask32{0});
   }
 }
 
@@ -589,7 +580,8 @@ template <int N>
 PREFT_AVX512BF16 void RunChunkedDecodeRows(const float* x, int64_t x_stride, float* y,
                                            int64_t y_stride, const LowRankGroup* const* g) {
   const int64_t rank = g[0]->shrink.rows, in = g[0]->shrink.cols;
-  auto* packed = static_cast<uint16_t*>(ThreadScratch(kLowRankScratchSlot, N * in * sizeof(uint16_t)));
+  auto* packed =
+      static_cast<uint16_t*>(ThreadScratch(kLowRankScratchSlot, N * in * sizeof(uint16_t)));
   const uint16_t *xb[N], *s[N], *e[N];
   const float* bias[N];
   float scale[N], *yr[N], *zr[N];
@@ -642,30 +634,19 @@ PREFT_AVX512BF16 void ExpandRowStreamedDot(const uint32_t* zp, const uint16_t* e
     for (int64_t o = 0; o < out; o += 32) {
       const __mmask32 mask = o < vec_end ? ~__mmask32{0} : tail;
       const __m512i a = _mm512_maskz_loadu_epi16(mask, ra + o);
-      const __m512i b = rb != nullptr ? _mm512_maskz_loadu_epi16(mask, rb + o) : _mm512_setzero_si512();
+      const __m512i b =
+          rb != nullptr ? _mm512_maskz_loadu_epi16(mask, rb + o) : _mm512_setzero_si512();
       float* tc = t + o;
-      _mm512_store_ps(tc, _mm512_dpbf16_ps(_mm512_load_ps(tc), (__m512bh)_mm512_unpacklo_epi16(a, b), zb));
+      _mm512_store_ps(tc, _mm512_dpbf16_ps(_mm512_load_ps(tc),
+                                           (__m512bh)_mm512_unpacklo_epi16(a, b), zb));
       _mm512_store_ps(tc + 16, _mm512_dpbf16_ps(_mm512_load_ps(tc + 16),
                                                 (__m512bh)_mm512_unpackhi_epi16(a, b), zb));
     }
   }
-  const __m512i idx0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i idx1 =
-      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t o = 0; o < out; o += 32) {
-    const __m512 a0 = _mm512_load_ps(t + o), a1 = _mm512_load_ps(t + o + 16);
-    const __m512 v0 = _mm512_permutex2var_ps(a0, idx0, a1);
-    const __m512 v1 = _mm512_permutex2var_ps(a0, idx1, a1);
-    float* yo = yr + o;
-    if (o < vec_end) {
-      _mm512_storeu_ps(yo, _mm512_fmadd_ps(sc, v0, _mm512_loadu_ps(yo)));
-      _mm512_storeu_ps(yo + 16, _mm512_fmadd_ps(sc, v1, _mm512_loadu_ps(yo + 16)));
-      continue;
-    }
-    const __mmask16 m0 = static_cast<__mmask16>(tail), m1 = static_cast<__mmask16>(tail >> 16);
-    _mm512_mask_storeu_ps(yo, m0, _mm512_fmadd_ps(sc, v0, _mm512_maskz_loadu_ps(m0, yo)));
-    _mm512_mask_storeu_ps(yo + 16, m1, _mm512_fmadd_ps(sc, v1, _mm512_maskz_loadu_ps(m1, yo + 16)));
+    AddPairSums(_mm512_load_ps(t + o), _mm512_load_ps(t + o + 16), sc, yr + o,
+                o < vec_end ? ~__mmask32{0} : tail);
   }
 }
 
