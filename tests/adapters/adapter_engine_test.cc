@@ -437,44 +437,59 @@ TEST_F(AdapterEngineTest, CpuLayoutAdaptersGenerateExactlyTheRowMajorOnes) {
   for (size_t i = 0; i < want.size(); ++i) ExpectSameGeneration(got[i], want[i], 0.0, row_major[i].id);
 }
 
-// Requests sharing a bf16 adapter: the engine groups their rows into one low-rank product per
-// adapter, so a decode row's group has one row alone and several in a batch (and the kernels
-// pair neighbouring groups). A user's tokens may not change with who else is on their adapter.
-// (Logprobs are not compared: the bf16 base linears themselves differ in the last bits
-// between one row and many.)
-TEST_F(AdapterEngineTest, RequestsSharingAnAdapterGenerateAsTheyDoAlone) {
-  const std::string dir = TempDir("shared_adapter");
-  const std::unique_ptr<Model> m = MakeTinyModel(dir, kernels::DType::kBF16, 9);
-  ASSERT_TRUE(m);
-  const model::ModelConfig& c = m->config();
-  std::vector<Request> reqs;
-  for (int a = 0; a < 3; ++a) {
-    adapters::RandomAdapterSpec spec;
-    spec.seed = 500 + a;
-    spec.dtype = kernels::DType::kBF16;
-    spec.kind = a == 2 ? model::AdapterKind::kDireft : model::AdapterKind::kLora;
-    spec.rank = a == 2 ? 4 : 16;
-    const std::string adir = dir + "/adapter" + std::to_string(a);
-    ASSERT_TRUE(adapters::WriteRandomAdapter(c, spec, adir).ok());
-    adapters::LoadOptions lo;
-    lo.dtype = kernels::DType::kBF16;
-    lo.cpu_layout = a != 1;  // chunked where this CPU's kernels take it; row-major for one
-    auto w = adapters::LoadAdapter(adir, c, lo);
-    ASSERT_TRUE(w.ok()) << w.status();
-    const std::shared_ptr<const AdapterWeights> shared(*std::move(w));
-    for (int i = 0; i < 4; ++i) {  // four users per adapter, all positions adapted
-      std::vector<int32_t> prompt;
-      for (int k = 0; k < 4 + 5 * i + a; ++k) prompt.push_back((k * 11 + i * 37 + a * 5) % 290);
-      reqs.push_back(MakeRequest("a" + std::to_string(a) + "u" + std::to_string(i), prompt, 12,
-                                 shared, AdapterPositions::kAll));
+// Batch invariance, bit for bit: a request generates the same tokens and logprobs alone and
+// in a busy batch, whatever shares its step. The batch mixes base-only requests, LoRA (chunked
+// and row-major layouts, two ranks) and DiReFT, prompt-only and all positions, greedy and
+// seeded sampling, several users per adapter (so a row's adapter group has one row alone and
+// several together), and a small token budget chunks its prompts beside decode rows; alone,
+// each prompt is one chunk. Every linear, low-rank product and attention row must therefore
+// sum in an order that depends on nothing but its own row.
+TEST_F(AdapterEngineTest, RequestsGenerateBitForBitAsTheyDoAlone) {
+  for (const kernels::DType dtype : {kernels::DType::kBF16, kernels::DType::kF32}) {
+    SCOPED_TRACE(kernels::DTypeName(dtype));
+    const std::string dir = TempDir(std::string("invariant_") + kernels::DTypeName(dtype));
+    const std::unique_ptr<Model> m = MakeTinyModel(dir, dtype, 9);
+    ASSERT_TRUE(m);
+    const model::ModelConfig& c = m->config();
+    std::vector<std::shared_ptr<const AdapterWeights>> adapters;
+    for (int a = 0; a < 4; ++a) {
+      adapters::RandomAdapterSpec spec;
+      spec.seed = 500 + a;
+      spec.dtype = dtype;
+      spec.kind = a == 3 ? model::AdapterKind::kDireft : model::AdapterKind::kLora;
+      spec.rank = a == 3 ? 4 : a == 2 ? 8 : 16;
+      const std::string adir = dir + "/adapter" + std::to_string(a);
+      ASSERT_TRUE(adapters::WriteRandomAdapter(c, spec, adir).ok());
+      adapters::LoadOptions lo;
+      lo.dtype = dtype;
+      lo.cpu_layout = a != 1;  // chunked where this CPU's kernels take it; row-major for one
+      auto w = adapters::LoadAdapter(adir, c, lo);
+      ASSERT_TRUE(w.ok()) << w.status();
+      adapters.emplace_back(*std::move(w));
     }
-  }
-  auto e = MakeEngine(m.get());
-  const auto together = RunAll(e.get(), reqs);
-  ASSERT_EQ(together.size(), reqs.size());
-  for (size_t i = 0; i < reqs.size(); ++i) {
-    auto solo = MakeEngine(m.get());
-    EXPECT_EQ(together[i].token_ids, RunAll(solo.get(), {reqs[i]}).at(0).token_ids) << reqs[i].id;
+    std::vector<Request> reqs;
+    for (int i = 0; i < 18; ++i) {
+      std::vector<int32_t> prompt;
+      for (int k = 0; k < 4 + 5 * (i % 7) + i / 7; ++k) prompt.push_back((k * 11 + i * 37) % 290);
+      const int a = i % 5;  // 4: base only
+      Request r = MakeRequest("r" + std::to_string(i), prompt, 12,
+                              a < 4 ? adapters[a] : nullptr,
+                              a == 4 ? std::nullopt
+                                     : std::optional(i % 2 ? AdapterPositions::kAll
+                                                           : AdapterPositions::kPrompt));
+      if (i % 3 == 1) {
+        r.sampling.temperature = 0.8f;
+        r.sampling.seed = 40 + i;
+      }
+      reqs.push_back(std::move(r));
+    }
+    auto e = MakeEngine(m.get(), 256, /*batch_tokens=*/24);
+    const auto together = RunAll(e.get(), reqs);
+    ASSERT_EQ(together.size(), reqs.size());
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      auto solo = MakeEngine(m.get());
+      ExpectSameGeneration(together[i], RunAll(solo.get(), {reqs[i]}).at(0), 0.0, reqs[i].id);
+    }
   }
 }
 

@@ -10,6 +10,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/kernels/cpu/cpu_features.h"
 #include "common/kernels/cpu/linear_kernels.h"
 #include "common/kernels/dtype.h"
 #include "tests/kernels/test_weights.h"
@@ -348,6 +349,46 @@ TEST(LowRankTest, ADecodeRowIgnoresItsNeighbours) {
           << "row 0 among three rows, target " << t << (chunked ? ", chunked" : ", row-major");
     }
   }
+}
+
+// Every dtype and kernel level: a row's result has the same bits alone (a decode row) and
+// inside a group of many rows (prompt rows, or users sharing an adapter). Widths with tails
+// past every vector loop (8, 16, 32 wide); bf16 also with vdpbf16ps capped off, which takes
+// the widening AVX-512 kernels.
+TEST_P(LowRankTest, ARowHasTheSameBitsAloneAndInAGroup) {
+  const DType dtype = GetParam();
+  std::mt19937 rng(41);
+  std::normal_distribution<float> dist(0.f, 1.f);
+  std::vector<LinearIsa> caps = {LinearIsa::kAmx};
+  if (dtype == DType::kBF16 && GetCpuFeatures().avx512) caps.push_back(LinearIsa::kAvx512);
+  for (const LinearIsa cap : caps) {
+    SetLinearIsaCapForTesting(cap);
+    for (auto [in, out, rank] : {std::tuple<int64_t, int64_t, int64_t>{896, 896, 16},
+                                 {100, 203, 6}, {77, 27, 4}, {4864, 896, 8}}) {
+      const int64_t num_rows = 11;
+      std::vector<float> x(num_rows * in), y0(num_rows * out);
+      for (float& v : x) v = dist(rng);
+      for (float& v : y0) v = dist(rng);
+      const Mat s = MakeMat(dtype, rank, in, rng), e = MakeMat(dtype, rank, out, rng);
+      std::vector<float> bias(rank);
+      for (float& b : bias) b = dist(rng);
+      std::vector<int32_t> rows(num_rows);
+      std::iota(rows.begin(), rows.end(), 0);
+      std::vector<float> together = y0;
+      const LowRankGroup all{rows.data(), num_rows, s.View(), e.View(), bias.data(), 0.7f};
+      LowRankAdd(x.data(), in, together.data(), out, &all, 1);
+      for (int32_t r = 0; r < num_rows; ++r) {
+        std::vector<float> alone = y0;
+        const LowRankGroup one{&rows[r], 1, s.View(), e.View(), bias.data(), 0.7f};
+        LowRankAdd(x.data(), in, alone.data(), out, &one, 1);
+        ASSERT_EQ(0, std::memcmp(alone.data() + r * out, together.data() + r * out,
+                                 out * sizeof(float)))
+            << "row " << r << " in=" << in << " out=" << out << " rank=" << rank << " cap "
+            << LinearIsaName(cap);
+      }
+    }
+  }
+  SetLinearIsaCapForTesting(LinearIsa::kAmx);
 }
 
 TEST(LowRankTest, EmptyGroupsAndNoGroupsLeaveOutputAlone) {

@@ -1,7 +1,5 @@
 #include "common/kernels/cpu/linear.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <atomic>
 
@@ -30,20 +28,6 @@ LinearIsa BestIsa() {
   if (f.avx512) return LinearIsa::kAvx512;
   if (f.avx2) return LinearIsa::kAvx2;
   return LinearIsa::kScalar;
-}
-
-void LinearF32(const float* x, int64_t m, const float* w, int64_t n, int64_t k,
-               const float* bias, float* y) {
-  // With beta = 1 the bias rides along in y.
-  const float beta = bias != nullptr ? 1.f : 0.f;
-  if (bias != nullptr) {
-    for (int64_t i = 0; i < m; ++i) std::copy(bias, bias + n, y + i * n);
-  }
-  if (m == 1) {  // sgemv is ~2.6x faster than sgemm at m = 1 (PLATFORM.md).
-    cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.f, w, k, x, 1, beta, y, 1);
-  } else {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.f, x, k, w, k, beta, y, n);
-  }
 }
 
 }  // namespace
@@ -76,32 +60,25 @@ void Linear(const float* x, int64_t m, const MatrixView& w, const float* bias, f
       for (int64_t j = 0; j < n; ++j) y[i * n + j] = bias != nullptr ? bias[j] : 0.f;
     return;
   }
-  if (w.dtype == DType::kF32) {
-    LinearF32(x, m, static_cast<const float*>(w.data), n, k, bias, y);
-    return;
-  }
-  const auto* wh = static_cast<const uint16_t*>(w.data);
   const LinearIsa isa = ActiveLinearIsa();
   if (w.dtype == DType::kBF16) {
-    if (isa == LinearIsa::kAmx && m > kMaxGemvRows) {
-      LinearBf16Amx(x, m, wh, n, k, bias, y);
+    const auto* wh = static_cast<const uint16_t*>(w.data);
+    if (isa == LinearIsa::kAmx) {  // AMX tiles sum in their own order: not batch-invariant
+      (m > kMaxGemvRows ? LinearBf16Amx : LinearBf16Avx512Bf16)(x, m, wh, n, k, bias, y);
       return;
     }
-    if (isa >= LinearIsa::kAvx512Bf16 && m >= kMinBroadcastRows) {
-      LinearBf16Avx512Broadcast(x, m, wh, n, k, bias, y);
-      return;
-    }
-    if (isa >= LinearIsa::kAvx512Bf16) {
-      LinearBf16Avx512Bf16(x, m, wh, n, k, bias, y);
+    if (isa == LinearIsa::kAvx512Bf16) {  // the GEMM and its GEMV twin sum each row alike
+      (m >= kMinBroadcastRows ? LinearBf16Avx512Broadcast : LinearBf16Avx512Lanes)(x, m, wh, n,
+                                                                                  k, bias, y);
       return;
     }
   }
   if (isa >= LinearIsa::kAvx512) {
-    LinearHalfAvx512(x, m, wh, w.dtype, n, k, bias, y);
+    LinearFmaAvx512(x, m, w.data, w.dtype, n, k, bias, y);
   } else if (isa >= LinearIsa::kAvx2) {
-    LinearHalfAvx2(x, m, wh, w.dtype, n, k, bias, y);
+    LinearFmaAvx2(x, m, w.data, w.dtype, n, k, bias, y);
   } else {
-    LinearHalfScalar(x, m, wh, w.dtype, n, k, bias, y);
+    LinearScalar(x, m, w.data, w.dtype, n, k, bias, y);
   }
 }
 
@@ -110,16 +87,16 @@ namespace {
 // Which bf16 kernel Linear would run for m rows of x against w [rows, k]; the shared calls
 // below run the same one over several weights. kNone: none of the bf16 kernels
 // (another dtype or ISA, or a shape they do not take); Linear then decides alone.
-enum class Bf16Kernel { kNone, kAmx, kBroadcast, kGemv };
+enum class Bf16Kernel { kNone, kAmx, kBroadcast, kGemv, kLanes };
 
 Bf16Kernel Bf16KernelFor(const MatrixView& w, int64_t m, int64_t k) {
   if (w.dtype != DType::kBF16 || w.cols != k || w.rows <= 0 || k <= 0 || m <= 0) {
     return Bf16Kernel::kNone;
   }
   const LinearIsa isa = ActiveLinearIsa();
-  if (isa == LinearIsa::kAmx && m > kMaxGemvRows) return Bf16Kernel::kAmx;
+  if (isa == LinearIsa::kAmx) return m > kMaxGemvRows ? Bf16Kernel::kAmx : Bf16Kernel::kGemv;
   if (isa >= LinearIsa::kAvx512Bf16) {
-    return m >= kMinBroadcastRows ? Bf16Kernel::kBroadcast : Bf16Kernel::kGemv;
+    return m >= kMinBroadcastRows ? Bf16Kernel::kBroadcast : Bf16Kernel::kLanes;
   }
   return Bf16Kernel::kNone;
 }
@@ -149,6 +126,9 @@ void RunShared(Bf16Kernel kernel, const float* x, int64_t m, int64_t k, const Bf
       return;
     case Bf16Kernel::kGemv:
       LinearBf16Avx512Bf16Shared(x, m, k, outs, count);
+      return;
+    case Bf16Kernel::kLanes:
+      LinearBf16Avx512LanesShared(x, m, k, outs, count);
       return;
     case Bf16Kernel::kNone:
       return;

@@ -6,6 +6,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "common/kernels/cpu/cpu_features.h"
 #include "common/kernels/cpu/linear_driver.h"
@@ -58,20 +59,29 @@ inline void StoreTile(const __m512 (&acc)[MR][NR], const DotArgs& a, int64_t i0,
   }
 }
 
+// 16 elements of w from p as f32 (the first `mask` ones, zero past them).
 template <DType kW>
-inline __m512 Widen16(__m256i v) {
-  if constexpr (kW == DType::kBF16) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+inline __m512 Load16(const void* p, __mmask16 mask = 0xffff) {
+  if constexpr (kW == DType::kF32) {
+    return _mm512_maskz_loadu_ps(mask, p);
   } else {
-    return _mm512_cvtph_ps(v);
+    const __m256i v = _mm256_maskz_loadu_epi16(mask, p);
+    if constexpr (kW == DType::kBF16) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+    } else {
+      return _mm512_cvtph_ps(v);
+    }
   }
 }
 
-// f32 FMA tile on widened weights; x is the caller's f32 rows (ldx = k).
+// f32 FMA tile on w (f32, or widened bf16/f16); x is the caller's f32 rows (ldx = k). Each
+// output sums 16 lanes over k in order, then the lanes in a fixed tree, whatever the tile:
+// so its bits do not depend on m.
 template <DType kW, int MR, int NR>
-void HalfTile(const DotArgs& a, int64_t i0, int64_t j0) {
+void FmaTile(const DotArgs& a, int64_t i0, int64_t j0) {
+  using Elem = std::conditional_t<kW == DType::kF32, float, uint16_t>;
   const float* x = static_cast<const float*>(a.x) + i0 * a.ldx;
-  const uint16_t* w = a.w + j0 * a.k;
+  const Elem* w = static_cast<const Elem*>(a.w) + j0 * a.k;
   const int64_t k = a.k, ldx = a.ldx;
   __m512 acc[MR][NR];
 #pragma GCC unroll 4
@@ -85,7 +95,7 @@ void HalfTile(const DotArgs& a, int64_t i0, int64_t j0) {
     for (int i = 0; i < MR; ++i) xv[i] = _mm512_loadu_ps(x + i * ldx + c);
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {
-      const __m512 wv = Widen16<kW>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * k + c)));
+      const __m512 wv = Load16<kW>(w + j * k + c);
 #pragma GCC unroll 4
       for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_fmadd_ps(xv[i], wv, acc[i][j]);
     }
@@ -97,7 +107,7 @@ void HalfTile(const DotArgs& a, int64_t i0, int64_t j0) {
     for (int i = 0; i < MR; ++i) xv[i] = _mm512_maskz_loadu_ps(mask, x + i * ldx + c);
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {
-      const __m512 wv = Widen16<kW>(_mm256_maskz_loadu_epi16(mask, w + j * k + c));
+      const __m512 wv = Load16<kW>(w + j * k + c, mask);
 #pragma GCC unroll 4
       for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_fmadd_ps(xv[i], wv, acc[i][j]);
     }
@@ -106,29 +116,30 @@ void HalfTile(const DotArgs& a, int64_t i0, int64_t j0) {
 }
 
 template <DType kW>
-constexpr DotKernelTable HalfTable() {
+constexpr DotKernelTable FmaTable() {
   DotKernelTable t;
   t.max_mr = 4;
   t.nr = 4;
-  t.full[0] = HalfTile<kW, 1, 4>;
-  t.full[1] = HalfTile<kW, 2, 4>;
-  t.full[2] = HalfTile<kW, 3, 4>;
-  t.full[3] = HalfTile<kW, 4, 4>;
-  t.single[0] = HalfTile<kW, 1, 1>;
-  t.single[1] = HalfTile<kW, 2, 1>;
-  t.single[2] = HalfTile<kW, 3, 1>;
-  t.single[3] = HalfTile<kW, 4, 1>;
+  t.full[0] = FmaTile<kW, 1, 4>;
+  t.full[1] = FmaTile<kW, 2, 4>;
+  t.full[2] = FmaTile<kW, 3, 4>;
+  t.full[3] = FmaTile<kW, 4, 4>;
+  t.single[0] = FmaTile<kW, 1, 1>;
+  t.single[1] = FmaTile<kW, 2, 1>;
+  t.single[2] = FmaTile<kW, 3, 1>;
+  t.single[3] = FmaTile<kW, 4, 1>;
   return t;
 }
 
 }  // namespace
 
-void LinearHalfAvx512(const float* x, int64_t m, const uint16_t* w, DType w_dtype, int64_t n,
-                      int64_t k, const float* bias, float* y) {
-  static const DotKernelTable kBf16 = HalfTable<DType::kBF16>();
-  static const DotKernelTable kF16 = HalfTable<DType::kF16>();
+void LinearFmaAvx512(const float* x, int64_t m, const void* w, DType w_dtype, int64_t n,
+                    int64_t k, const float* bias, float* y) {
+  static const DotKernelTable kF32 = FmaTable<DType::kF32>();
+  static const DotKernelTable kBf16 = FmaTable<DType::kBF16>();
+  static const DotKernelTable kF16 = FmaTable<DType::kF16>();
   DotArgs args{x, k, w, w_dtype, n, k, bias, y};
-  RunDotKernel(args, m, w_dtype == DType::kBF16 ? kBf16 : kF16);
+  RunDotKernel(args, m, w_dtype == DType::kF32 ? kF32 : w_dtype == DType::kBF16 ? kBf16 : kF16);
 }
 
 }  // namespace preft::kernels::cpu
@@ -147,7 +158,7 @@ namespace {
 template <int MR, int NR, bool kPrefetch>
 void Bf16Tile(const DotArgs& a, int64_t i0, int64_t j0) {
   const uint16_t* x = static_cast<const uint16_t*>(a.x) + i0 * a.ldx;
-  const uint16_t* w = a.w + j0 * a.k;
+  const uint16_t* w = static_cast<const uint16_t*>(a.w) + j0 * a.k;
   const int64_t k = a.k, ldx = a.ldx;
   const int64_t prefetch = NR * k <= 4096 ? NR * k : 1024;
   __m512 acc[MR][NR];
@@ -235,17 +246,8 @@ void ConvertRowsToBf16(const float* x, int64_t m, int64_t k, int64_t ldx, uint16
   }
 }
 
-void LinearBf16Avx512Bf16(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
-                          const float* bias, float* y) {
-  const int64_t ldx = RoundUp(k, 32);
-  auto* xb = static_cast<uint16_t*>(ThreadScratch(0, m * ldx * sizeof(uint16_t)));
-  ConvertRowsToBf16(x, m, k, ldx, xb);
-  DotArgs args{xb, ldx, w, DType::kBF16, n, k, bias, y};
-  RunDotKernel(args, m, GemvTable());
-}
-
-void LinearBf16Avx512Bf16Shared(const float* x, int64_t m, int64_t k, const Bf16Output* outs,
-                                int64_t count) {
+void RunBf16DotShared(const float* x, int64_t m, int64_t k, const Bf16Output* outs,
+                      int64_t count, const DotKernelTable& table) {
   const int64_t ldx = RoundUp(k, 32);
   auto* xb = static_cast<uint16_t*>(ThreadScratch(0, m * ldx * sizeof(uint16_t)));
   ConvertRowsToBf16(x, m, k, ldx, xb);
@@ -258,8 +260,19 @@ void LinearBf16Avx512Bf16Shared(const float* x, int64_t m, int64_t k, const Bf16
       const Bf16Output& out = outs[first + o];
       args[o] = {xb, ldx, out.w, DType::kBF16, out.n, k, out.bias, out.y};
     }
-    RunDotKernelShared(args, n, m, GemvTable());
+    RunDotKernelShared(args, n, m, table);
   }
+}
+
+void LinearBf16Avx512Bf16(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
+                          const float* bias, float* y) {
+  const Bf16Output out{w, n, bias, y};
+  RunBf16DotShared(x, m, k, &out, 1, GemvTable());
+}
+
+void LinearBf16Avx512Bf16Shared(const float* x, int64_t m, int64_t k, const Bf16Output* outs,
+                                int64_t count) {
+  RunBf16DotShared(x, m, k, outs, count, GemvTable());
 }
 
 }  // namespace preft::kernels::cpu

@@ -31,12 +31,6 @@ namespace {
 // Lanes (rows of x) per chunk of xp: 4 vectors of 16.
 constexpr int64_t kMaxMr = 4;
 constexpr int64_t kChunkLanes = 16 * kMaxMr;
-// Elements of k per block: the xp block of one chunk (64 lanes x 512 pairs, 128 KB) and the
-// w rows of one work item share L2.
-constexpr int64_t kMaxKc = 1024;
-// With at most one chunk of lanes (m <= 64): up to 768 KB of xp, so k = 4864 is one block and
-// y is written once (measured: 2-8% ahead of 1024 at m = 32 .. 64, k = 4864).
-constexpr int64_t kMaxKcOneChunk = 6144;
 // Bytes of w per work item and k block: read from memory for the first chunk of lanes, from
 // L2 for the others.
 constexpr int64_t kItemBlockBytes = 192 << 10;
@@ -205,10 +199,7 @@ void BroadcastLinear(const float* x, int64_t m, int64_t k, const Bf16Output* out
   const int64_t pairs = CeilDiv(k, 2);
   const int64_t m_pad = RoundUp(m, 16);
   auto* xp = static_cast<uint32_t*>(ThreadScratch(0, m_pad * pairs * sizeof(uint32_t)));
-  // Even k blocks, each a multiple of 32 elements but the last. With one chunk of lanes w is
-  // read once whatever the blocking, so k is blocked only to keep xp in L2.
-  const int64_t k_blocks = CeilDiv(k, m_pad <= kChunkLanes ? kMaxKcOneChunk : kMaxKc);
-  const int64_t kc = RoundUp(CeilDiv(k, k_blocks), 32);
+  const int64_t kc = BroadcastKBlock(k);
   const int64_t chunks = CeilDiv(m_pad, kChunkLanes);
   // Work items: blocks of rows of w, a multiple of every tile height the chunks use.
   int64_t total_n = 0;

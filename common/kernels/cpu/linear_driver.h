@@ -14,12 +14,24 @@ namespace preft::kernels::cpu {
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t RoundUp(int64_t a, int64_t b) { return CeilDiv(a, b) * b; }
 
+// Elements of k per block of the w-broadcast GEMM and of its GEMV twin (LinearBf16Avx512Lanes):
+// each output sums the pairs of a block in order and adds the blocks into y in order, so this
+// depends on k alone, never on m, and a row of y has the same bits at every m. Even blocks of
+// at most 6144 (a multiple of 32 but the last): the GEMM's x block of 64 lanes then stays in
+// L2 (768 KB), and k up to 6144 (every projection of the 0.5B preset) is one block, so y is
+// written once. Measured on Zen 5 against 1024-element blocks for m > 64: level at
+// m = 512, 0-14% ahead at m = 2048 (bench/NOTES.md, step 19).
+inline int64_t BroadcastKBlock(int64_t k) {
+  constexpr int64_t kMaxKc = 6144;
+  return RoundUp(CeilDiv(k, CeilDiv(k, kMaxKc)), 32);
+}
+
 // Operands of one Linear call as the tile functions see them. x is the kernel's own view of
 // the activations (f32, or bf16 rows padded with zeros), ldx its row stride in elements.
 struct DotArgs {
   const void* x = nullptr;
   int64_t ldx = 0;
-  const uint16_t* w = nullptr;
+  const void* w = nullptr;  // [n, k] of w_dtype
   DType w_dtype = DType::kBF16;
   int64_t n = 0;
   int64_t k = 0;
@@ -48,6 +60,12 @@ void RunDotKernel(const DotArgs& args, int64_t m, const DotKernelTable& table);
 // and y) in one parallel region: work items are slices of each output in turn.
 void RunDotKernelShared(const DotArgs* outs, int64_t count, int64_t m,
                         const DotKernelTable& table);
+
+// The vdpbf16ps dot kernels' driver: x rounded to bf16 once (rows padded to 32), then
+// RunDotKernelShared over the outputs, four per parallel region. Needs AVX-512-BF16.
+struct Bf16Output;
+void RunBf16DotShared(const float* x, int64_t m, int64_t k, const Bf16Output* outs,
+                      int64_t count, const DotKernelTable& table);
 
 // Work items over several outputs (anything with a row count `n`), each cut into blocks of
 // `block` rows and numbered output after output: how many blocks there are in all, and which

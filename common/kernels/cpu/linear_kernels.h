@@ -32,20 +32,23 @@ struct Bf16Output {
   float* y;
 };
 
-// Plain C++ (no SIMD assumptions). w bf16 or f16.
-void LinearHalfScalar(const float* x, int64_t m, const uint16_t* w, DType w_dtype, int64_t n,
-                      int64_t k, const float* bias, float* y);
+// Plain C++ (no SIMD assumptions). w f32, bf16 or f16.
+void LinearScalar(const float* x, int64_t m, const void* w, DType w_dtype, int64_t n, int64_t k,
+                  const float* bias, float* y);
 
-// AVX2 + FMA + F16C: w bf16 or f16 widened to f32, f32 accumulation (x not rounded).
-void LinearHalfAvx2(const float* x, int64_t m, const uint16_t* w, DType w_dtype, int64_t n,
+// AVX2 + FMA + F16C: w f32, or bf16 or f16 widened to f32; f32 FMA (x not rounded). Each
+// output sums in one order at every m, so f32 weights take these too, not OpenBLAS (whose
+// sgemv and sgemm orders differ).
+void LinearFmaAvx2(const float* x, int64_t m, const void* w, DType w_dtype, int64_t n, int64_t k,
+                  const float* bias, float* y);
+
+// AVX-512 F/BW/VL: as LinearFmaAvx2, 16 lanes.
+void LinearFmaAvx512(const float* x, int64_t m, const void* w, DType w_dtype, int64_t n,
                     int64_t k, const float* bias, float* y);
 
-// AVX-512 F/BW/VL: as LinearHalfAvx2, 16 lanes.
-void LinearHalfAvx512(const float* x, int64_t m, const uint16_t* w, DType w_dtype, int64_t n,
-                      int64_t k, const float* bias, float* y);
-
 // AVX-512-BF16 (vdpbf16ps): w bf16, x rounded to bf16 once, f32 accumulation. Streams w once
-// per 64-row block of x, so it is the bandwidth-bound GEMV for small m.
+// per 64-row block of x, so it is a bandwidth-bound GEMV for small m: Linear's on AMX CPUs
+// (the others take LinearBf16Avx512Lanes, whose sums match their GEMM's).
 void LinearBf16Avx512Bf16(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
                           const float* bias, float* y);
 // The same over several weights of one x, in one parallel region per four: x is rounded
@@ -71,6 +74,17 @@ void LinearBf16Avx512Broadcast(const float* x, int64_t m, const uint16_t* w, int
 // The same over several weights of one x, as LinearBf16Avx512Bf16Shared: x packed once.
 void LinearBf16Avx512BroadcastShared(const float* x, int64_t m, int64_t k,
                                      const Bf16Output* outs, int64_t count);
+
+// AVX-512-BF16 GEMV with the w-broadcast GEMM's sums: per output the same vdpbf16ps steps
+// in the same order (BroadcastKBlock blocks), so each row of y has the bits the GEMM gives it
+// at any m, at the speed of a GEMV: outputs sit in lanes (16 x 16 blocks of w's pairs
+// transposed in registers) and pairs of x are broadcast. Linear's bf16 kernel without AMX
+// below 8 rows of x.
+void LinearBf16Avx512Lanes(const float* x, int64_t m, const uint16_t* w, int64_t n, int64_t k,
+                           const float* bias, float* y);
+// The same over several weights of one x, as LinearBf16Avx512Bf16Shared.
+void LinearBf16Avx512LanesShared(const float* x, int64_t m, int64_t k, const Bf16Output* outs,
+                                 int64_t count);
 
 // Rounds rows of x [m, k] to bf16 (RNE, as vdpbf16ps would) into xb [m, ldx], ldx a multiple
 // of 32 at least k, zero-padded. Needs AVX-512-BF16; shared by the kernels above.

@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -155,16 +156,15 @@ PREFT_AVX512 void ExpandRowBf16Avx512(const float* z, const uint16_t* e, int64_t
 // ---- Prompt rows on bf16 weights with AVX-512 (SGMV): compute-bound, each loaded weight
 // vector feeds four rows ----
 
-PREFT_AVX512 inline __m512 Widen16Bf16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
-// z[r][k] = x[rows[r]] . S[k] (+ b[k]): two rank rows x four rows of x per pass.
+// z[r][k] = x[rows[r]] . S[k] (+ b[k]): two rank rows x four rows of x per pass, in
+// ShrinkRowBf16Avx512's order (per 32 inputs the even elements, then the odd ones, into one
+// 16-lane sum), so a row's bits do not depend on how many rows its group has.
 PREFT_AVX512 void ShrinkRowsBf16Avx512(const float* x, int64_t x_stride, const int32_t* rows,
                                        int64_t n, const uint16_t* s, int64_t rank, int64_t in,
                                        const float* bias, float* z) {
-  const int64_t vec_end = in & ~int64_t{15};
+  const int64_t vec_end = in & ~int64_t{31};
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   for (int64_t k = 0; k < rank; k += 2) {
     const int64_t kn = std::min<int64_t>(2, rank - k);
     const uint16_t* srow[2] = {s + k * in, s + (k + kn - 1) * in};
@@ -174,13 +174,16 @@ PREFT_AVX512 void ShrinkRowsBf16Avx512(const float* x, int64_t x_stride, const i
       for (int64_t j = 0; j < 4; ++j) xr[j] = x + rows[r0 + std::min(j, m - 1)] * x_stride;
       __m512 acc[4][2];
       for (auto& a : acc) a[0] = a[1] = _mm512_setzero_ps();
-      for (int64_t i = 0; i < vec_end; i += 16) {
-        const __m512 w0 = Widen16Bf16(srow[0] + i), w1 = Widen16Bf16(srow[1] + i);
+      for (int64_t i = 0; i < vec_end; i += 32) {
+        const __m512i v0 = _mm512_loadu_si512(srow[0] + i), v1 = _mm512_loadu_si512(srow[1] + i);
+        const __m512 e0 = EvenBf16(v0), o0 = OddBf16(v0), e1 = EvenBf16(v1), o1 = OddBf16(v1);
 #pragma GCC unroll 4
         for (int64_t j = 0; j < 4; ++j) {
-          const __m512 xv = _mm512_loadu_ps(xr[j] + i);
-          acc[j][0] = _mm512_fmadd_ps(w0, xv, acc[j][0]);
-          acc[j][1] = _mm512_fmadd_ps(w1, xv, acc[j][1]);
+          const __m512 a = _mm512_loadu_ps(xr[j] + i), b = _mm512_loadu_ps(xr[j] + i + 16);
+          const __m512 xe = _mm512_permutex2var_ps(a, even, b);
+          const __m512 xo = _mm512_permutex2var_ps(a, odd, b);
+          acc[j][0] = _mm512_fmadd_ps(o0, xo, _mm512_fmadd_ps(e0, xe, acc[j][0]));
+          acc[j][1] = _mm512_fmadd_ps(o1, xo, _mm512_fmadd_ps(e1, xe, acc[j][1]));
         }
       }
       for (int64_t j = 0; j < m; ++j) {
@@ -702,21 +705,20 @@ void Shrink(const float* x, int64_t x_stride, const int32_t* rows, int64_t n, co
         return;
       }
     }
-    const int64_t vec2_end = in & ~int64_t{15};
+    // One chain per rank row, the sums of the four-row pass below lane for lane (a row's bits
+    // may not depend on its group's size); S streams from memory, so latency is hidden.
     for (int64_t k = 0; k < rank; ++k) {
       const void* srow = static_cast<const uint8_t*>(s.data) + k * in * DTypeSize(T);
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-      int64_t i = 0;
-      for (; i < vec2_end; i += 16) {
-        _mm_prefetch(static_cast<const char*>(srow) + (i + kPrefetchElems) * DTypeSize(T),
-                     _MM_HINT_T0);
-        a0 = _mm256_fmadd_ps(Load8<T>(srow, i), _mm256_loadu_ps(xr + i), a0);
-        a1 = _mm256_fmadd_ps(Load8<T>(srow, i + 8), _mm256_loadu_ps(xr + i + 8), a1);
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t i = 0; i < vec_end; i += 8) {
+        if (i % 16 == 0) {
+          _mm_prefetch(static_cast<const char*>(srow) + (i + kPrefetchElems) * DTypeSize(T),
+                       _MM_HINT_T0);
+        }
+        acc = _mm256_fmadd_ps(Load8<T>(srow, i), _mm256_loadu_ps(xr + i), acc);
       }
-      for (; i < vec_end; i += 8)
-        a0 = _mm256_fmadd_ps(Load8<T>(srow, i), _mm256_loadu_ps(xr + i), a0);
-      float sum = Reduce1(_mm256_add_ps(a0, a1));
-      for (; i < in; ++i) sum += LoadAsF32(srow, T, i) * xr[i];
+      float sum = Reduce1(acc);
+      for (int64_t i = vec_end; i < in; ++i) sum += LoadAsF32(srow, T, i) * xr[i];
       z[k] = sum + (bias != nullptr ? bias[k] : 0.0f);
     }
     return;
@@ -798,14 +800,14 @@ void Expand(const float* z, const int32_t* rows, int64_t n, const MatrixView& e,
         }
         _mm256_store_ps(t + o, _mm256_fmadd_ps(zk, Load8<T>(erow, o), _mm256_load_ps(t + o)));
       }
-      for (; o < out; ++o) t[o] += z[k] * LoadAsF32(erow, T, o);
+      for (; o < out; ++o) t[o] = std::fma(z[k], LoadAsF32(erow, T, o), t[o]);
     }
     float* yr = y + rows[0] * y_stride;
     int64_t o = 0;
     for (; o < vec8_end; o += 8) {
       _mm256_storeu_ps(yr + o, _mm256_fmadd_ps(sc, _mm256_load_ps(t + o), _mm256_loadu_ps(yr + o)));
     }
-    for (; o < out; ++o) yr[o] += scale * t[o];
+    for (; o < out; ++o) yr[o] = std::fma(scale, t[o], yr[o]);
     return;
   }
   for (int64_t r0 = 0; r0 < n; r0 += 4) {
@@ -832,10 +834,14 @@ void Expand(const float* z, const int32_t* rows, int64_t n, const MatrixView& e,
     }
     for (int64_t j = 0; j < m; ++j) {
       float* yr = y + rows[r0 + j] * y_stride;
+      // Scalar FMAs: the same operations as a vector lane, so an output's bits do not
+      // depend on whether a decode row's vector loop (8 wide) or this one (16) reached it.
       for (int64_t o = vec_end; o < out; ++o) {
         float sum = 0;
-        for (int64_t k = 0; k < rank; ++k) sum += zr[j][k] * LoadAsF32(base + k * row_bytes, T, o);
-        yr[o] += scale * sum;
+        for (int64_t k = 0; k < rank; ++k) {
+          sum = std::fma(zr[j][k], LoadAsF32(base + k * row_bytes, T, o), sum);
+        }
+        yr[o] = std::fma(scale, sum, yr[o]);
       }
     }
   }
