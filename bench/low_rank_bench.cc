@@ -68,7 +68,7 @@ int main(int argc, char** argv) {
         for (int p = 0; p < 7; ++p) {
           MatrixView s{w, DType::kBF16, rank, projs[p].in};
           MatrixView e{w + rank * projs[p].in, DType::kBF16, rank, projs[p].out};
-          s.chunked = e.chunked = chunked && chunkable;  // equal values: no reordering needed
+          s.chunked = e.chunked = e.paired = chunked && chunkable;  // equal values: no reordering
           groups[chunked][l][p].push_back({rows[a].data(), rows_per_adapter, s, e, nullptr, 2.0f});
           w += rank * (projs[p].in + projs[p].out);
         }

@@ -160,10 +160,12 @@ absl::StatusOr<std::unique_ptr<model::AdapterWeights>> LoadDireft(
     model::LowRank& lr = adapter->mutable_direft(l);
     // Matrices before the bias: AdapterWeights takes its dtype from the first allocation.
     const bool chunked = ChunkPair(options, rank, d, d);
-    PREFT_ASSIGN_OR_RETURN(lr.shrink,
-                           CopyMatrix(*w[0], false, options.dtype, adapter.get(), chunked));
-    PREFT_ASSIGN_OR_RETURN(lr.expand,
-                           CopyMatrix(*w[1], false, options.dtype, adapter.get(), chunked));
+    PREFT_ASSIGN_OR_RETURN(
+        lr.shrink, CopyMatrix(*w[0], false, options.dtype, adapter.get(),
+                              chunked ? CopyLayout::kChunked : CopyLayout::kRowMajor));
+    PREFT_ASSIGN_OR_RETURN(
+        lr.expand, CopyMatrix(*w[1], false, options.dtype, adapter.get(),
+                              chunked ? CopyLayout::kChunkedPaired : CopyLayout::kRowMajor));
     if (b != nullptr) {
       PREFT_ASSIGN_OR_RETURN(lr.shrink_bias, CopyVector(*b, adapter.get()));
     }

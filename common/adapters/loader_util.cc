@@ -162,18 +162,19 @@ bool AllFinite(const void* data, kernels::DType dtype, int64_t n) {
   return false;
 }
 
-// Where element (r, c) of a [rows, cols] matrix lives: row-major, or chunked
-// ([cols / 32][rows][32], MatrixView::chunked).
-int64_t At(int64_t r, int64_t c, int64_t rows, int64_t cols, bool chunked) {
-  return chunked ? kernels::ChunkedAt(r, c, rows) : r * cols + c;
+// Where element (r, c) of a [rows, cols] matrix lives in `layout`.
+int64_t At(int64_t r, int64_t c, int64_t rows, int64_t cols, CopyLayout layout) {
+  return layout == CopyLayout::kRowMajor
+             ? r * cols + c
+             : kernels::ChunkedAt(r, c, rows, layout == CopyLayout::kChunkedPaired);
 }
 
-// dst [cols, rows] = src [rows, cols] transposed (dst chunked or not), elements of one dtype
-// copied as bits. Rows go four at a time for 2-byte elements, so each store writes 8 bytes (a
-// LoRA B [out, r] is most of an adapter's bytes: one element per store took ~15% of a load);
-// four consecutive outputs stay together in a 32-wide chunk.
+// dst [cols, rows] = src [rows, cols] transposed (in `layout`), elements of one dtype copied
+// as bits. For 2-byte elements each store writes 8 or 16 bytes (a LoRA B [out, r] is most of
+// an adapter's bytes: one element per store took ~15% of a load): four consecutive outputs
+// (src rows), which sit together in a 32-wide chunk, and in the paired layout two rank rows.
 template <class Bits>
-void TransposeBits(const void* src, int64_t rows, int64_t cols, bool chunked, void* dst) {
+void TransposeBits(const void* src, int64_t rows, int64_t cols, CopyLayout layout, void* dst) {
   const auto* in = static_cast<const uint8_t*>(src);
   auto* out = static_cast<Bits*>(dst);
   auto element = [&](int64_t i, int64_t j) {
@@ -183,17 +184,30 @@ void TransposeBits(const void* src, int64_t rows, int64_t cols, bool chunked, vo
   };
   int64_t i = 0;
   if constexpr (sizeof(Bits) == 2) {
-    for (; i + 4 <= rows; i += 4) {
-      for (int64_t j = 0; j < cols; ++j) {
-        const uint64_t packed = uint64_t{element(i, j)} | uint64_t{element(i + 1, j)} << 16 |
-                                uint64_t{element(i + 2, j)} << 32 |
-                                uint64_t{element(i + 3, j)} << 48;
-        std::memcpy(&out[At(j, i, cols, rows, chunked)], &packed, 8);
+    if (layout == CopyLayout::kChunkedPaired) {  // rows % 32 == 0, cols % 4 == 0 (chunkable)
+      for (; i + 4 <= rows; i += 4) {
+        for (int64_t j = 0; j < cols; j += 2) {
+          Bits v[8];
+          for (int q = 0; q < 4; ++q) {
+            v[2 * q] = element(i + q, j);
+            v[2 * q + 1] = element(i + q, j + 1);
+          }
+          std::memcpy(&out[At(j, i, cols, rows, layout)], v, sizeof(v));
+        }
+      }
+    } else {
+      for (; i + 4 <= rows; i += 4) {
+        for (int64_t j = 0; j < cols; ++j) {
+          const uint64_t packed = uint64_t{element(i, j)} | uint64_t{element(i + 1, j)} << 16 |
+                                  uint64_t{element(i + 2, j)} << 32 |
+                                  uint64_t{element(i + 3, j)} << 48;
+          std::memcpy(&out[At(j, i, cols, rows, layout)], &packed, 8);
+        }
       }
     }
   }
   for (; i < rows; ++i) {
-    for (int64_t j = 0; j < cols; ++j) out[At(j, i, cols, rows, chunked)] = element(i, j);
+    for (int64_t j = 0; j < cols; ++j) out[At(j, i, cols, rows, layout)] = element(i, j);
   }
 }
 
@@ -201,7 +215,7 @@ void TransposeBits(const void* src, int64_t rows, int64_t cols, bool chunked, vo
 
 absl::StatusOr<kernels::MatrixView> CopyMatrix(const model::TensorInfo& t, bool transpose,
                                                kernels::DType dtype, model::AdapterWeights* dst,
-                                               bool chunked) {
+                                               CopyLayout layout) {
   if (t.shape.size() != 2) {
     return absl::InvalidArgumentError(absl::StrCat(
         t.file, ": tensor '", t.name, "' must be 2-D, has shape ", ShapeString(t.shape)));
@@ -209,20 +223,21 @@ absl::StatusOr<kernels::MatrixView> CopyMatrix(const model::TensorInfo& t, bool 
   const int64_t rows = t.shape[0], cols = t.shape[1];
   const int64_t out_rows = transpose ? cols : rows, out_cols = transpose ? rows : cols;
   kernels::MatrixView out = dst->AllocateMatrix(dtype, out_rows, out_cols);
-  out.chunked = chunked;
+  out.chunked = layout != CopyLayout::kRowMajor;
+  out.paired = layout == CopyLayout::kChunkedPaired;
   void* data = const_cast<void*>(out.data);
   // The file already holds the dtype wanted (a bf16 adapter for a bf16 model): copy the bits.
   // Otherwise, or when a value is not finite, the element loop converts and names the element.
   if (t.dtype == dtype && AllFinite(t.data, dtype, rows * cols)) {
-    if (!transpose && !chunked) {
+    if (!transpose && !out.chunked) {
       std::memcpy(data, t.data, rows * cols * kernels::DTypeSize(dtype));
     } else if (!transpose) {  // chunked is bf16 only (kernels::cpu::LowRankChunkable)
-      kernels::cpu::ChunkColumns(static_cast<const uint16_t*>(t.data), rows, cols,
+      kernels::cpu::ChunkColumns(static_cast<const uint16_t*>(t.data), rows, cols, out.paired,
                                  static_cast<uint16_t*>(data));
     } else if (kernels::DTypeSize(dtype) == 2) {
-      TransposeBits<uint16_t>(t.data, rows, cols, chunked, data);
+      TransposeBits<uint16_t>(t.data, rows, cols, layout, data);
     } else {
-      TransposeBits<uint32_t>(t.data, rows, cols, chunked, data);
+      TransposeBits<uint32_t>(t.data, rows, cols, layout, data);
     }
     return out;
   }
@@ -231,8 +246,8 @@ absl::StatusOr<kernels::MatrixView> CopyMatrix(const model::TensorInfo& t, bool 
       const int64_t src = i * cols + j;
       const float v = kernels::LoadAsF32(t.data, t.dtype, src);
       if (!std::isfinite(v)) return NonFinite(t, src, v);
-      const int64_t o = transpose ? At(j, i, out_rows, out_cols, chunked)
-                                  : At(i, j, out_rows, out_cols, chunked);
+      const int64_t o = transpose ? At(j, i, out_rows, out_cols, layout)
+                                  : At(i, j, out_rows, out_cols, layout);
       kernels::StoreFromF32(data, dtype, o, v);
       if (dtype == kernels::DType::kF16 && !std::isfinite(kernels::LoadAsF32(data, dtype, o))) {
         return absl::InvalidArgumentError(absl::StrCat(t.file, ": tensor '", t.name, "' value ", v,

@@ -77,11 +77,12 @@ absl::StatusOr<model::AdapterPositions> ReadPositions(const ConfigReader& r);
 // Copies a 2-D tensor into `dst`'s storage in `dtype`, transposed when `transpose` (rows and
 // columns swap). Fails with InvalidArgument naming the file and tensor on NaN/Inf, or on a
 // value that overflows `dtype`.
-// With `chunked`, the copy is written in the CPU kernels' chunked layout (only where
-// ChunkPair says so).
+// `layout`: row-major, or (only where ChunkPair says so) the CPU kernels' chunked layout of a
+// shrink matrix or of an expand matrix (MatrixView::chunked, ::paired).
+enum class CopyLayout { kRowMajor, kChunked, kChunkedPaired };
 absl::StatusOr<kernels::MatrixView> CopyMatrix(const model::TensorInfo& t, bool transpose,
                                                kernels::DType dtype, model::AdapterWeights* dst,
-                                               bool chunked = false);
+                                               CopyLayout layout = CopyLayout::kRowMajor);
 // Whether a low-rank pair of `rank` with these widths is stored chunked under `options`
 // (LoadOptions::cpu_layout and kernels::cpu::LowRankChunkable for both matrices).
 bool ChunkPair(const LoadOptions& options, int64_t rank, int64_t in, int64_t out);

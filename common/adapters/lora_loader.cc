@@ -470,9 +470,11 @@ absl::StatusOr<std::unique_ptr<model::AdapterWeights>> LoadLora(
       model::LowRank& lr = adapter->mutable_lora(l, p);
       const bool chunked = ChunkPair(options, rank, dims.in, dims.out);
       PREFT_ASSIGN_OR_RETURN(
-          lr.shrink, CopyMatrix(*a, /*transpose=*/false, options.dtype, adapter.get(), chunked));
+          lr.shrink, CopyMatrix(*a, /*transpose=*/false, options.dtype, adapter.get(),
+                                chunked ? CopyLayout::kChunked : CopyLayout::kRowMajor));
       PREFT_ASSIGN_OR_RETURN(
-          lr.expand, CopyMatrix(*b, /*transpose=*/true, options.dtype, adapter.get(), chunked));
+          lr.expand, CopyMatrix(*b, /*transpose=*/true, options.dtype, adapter.get(),
+                                chunked ? CopyLayout::kChunkedPaired : CopyLayout::kRowMajor));
       lr.scale = static_cast<float>(rslora ? alpha / std::sqrt(static_cast<double>(rank))
                                            : alpha / static_cast<double>(rank));
       ++num_modules;

@@ -17,13 +17,19 @@ struct MatrixView {
   // CPU low-rank kernels' layout for adapter matrices (one sequential stream per matrix); only
   // they read it (see cpu/low_rank.h).
   bool chunked = false;
+  // With chunked: each chunk's rows interleaved in pairs, [cols / 32][rows / 2][32][2] (rows
+  // even), so a 64-byte line holds two rows' values for 16 columns: the vdpbf16ps operand of
+  // an expand over rank pairs, loaded as is. The layout of chunked expand matrices.
+  bool paired = false;
 };
 
 inline constexpr int64_t kChunkCols = 32;
 
 // Where element (r, c) of a chunked matrix of `rows` rows lives.
-inline int64_t ChunkedAt(int64_t r, int64_t c, int64_t rows) {
-  return c / kChunkCols * rows * kChunkCols + r * kChunkCols + c % kChunkCols;
+inline int64_t ChunkedAt(int64_t r, int64_t c, int64_t rows, bool paired = false) {
+  const int64_t chunk = c / kChunkCols * rows * kChunkCols;
+  return paired ? chunk + r / 2 * 2 * kChunkCols + c % kChunkCols * 2 + r % 2
+                : chunk + r * kChunkCols + c % kChunkCols;
 }
 
 }  // namespace preft::kernels

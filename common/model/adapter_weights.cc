@@ -189,12 +189,14 @@ kernels::MatrixView CopyMatrix(const kernels::MatrixView& src, kernels::DType dt
   if (src.dtype == dtype) {
     std::memcpy(data, src.data, n * kernels::DTypeSize(dtype));
     out.chunked = src.chunked;
+    out.paired = src.paired;
     return out;
   }
   // Only bf16 is kept chunked: another dtype is written row-major.
   for (int64_t r = 0; r < src.rows; ++r) {
     for (int64_t c = 0; c < src.cols; ++c) {
-      const int64_t i = src.chunked ? kernels::ChunkedAt(r, c, src.rows) : r * src.cols + c;
+      const int64_t i =
+          src.chunked ? kernels::ChunkedAt(r, c, src.rows, src.paired) : r * src.cols + c;
       kernels::StoreFromF32(data, dtype, r * src.cols + c,
                             kernels::LoadAsF32(src.data, src.dtype, i));
     }

@@ -175,10 +175,11 @@ TEST(AdapterLoaderTest, CpuLayoutWritesTheChunkedOrderOfTheRowMajorCopy) {
     auto same = [&](const model::LowRank& r, const model::LowRank& c) {
       if (r.empty()) return;
       ASSERT_TRUE(c.shrink.chunked && c.expand.chunked);
+      ASSERT_TRUE(!c.shrink.paired && c.expand.paired);  // the expand's rows in pairs
       for (auto [rm, cm] : {std::pair{r.shrink, c.shrink}, std::pair{r.expand, c.expand}}) {
         std::vector<uint16_t> want(rm.rows * rm.cols);
         kernels::cpu::ChunkColumns(static_cast<const uint16_t*>(rm.data), rm.rows, rm.cols,
-                                   want.data());
+                                   cm.paired, want.data());
         ASSERT_EQ(0, std::memcmp(want.data(), cm.data, want.size() * 2));
       }
       ++chunked_pairs;

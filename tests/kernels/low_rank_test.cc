@@ -232,11 +232,11 @@ TEST(LowRankTest, ChunkedMatricesGiveRowMajorResultsBitForBit) {
         ASSERT_TRUE(LowRankChunkable(*m));
         chunked.emplace_back(m->rows * m->cols);
         ChunkColumns(static_cast<const uint16_t*>(m->data), m->rows, m->cols,
-                     chunked.back().data());
+                     /*paired=*/m == &g.expand, chunked.back().data());
       }
       g.shrink.data = chunked[chunked.size() - 2].data();
       g.expand.data = chunked.back().data();
-      g.shrink.chunked = g.expand.chunked = true;
+      g.shrink.chunked = g.expand.chunked = g.expand.paired = true;
       chunk.push_back(g);
     }
     std::vector<float> y_row = y, y_chunk = y;
@@ -294,7 +294,7 @@ TEST(LowRankTest, ADecodeRowIgnoresItsNeighbours) {
       for (const Mat* m : {&c.shrink, &c.expand}) {
         adapters[a].chunked.emplace_back(m->rows * m->cols);
         ChunkColumns(static_cast<const uint16_t*>(m->View().data), m->rows, m->cols,
-                     adapters[a].chunked.back().data());
+                     /*paired=*/m == &c.expand, adapters[a].chunked.back().data());
       }
       adapters[a].cases.push_back(std::move(c));
     }
@@ -309,7 +309,7 @@ TEST(LowRankTest, ADecodeRowIgnoresItsNeighbours) {
       if (chunked) {
         g.shrink.data = ad.chunked[2 * t].data();
         g.expand.data = ad.chunked[2 * t + 1].data();
-        g.shrink.chunked = g.expand.chunked = true;
+        g.shrink.chunked = g.expand.chunked = g.expand.paired = true;
       }
       gs.push_back(g);
     }

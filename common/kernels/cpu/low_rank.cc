@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -347,15 +348,8 @@ PREFT_AVX512BF16 void ShrinkRowsDotBf16(const uint16_t* xb, int64_t ld, int64_t 
   }
 }
 
-// y[0 .. 32) += sc * the 32 sums of an expand over unpacked rank pairs, for the outputs `mask`
-// keeps: lane d of lo is output 8 (d / 4) + d % 4, of hi that plus 4.
-PREFT_AVX512BF16 inline void AddPairSums(__m512 lo, __m512 hi, __m512 sc, float* y,
-                                         __mmask32 mask) {
-  const __m512i idx0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i idx1 =
-      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  const __m512 v0 = _mm512_permutex2var_ps(lo, idx0, hi);
-  const __m512 v1 = _mm512_permutex2var_ps(lo, idx1, hi);
+// y[0 .. 32) += sc * [v0, v1] for the outputs `mask` keeps.
+PREFT_AVX512BF16 inline void AddSums(__m512 v0, __m512 v1, __m512 sc, float* y, __mmask32 mask) {
   if (mask == ~__mmask32{0}) {  // masked stores are slow on Zen
     _mm512_storeu_ps(y, _mm512_fmadd_ps(sc, v0, _mm512_loadu_ps(y)));
     _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(sc, v1, _mm512_loadu_ps(y + 16)));
@@ -366,12 +360,26 @@ PREFT_AVX512BF16 inline void AddPairSums(__m512 lo, __m512 hi, __m512 sc, float*
   _mm512_mask_storeu_ps(y + 16, m1, _mm512_fmadd_ps(sc, v1, _mm512_maskz_loadu_ps(m1, y + 16)));
 }
 
+// y[0 .. 32) += sc * the 32 sums of an expand over unpacked rank pairs, for the outputs `mask`
+// keeps: lane d of lo is output 8 (d / 4) + d % 4, of hi that plus 4.
+PREFT_AVX512BF16 inline void AddPairSums(__m512 lo, __m512 hi, __m512 sc, float* y,
+                                         __mmask32 mask) {
+  const __m512i idx0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i idx1 =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  AddSums(_mm512_permutex2var_ps(lo, idx0, hi), _mm512_permutex2var_ps(lo, idx1, hi), sc, y,
+          mask);
+}
+
 // One pass of the expand over 32 outputs and NP rank pairs (2 NP rank rows of E, interleaved
 // into vdpbf16ps pairs once and applied to all n rows). acc lane d of the unpacked "lo" half
 // is output 8 (d / 4) + d % 4, of the "hi" half that plus 4. With `last`, y[rows] (masked to
 // the valid outputs) gets scale times the sum; otherwise the sums carry over in t [n][32].
-// E[k][o .. o + 32) is at e + k row_step + o col_scale (as S in ShrinkRowsDotBf16).
-template <int NP, int R>
+// E[k][o .. o + 32) is at e + k row_step + o col_scale (as S in ShrinkRowsDotBf16). kPaired:
+// E is chunked with paired rows, so rank rows k, k + 1 of those 32 outputs are the 128 bytes
+// there, already in vdpbf16ps pairs: lo lane d is output d, hi lane d output 16 + d (the same
+// sums in other lanes, so the same bits).
+template <int NP, int R, bool kPaired>
 PREFT_AVX512BF16 void ExpandPass(const uint32_t* zp, int64_t zld, const int32_t* rows, int64_t n,
                                  const uint16_t* e, int64_t row_step, int64_t col_scale,
                                  int64_t rank, int64_t out, int64_t o, int64_t k0, bool first,
@@ -383,6 +391,11 @@ PREFT_AVX512BF16 void ExpandPass(const uint32_t* zp, int64_t zld, const int32_t*
   for (int p = 0; p < NP; ++p) {
     const int64_t k = k0 + 2 * p;
     const uint16_t* at = e + k * row_step + o * col_scale;
+    if constexpr (kPaired) {  // out % 32 == 0 and rank % 4 == 0 (chunkable): nothing masked
+      lo[p] = (__m512bh)_mm512_loadu_si512(at);
+      hi[p] = (__m512bh)_mm512_loadu_si512(at + kChunkCols);
+      continue;
+    }
     const __m512i a = _mm512_maskz_loadu_epi16(mask, at);
     const __m512i b =
         k + 1 < rank ? _mm512_maskz_loadu_epi16(mask, at + row_step) : _mm512_setzero_si512();
@@ -427,7 +440,11 @@ PREFT_AVX512BF16 void ExpandPass(const uint32_t* zp, int64_t zld, const int32_t*
         _mm512_store_ps(t + r * 32 + 16, b1);
         continue;
       }
-      AddPairSums(b0, b1, sc, y + rows[r] * y_stride + o, mask);
+      if constexpr (kPaired) {
+        AddSums(b0, b1, sc, y + rows[r] * y_stride + o, mask);
+      } else {
+        AddPairSums(b0, b1, sc, y + rows[r] * y_stride + o, mask);
+      }
     }
   }
 }
@@ -435,12 +452,22 @@ PREFT_AVX512BF16 void ExpandPass(const uint32_t* zp, int64_t zld, const int32_t*
 using ExpandPassFn = void (*)(const uint32_t*, int64_t, const int32_t*, int64_t, const uint16_t*,
                               int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool,
                               float, float*, int64_t, float*);
-// [rows per pass is 4][rank pairs]
-constexpr ExpandPassFn kExpandPasses[2][kExpandPairs + 1] = {
-    {nullptr, ExpandPass<1, 1>, ExpandPass<2, 1>, ExpandPass<3, 1>, ExpandPass<4, 1>,
-     ExpandPass<5, 1>, ExpandPass<6, 1>, ExpandPass<7, 1>, ExpandPass<8, 1>},
-    {nullptr, ExpandPass<1, 4>, ExpandPass<2, 4>, ExpandPass<3, 4>, ExpandPass<4, 4>,
-     ExpandPass<5, 4>, ExpandPass<6, 4>, ExpandPass<7, 4>, ExpandPass<8, 4>}};
+template <int R, bool kPaired>
+constexpr std::array<ExpandPassFn, kExpandPairs + 1> ExpandPasses() {
+  return {nullptr,
+          ExpandPass<1, R, kPaired>,
+          ExpandPass<2, R, kPaired>,
+          ExpandPass<3, R, kPaired>,
+          ExpandPass<4, R, kPaired>,
+          ExpandPass<5, R, kPaired>,
+          ExpandPass<6, R, kPaired>,
+          ExpandPass<7, R, kPaired>,
+          ExpandPass<8, R, kPaired>};
+}
+// [E paired][rows per pass is 4][rank pairs]
+constexpr std::array<ExpandPassFn, kExpandPairs + 1> kExpandPasses[2][2] = {
+    {ExpandPasses<1, false>(), ExpandPasses<4, false>()},
+    {ExpandPasses<1, true>(), ExpandPasses<4, true>()}};
 
 // zp[p] = z[2p] (low half) and z[2p + 1] (high) in bf16, the latter zero past the rank.
 inline void PackPairsBf16(const float* z, int64_t rank, uint32_t* zp) {
@@ -509,8 +536,8 @@ PREFT_AVX512BF16 void ShrinkChunkedRows(const uint16_t* const* xb, const uint16_
   }
 }
 
-// y_n[o0 .. o1) += scale_n * z_n E_n for N rows of chunked E_n, rank 2 NP (at most 16); the
-// rank pairs' broadcasts of z held in registers.
+// y_n[o0 .. o1) += scale_n * z_n E_n for N rows of chunked, paired E_n, rank 2 NP (at most
+// 16); the rank pairs' broadcasts of z held in registers.
 template <int NP, int N>
 PREFT_AVX512BF16 void ExpandChunkedRows(const uint32_t* const* zp, const uint16_t* const* e,
                                         const float* scale, float* const* y, int64_t o0,
@@ -528,12 +555,11 @@ PREFT_AVX512BF16 void ExpandChunkedRows(const uint32_t* const* zp, const uint16_
       __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
 #pragma GCC unroll 8
       for (int p = 0; p < NP; ++p) {
-        const __m512i a = _mm512_loadu_si512(at + 2 * p * kChunkCols);
-        const __m512i b = _mm512_loadu_si512(at + (2 * p + 1) * kChunkCols);
-        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_unpacklo_epi16(a, b), zb[n][p]);
-        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_unpackhi_epi16(a, b), zb[n][p]);
+        const uint16_t* pair = at + 2 * p * kChunkCols;
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(pair), zb[n][p]);
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(pair + kChunkCols), zb[n][p]);
       }
-      AddPairSums(a0, a1, sc[n], y[n] + o, ~__mmask32{0});
+      AddSums(a0, a1, sc[n], y[n] + o, ~__mmask32{0});
     }
   }
 }
@@ -546,13 +572,12 @@ PREFT_AVX512BF16 void ExpandChunkedRowWide(int64_t rank, const uint32_t* zp, con
     const uint16_t* at = e + o * rank;
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     for (int64_t p = 0; p < rank / 2; ++p) {
-      const __m512i a = _mm512_loadu_si512(at + 2 * p * kChunkCols);
-      const __m512i b = _mm512_loadu_si512(at + (2 * p + 1) * kChunkCols);
+      const uint16_t* pair = at + 2 * p * kChunkCols;
       const __m512bh zb = (__m512bh)_mm512_set1_epi32(static_cast<int>(zp[p]));
-      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_unpacklo_epi16(a, b), zb);
-      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_unpackhi_epi16(a, b), zb);
+      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(pair), zb);
+      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(pair + kChunkCols), zb);
     }
-    AddPairSums(a0, a1, sc, y + o, ~__mmask32{0});
+    AddSums(a0, a1, sc, y + o, ~__mmask32{0});
   }
 }
 
@@ -682,7 +707,7 @@ PREFT_AVX512BF16 void RunItemDotBf16(const float* x, int64_t x_stride, float* y,
     for (int64_t o = 0; o < out; o += 32) {
       for (int64_t p0 = 0; p0 < pairs; p0 += kExpandPairs) {
         const int64_t np = std::min(kExpandPairs, pairs - p0);
-        kExpandPasses[n > 1][np](zp + r0 * pairs, pairs, rows + r0, rn, e, RowStep(g.expand),
+        kExpandPasses[g.expand.paired][n > 1][np](zp + r0 * pairs, pairs, rows + r0, rn, e, RowStep(g.expand),
                                  ColScale(g.expand), rank, out, o, 2 * p0, p0 == 0,
                                  p0 + kExpandPairs >= pairs, g.scale, yy, ys, t);
       }
@@ -883,6 +908,7 @@ void LowRankAdd(const float* x, int64_t x_stride, float* y, int64_t y_stride,
     PREFT_CHECK(gr.shrink.rows == gr.expand.rows && gr.shrink.rows <= kMaxRank);
     PREFT_CHECK(gr.shrink.dtype == gr.expand.dtype);
     PREFT_CHECK(gr.shrink.chunked == gr.expand.chunked);
+    PREFT_CHECK(!gr.shrink.paired && gr.expand.paired == gr.expand.chunked);
     PREFT_CHECK(!gr.shrink.chunked || (LowRankChunkable(gr.shrink) && LowRankChunkable(gr.expand)));
     for (int64_t b = 0; b < gr.num_rows; b += kRowsPerItem) {
       items.push_back({static_cast<int32_t>(g), static_cast<int32_t>(b),
@@ -957,11 +983,21 @@ bool LowRankChunkable(const MatrixView& m) {
          ActiveLinearIsa() >= LinearIsa::kAvx512Bf16;
 }
 
-void ChunkColumns(const uint16_t* src, int64_t rows, int64_t cols, uint16_t* dst) {
+void ChunkColumns(const uint16_t* src, int64_t rows, int64_t cols, bool paired, uint16_t* dst) {
   for (int64_t c = 0; c < cols; c += kChunkCols) {
-    for (int64_t k = 0; k < rows; ++k) {
-      std::memcpy(dst + ChunkedAt(k, c, rows), src + k * cols + c,
-                  kChunkCols * sizeof(uint16_t));
+    if (!paired) {
+      for (int64_t k = 0; k < rows; ++k) {
+        std::memcpy(dst + ChunkedAt(k, c, rows), src + k * cols + c,
+                    kChunkCols * sizeof(uint16_t));
+      }
+      continue;
+    }
+    for (int64_t k = 0; k < rows; k += 2) {
+      uint16_t* out = dst + ChunkedAt(k, c, rows, true);
+      for (int64_t j = 0; j < kChunkCols; ++j) {
+        out[2 * j] = src[k * cols + c + j];
+        out[2 * j + 1] = src[(k + 1) * cols + c + j];
+      }
     }
   }
 }

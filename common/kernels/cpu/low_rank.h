@@ -40,10 +40,11 @@ void LowRankAdd(const float* x, int64_t x_stride, float* y, int64_t y_stride,
 // Chunked matrices (MatrixView::chunked, [cols / 32][rows][32]) are these kernels' faster
 // layout for bf16 adapters: each matrix one sequential stream (the multi-LoRA decode step is
 // bound by streaming them). A group's shrink and expand are chunked together or not at all,
-// and only matrices for which LowRankChunkable holds: bf16, rows a multiple of 4, cols of 32,
-// on a CPU with AVX-512-BF16. Results are bit-identical to the row-major layout's.
+// the expand with its rows paired (MatrixView::paired, the shrink not), and only matrices for
+// which LowRankChunkable holds: bf16, rows a multiple of 4, cols of 32, on a CPU with
+// AVX-512-BF16. Results are bit-identical to the row-major layout's.
 bool LowRankChunkable(const MatrixView& m);
-// dst = src [rows, cols] row-major, chunked. cols a multiple of 32.
-void ChunkColumns(const uint16_t* src, int64_t rows, int64_t cols, uint16_t* dst);
+// dst = src [rows, cols] row-major, chunked (rows paired if `paired`). cols a multiple of 32.
+void ChunkColumns(const uint16_t* src, int64_t rows, int64_t cols, bool paired, uint16_t* dst);
 
 }  // namespace preft::kernels::cpu
