@@ -43,12 +43,13 @@ struct DotArgs {
 using DotTileFn = void (*)(const DotArgs& args, int64_t i0, int64_t j0);
 
 // Tile functions by row count: full[mr - 1] covers NR = nr rows of w, single[mr - 1] one row
-// (the n tail). mr runs 1 .. max_mr (at most 4).
+// (the n tail). mr runs 1 .. max_mr (at most kMaxDotRows).
 struct DotKernelTable {
   int max_mr = 1;
   int nr = 1;
-  DotTileFn full[4] = {};
-  DotTileFn single[4] = {};
+  static constexpr int kMaxDotRows = 7;
+  DotTileFn full[kMaxDotRows] = {};
+  DotTileFn single[kMaxDotRows] = {};
 };
 
 // Splits n across the OpenMP threads (contiguous ranges of whole nr-blocks) and walks x in

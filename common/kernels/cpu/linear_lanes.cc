@@ -10,6 +10,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "common/kernels/cpu/linear_driver.h"
 #include "common/kernels/cpu/linear_kernels.h"
@@ -67,14 +68,14 @@ void LanesTile(const uint32_t* xp, int64_t ldp, const uint16_t* w, int64_t k, in
     const int64_t len = std::min(kc, k - c0), np = CeilDiv(len, 2), pb = c0 / 2;
     const bool half_last = (len & 1) != 0;
     __m512 acc[MR][G];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int g = 0; g < G; ++g) acc[i][g] = _mm512_setzero_ps();
     for (int64_t p = 0; p < np; p += 16) {
       const int step = static_cast<int>(std::min<int64_t>(16, np - p));
       const bool half = half_last && p + step == np;
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int g = 0; g < G; ++g) {
         const int grows = std::min(16, rows - 16 * g);
         if (grows <= 0) break;
@@ -85,14 +86,14 @@ void LanesTile(const uint32_t* xp, int64_t ldp, const uint16_t* w, int64_t k, in
         if (step == 16) {
 #pragma GCC unroll 16
           for (int q = 0; q < 16; ++q)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int i = 0; i < MR; ++i) {
               const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xq[i * ldp + q]));
               acc[i][g] = _mm512_dpbf16_ps(acc[i][g], (__m512bh)t[q], xv);
             }
         } else {
           for (int q = 0; q < step; ++q)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int i = 0; i < MR; ++i) {
               const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xq[i * ldp + q]));
               acc[i][g] = _mm512_dpbf16_ps(acc[i][g], (__m512bh)t[q], xv);
@@ -101,25 +102,25 @@ void LanesTile(const uint32_t* xp, int64_t ldp, const uint16_t* w, int64_t k, in
       }
     }
     // The GEMM's epilogue: the first block's sums plus the bias (or zero), later ones plus y.
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
       const int grows = std::min(16, rows - 16 * g);
       if (grows <= 0) break;
       const __mmask16 mask = static_cast<__mmask16>((1u << grows) - 1);
       const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + 16 * g)
                                        : _mm512_setzero_ps();
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         sum[i][g] = _mm512_add_ps(acc[i][g], c0 == 0 ? b : sum[i][g]);
       }
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int g = 0; g < G; ++g) {
     const int grows = std::min(16, rows - 16 * g);
     if (grows <= 0) break;
     const __mmask16 mask = static_cast<__mmask16>((1u << grows) - 1);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(y + i * ldy + 16 * g, mask, sum[i][g]);
   }
 }
@@ -132,22 +133,19 @@ void LanesDotTile(const DotArgs& a, int64_t i0, int64_t j0) {
                    static_cast<const uint16_t*>(a.w) + j0 * a.k, a.k, kRows, a.bias != nullptr ? a.bias + j0 : nullptr, a.y + i0 * a.n + j0, a.n);
 }
 
-constexpr DotKernelTable LanesTable() {
+// Up to seven rows of x in one pass over w (Linear sends fewer than 8 here): 14 accumulators.
+template <int... MR>
+constexpr DotKernelTable LanesTable(std::integer_sequence<int, MR...>) {
   DotKernelTable t;
-  t.max_mr = 4;
+  t.max_mr = sizeof...(MR);
   t.nr = 16 * kGroups;
-  t.full[0] = LanesDotTile<1, kGroups, 16 * kGroups>;
-  t.full[1] = LanesDotTile<2, kGroups, 16 * kGroups>;
-  t.full[2] = LanesDotTile<3, kGroups, 16 * kGroups>;
-  t.full[3] = LanesDotTile<4, kGroups, 16 * kGroups>;
-  t.single[0] = LanesDotTile<1, 1, 1>;
-  t.single[1] = LanesDotTile<2, 1, 1>;
-  t.single[2] = LanesDotTile<3, 1, 1>;
-  t.single[3] = LanesDotTile<4, 1, 1>;
+  ((t.full[MR - 1] = LanesDotTile<MR, kGroups, 16 * kGroups>), ...);
+  ((t.single[MR - 1] = LanesDotTile<MR, 1, 1>), ...);
   return t;
 }
 
-constexpr DotKernelTable kLanesTable = LanesTable();
+constexpr DotKernelTable kLanesTable =
+    LanesTable(std::integer_sequence<int, 1, 2, 3, 4, 5, 6, 7>{});
 
 }  // namespace
 
