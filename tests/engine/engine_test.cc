@@ -27,12 +27,13 @@ class EngineTest : public TinyEngineTest {
     return r;
   }
 
-  static std::vector<int32_t> RunAlone(const Request& r) {
+  static GenerationResult RunAloneResult(const Request& r) {
     auto e = MakeEngine(256);
     auto out = e->Generate({r});
     EXPECT_TRUE(out.ok()) << out.status();
-    return out->front().token_ids;
+    return out->front();
   }
+  static std::vector<int32_t> RunAlone(const Request& r) { return RunAloneResult(r).token_ids; }
 
 };
 
@@ -145,11 +146,12 @@ TEST_F(EngineTest, BackendSamplingGivesTheHostSamplersTokens) {
 }
 
 TEST_F(EngineTest, TokensAreIdenticalAloneAndInABusyBatch) {
-  const Request greedy = MakeRequest("greedy", 45, 20, 0.f, 1);
-  const Request sampled = MakeRequest("sampled", 23, 20, 0.8f, 2);
-  const auto greedy_alone = RunAlone(greedy);
-  const auto sampled_alone = RunAlone(sampled);
-  ASSERT_EQ(greedy_alone.size(), 20u);
+  Request greedy = MakeRequest("greedy", 45, 20, 0.f, 1);
+  Request sampled = MakeRequest("sampled", 23, 20, 0.8f, 2);
+  greedy.sampling.logprobs = sampled.sampling.logprobs = 3;
+  const GenerationResult greedy_alone = RunAloneResult(greedy);
+  const GenerationResult sampled_alone = RunAloneResult(sampled);
+  ASSERT_EQ(greedy_alone.token_ids.size(), 20u);
 
   std::vector<Request> batch;
   for (int i = 0; i < 15; ++i)
@@ -159,8 +161,16 @@ TEST_F(EngineTest, TokensAreIdenticalAloneAndInABusyBatch) {
   auto e = MakeEngine(256, /*batch_tokens=*/48);
   auto out = e->Generate(batch);
   ASSERT_TRUE(out.ok()) << out.status();
-  EXPECT_EQ((*out)[3].token_ids, greedy_alone);
-  EXPECT_EQ((*out)[9].token_ids, sampled_alone);
+  // Bit for bit: tokens and every logprob (the linears sum each row in one order at any m).
+  for (const auto& [got, want] : {std::pair{&(*out)[3], &greedy_alone},
+                                  std::pair{&(*out)[9], &sampled_alone}}) {
+    EXPECT_EQ(got->token_ids, want->token_ids);
+    ASSERT_EQ(got->logprobs.size(), want->logprobs.size());
+    for (size_t i = 0; i < got->logprobs.size(); ++i) {
+      EXPECT_EQ(got->logprobs[i].logprob, want->logprobs[i].logprob) << "step " << i;
+      EXPECT_EQ(got->logprobs[i].top, want->logprobs[i].top) << "step " << i;
+    }
+  }
   EXPECT_GT(e->stats().steps, 20);
   EXPECT_EQ(e->allocator().num_free(), 256);  // everything returned
 }
