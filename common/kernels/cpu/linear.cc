@@ -30,63 +30,11 @@ LinearIsa BestIsa() {
   return LinearIsa::kScalar;
 }
 
-}  // namespace
 
-const char* LinearIsaName(LinearIsa isa) {
-  switch (isa) {
-    case LinearIsa::kScalar: return "scalar";
-    case LinearIsa::kAvx2: return "avx2";
-    case LinearIsa::kAvx512: return "avx512";
-    case LinearIsa::kAvx512Bf16: return "avx512bf16";
-    case LinearIsa::kAmx: return "amx";
-  }
-  return "?";
-}
-
-LinearIsa ActiveLinearIsa() {
-  return static_cast<LinearIsa>(
-      std::min(static_cast<int>(BestIsa()), g_isa_cap.load(std::memory_order_relaxed)));
-}
-
-void SetLinearIsaCapForTesting(LinearIsa cap) {
-  g_isa_cap.store(static_cast<int>(cap), std::memory_order_relaxed);
-}
-
-void Linear(const float* x, int64_t m, const MatrixView& w, const float* bias, float* y) {
-  const int64_t n = w.rows, k = w.cols;
-  if (m <= 0 || n <= 0) return;
-  if (k == 0) {
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < n; ++j) y[i * n + j] = bias != nullptr ? bias[j] : 0.f;
-    return;
-  }
-  const LinearIsa isa = ActiveLinearIsa();
-  if (w.dtype == DType::kBF16) {
-    const auto* wh = static_cast<const uint16_t*>(w.data);
-    if (isa == LinearIsa::kAmx) {  // AMX tiles sum in their own order: not batch-invariant
-      (m > kMaxGemvRows ? LinearBf16Amx : LinearBf16Avx512Bf16)(x, m, wh, n, k, bias, y);
-      return;
-    }
-    if (isa == LinearIsa::kAvx512Bf16) {  // the GEMM and its GEMV twin sum each row alike
-      (m >= kMinBroadcastRows ? LinearBf16Avx512Broadcast : LinearBf16Avx512Lanes)(x, m, wh, n,
-                                                                                  k, bias, y);
-      return;
-    }
-  }
-  if (isa >= LinearIsa::kAvx512) {
-    LinearFmaAvx512(x, m, w.data, w.dtype, n, k, bias, y);
-  } else if (isa >= LinearIsa::kAvx2) {
-    LinearFmaAvx2(x, m, w.data, w.dtype, n, k, bias, y);
-  } else {
-    LinearScalar(x, m, w.data, w.dtype, n, k, bias, y);
-  }
-}
-
-namespace {
-
-// Which bf16 kernel Linear would run for m rows of x against w [rows, k]; the shared calls
-// below run the same one over several weights. kNone: none of the bf16 kernels
-// (another dtype or ISA, or a shape they do not take); Linear then decides alone.
+// Which bf16 kernel runs m rows of x against w [rows, k], for Linear and the shared calls
+// alike. kNone: none of the bf16 kernels (another dtype or ISA, or a shape they do not
+// take); the FMA dot kernels then run. AMX tiles sum in their own order (not batch-invariant);
+// without AMX the w-broadcast GEMM and its GEMV twin sum each row alike.
 enum class Bf16Kernel { kNone, kAmx, kBroadcast, kGemv, kLanes };
 
 Bf16Kernel Bf16KernelFor(const MatrixView& w, int64_t m, int64_t k) {
@@ -136,6 +84,50 @@ void RunShared(Bf16Kernel kernel, const float* x, int64_t m, int64_t k, const Bf
 }
 
 }  // namespace
+
+const char* LinearIsaName(LinearIsa isa) {
+  switch (isa) {
+    case LinearIsa::kScalar: return "scalar";
+    case LinearIsa::kAvx2: return "avx2";
+    case LinearIsa::kAvx512: return "avx512";
+    case LinearIsa::kAvx512Bf16: return "avx512bf16";
+    case LinearIsa::kAmx: return "amx";
+  }
+  return "?";
+}
+
+LinearIsa ActiveLinearIsa() {
+  return static_cast<LinearIsa>(
+      std::min(static_cast<int>(BestIsa()), g_isa_cap.load(std::memory_order_relaxed)));
+}
+
+void SetLinearIsaCapForTesting(LinearIsa cap) {
+  g_isa_cap.store(static_cast<int>(cap), std::memory_order_relaxed);
+}
+
+void Linear(const float* x, int64_t m, const MatrixView& w, const float* bias, float* y) {
+  const int64_t n = w.rows, k = w.cols;
+  if (m <= 0 || n <= 0) return;
+  if (k == 0) {
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) y[i * n + j] = bias != nullptr ? bias[j] : 0.f;
+    return;
+  }
+  const Bf16Kernel kernel = Bf16KernelFor(w, m, k);
+  if (kernel != Bf16Kernel::kNone) {
+    const Bf16Output out{static_cast<const uint16_t*>(w.data), n, bias, y};
+    RunShared(kernel, x, m, k, &out, 1);
+    return;
+  }
+  const LinearIsa isa = ActiveLinearIsa();
+  if (isa >= LinearIsa::kAvx512) {
+    LinearFmaAvx512(x, m, w.data, w.dtype, n, k, bias, y);
+  } else if (isa >= LinearIsa::kAvx2) {
+    LinearFmaAvx2(x, m, w.data, w.dtype, n, k, bias, y);
+  } else {
+    LinearScalar(x, m, w.data, w.dtype, n, k, bias, y);
+  }
+}
 
 void LinearShared(const float* x, int64_t m, std::initializer_list<LinearOutput> outputs) {
   constexpr int64_t kMaxOutputs = 4;

@@ -83,21 +83,18 @@ void LanesTile(const uint32_t* xp, int64_t ldp, const uint16_t* w, int64_t k, in
         LoadPairs(w + 16 * g * k, k, grows, pb + p, step, half, in);
         Transpose16x16(in, t);
         const uint32_t* xq = xp + pb + p;
+        auto apply = [&](int q) __attribute__((always_inline)) {  // pair q to every row
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; ++i) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xq[i * ldp + q]));
+            acc[i][g] = _mm512_dpbf16_ps(acc[i][g], (__m512bh)t[q], xv);
+          }
+        };
         if (step == 16) {
 #pragma GCC unroll 16
-          for (int q = 0; q < 16; ++q)
-#pragma GCC unroll 8
-            for (int i = 0; i < MR; ++i) {
-              const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xq[i * ldp + q]));
-              acc[i][g] = _mm512_dpbf16_ps(acc[i][g], (__m512bh)t[q], xv);
-            }
+          for (int q = 0; q < 16; ++q) apply(q);
         } else {
-          for (int q = 0; q < step; ++q)
-#pragma GCC unroll 8
-            for (int i = 0; i < MR; ++i) {
-              const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xq[i * ldp + q]));
-              acc[i][g] = _mm512_dpbf16_ps(acc[i][g], (__m512bh)t[q], xv);
-            }
+          for (int q = 0; q < step; ++q) apply(q);
         }
       }
     }
@@ -130,7 +127,8 @@ template <int MR, int G, int kRows>
 void LanesDotTile(const DotArgs& a, int64_t i0, int64_t j0) {
   const int64_t ldp = a.ldx / 2;
   LanesTile<MR, G>(static_cast<const uint32_t*>(a.x) + i0 * ldp, ldp,
-                   static_cast<const uint16_t*>(a.w) + j0 * a.k, a.k, kRows, a.bias != nullptr ? a.bias + j0 : nullptr, a.y + i0 * a.n + j0, a.n);
+                   static_cast<const uint16_t*>(a.w) + j0 * a.k, a.k, kRows,
+                   a.bias != nullptr ? a.bias + j0 : nullptr, a.y + i0 * a.n + j0, a.n);
 }
 
 // Up to seven rows of x in one pass over w (Linear sends fewer than 8 here): 14 accumulators.
