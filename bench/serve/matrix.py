@@ -100,7 +100,7 @@ def pinned(argv, cpus):
 class Cluster:
     """The real binaries on 127.0.0.1; each process logs to LOGS/<name>.log."""
 
-    def __init__(self, args, logs, deployment, decode_adapters, adapter_root):
+    def __init__(self, args, logs, deployment, decode_adapters, adapter_root, store_mib):
         self.procs = []
         self.logs = logs
         os.makedirs(logs, exist_ok=True)
@@ -109,8 +109,8 @@ class Cluster:
                   "--threads", str(args.threads), "--max-batch-tokens", str(args.max_batch_tokens),
                   "--device", args.device]
         store = ["--adapter-root", adapter_root,
-                 "--adapter-host-bytes", str(args.adapter_host_mib << 20),
-                 "--adapter-compute-bytes", str(args.adapter_compute_mib << 20),
+                 "--adapter-host-bytes", str(store_mib[0] << 20),
+                 "--adapter-compute-bytes", str(store_mib[1] << 20),
                  "--adapter-loader-threads", str(args.adapter_loader_threads),
                  "--adapter-loader-nice", str(args.adapter_loader_nice)]
         kv = ["--kv-bytes", str(args.kv_mib << 20)]
@@ -285,18 +285,34 @@ def make_adapters(args, kind, n):
 
 
 def register(args, router, names, adapter_dir):
+    """Registers the cell's adapters; with --preload each is also loaded, before the clock
+    starts, on every worker that runs adapters."""
     try:
         from preft_client import Client
     except ImportError:  # no Python gRPC here (a bare GPU image): the C++ client, one call each
         for name in names:
             subprocess.run([f"{args.build}/tools/preft", "client", "--server", router,
                             "register", "--name", name,
-                            "--path", os.path.abspath(os.path.join(adapter_dir, name))],
+                            "--path", os.path.abspath(os.path.join(adapter_dir, name)),
+                            *(["--load"] if args.preload else [])],
                            check=True, stdout=subprocess.DEVNULL)
         return
     with Client(router) as c:
         for name in names:
-            c.register_adapter(name, os.path.abspath(os.path.join(adapter_dir, name)))
+            c.register_adapter(name, os.path.abspath(os.path.join(adapter_dir, name)),
+                               load=args.preload)
+
+
+def adapter_mib(args, names):
+    """The store budgets (host, compute) for a cell: as given, or with --preload at least
+    what the cell's adapters take (their files' bytes, plus 10%), so none is evicted."""
+    host, compute = args.adapter_host_mib, args.adapter_compute_mib
+    if args.preload and names:
+        files = sum(os.path.getsize(os.path.join(args.adapter_dir, n, "adapter_model.safetensors"))
+                    for n in names)
+        need = int(files * 1.1) >> 20
+        host, compute = max(host, need), max(compute, need)
+    return host, compute
 
 
 def run_cell(args, deployment, mode, n, concurrency, requests, round_index=0):
@@ -320,9 +336,13 @@ def measure_cell(args, cell, deployment, mode, n, concurrency, requests):
     names = make_adapters(args, kind, n) if kind else []
     log(f"cell {cell}: starting the cluster")
     cluster = Cluster(args, os.path.join(args.out, "logs", cell), deployment, decode_adapters,
-                      os.path.abspath(args.adapter_dir))
+                      os.path.abspath(args.adapter_dir), adapter_mib(args, names))
     try:
+        if args.preload and names:
+            log(f"cell {cell}: loading {len(names)} adapters on the workers before the clock")
         register(args, cluster.router, names, args.adapter_dir)
+        if args.preload and names:
+            time.sleep(1.2)  # the preloads reach the workers' counters (refreshed every 0.5 s)
         before = counters(cluster)
         sampler = Sampler(cluster.decode_metrics)
         sampler.start()
@@ -539,6 +559,10 @@ def main():
     p.add_argument("--prefill-kv-mib", type=int, default=512)
     p.add_argument("--adapter-host-mib", type=int, default=2048)
     p.add_argument("--adapter-compute-mib", type=int, default=2048)
+    p.add_argument("--preload", action="store_true",
+                   help="load each cell's adapters on its workers before the clock starts (the "
+                        "adapters resident in memory, as S-LoRA serves them; budgets grown to "
+                        "hold them) instead of on first use from disk")
     p.add_argument("--adapter-loader-threads", type=int, default=1,
                    help="per worker: adapters loaded from disk at once")
     p.add_argument("--adapter-loader-nice", type=int, default=10,

@@ -460,4 +460,39 @@ grpc::ServerUnaryReactor* DecodeService::Status(grpc::CallbackServerContext* con
   return reactor;
 }
 
+grpc::ServerUnaryReactor* DecodeService::LoadAdapter(
+    grpc::CallbackServerContext* context, const worker::v1::WorkerAdapterRequest* request,
+    worker::v1::AdapterState* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (impl_->versioned == nullptr) {
+    reactor->Finish(grpc::Status(
+        grpc::StatusCode::FAILED_PRECONDITION,
+        "this decode worker runs no adapters (a PreFT decode tier); start it with --colocated "
+        "or --all-position-adapters to load them"));
+    return reactor;
+  }
+  // Leased like a request's adapter, then released at once: it stays resident until evicted.
+  auto loaded = [reactor, response](absl::StatusOr<adapters::AdapterLease> lease) {
+    if (lease.ok()) {
+      *response = wire::ResidentState(lease->name, lease->version,
+                                      static_cast<int64_t>(lease->weights->bytes()));
+    }
+    const absl::Status status = lease.status();
+    lease = absl::CancelledError();  // unpinned before the caller hears back
+    reactor->Finish(rpc::ToGrpcStatus(status));
+  };
+  impl_->versioned->Acquire(request->name(), request->version(), request->path(),
+                            std::move(loaded));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* DecodeService::UnloadAdapter(
+    grpc::CallbackServerContext* context, const worker::v1::WorkerAdapterRequest* request,
+    worker::v1::UnloadWorkerAdapterResponse*) {
+  if (impl_->versioned != nullptr) impl_->versioned->Forget(request->name());
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
 }  // namespace preft::decode

@@ -64,7 +64,8 @@ struct DecodeServiceOptions {
 // Release of a started reservation, of a released one or of an older generation is a no-op.
 // Run is FAILED_PRECONDITION unless colocated (Reserve is FAILED_PRECONDITION if colocated),
 // INVALID_ARGUMENT for a bad request, UNAVAILABLE while draining, and fails with the adapter
-// store's status when its adapter cannot be leased.
+// store's status when its adapter cannot be leased. LoadAdapter is FAILED_PRECONDITION on a
+// worker without adapters, else the adapter store's status (as Run's).
 //
 // Shut the gRPC server down (which ends every call) before destroying the service.
 class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
@@ -122,6 +123,12 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
                                    worker::v1::DecodeStatusResponse* response) override;
   grpc::ServerReadReactor<worker::v1::KvChunk>* WriteKv(grpc::CallbackServerContext* context,
                                                         worker::v1::KvWriteAck* response) override;
+  grpc::ServerUnaryReactor* LoadAdapter(grpc::CallbackServerContext* context,
+                                        const worker::v1::WorkerAdapterRequest* request,
+                                        worker::v1::AdapterState* response) override;
+  grpc::ServerUnaryReactor* UnloadAdapter(grpc::CallbackServerContext* context,
+                                          const worker::v1::WorkerAdapterRequest* request,
+                                          worker::v1::UnloadWorkerAdapterResponse* response) override;
 
  private:
   struct Impl;

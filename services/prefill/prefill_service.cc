@@ -661,12 +661,12 @@ grpc::ServerUnaryReactor* PrefillService::LoadAdapter(grpc::CallbackServerContex
       [impl, reactor, response, key](absl::StatusOr<adapters::AdapterLease> lease) {
         impl->LoadEnded(key, lease.ok() ? static_cast<int64_t>(lease->weights->bytes()) : -1);
         if (lease.ok()) {
-          response->set_name(lease->name);
-          response->set_version(lease->version);
-          response->set_residency(v1::ADAPTER_RESIDENCY_RESIDENT);
-          response->set_bytes(static_cast<int64_t>(lease->weights->bytes()));
+          *response = wire::ResidentState(lease->name, lease->version,
+                                          static_cast<int64_t>(lease->weights->bytes()));
         }
-        reactor->Finish(rpc::ToGrpcStatus(lease.status()));
+        const absl::Status status = lease.status();
+        lease = absl::CancelledError();  // unpinned before the caller hears back
+        reactor->Finish(rpc::ToGrpcStatus(status));
       });
   return reactor;
 }

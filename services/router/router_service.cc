@@ -1,5 +1,6 @@
 #include "services/router/router_service.h"
 
+#include <functional>
 #include <map>
 #include <thread>
 
@@ -122,35 +123,74 @@ v1::AdapterInfo ToInfo(const RegisteredAdapter& a, WorkerPool* pool) {
   return info;
 }
 
-// Runs a worker RPC on every healthy prefill worker (admin fan-out); the first error wins.
-template <typename Call>
-absl::Status ForEachPrefill(WorkerPool* pool, int limit, Call call) {
+// Runs an adapter RPC on every healthy worker that runs adapters: prefill workers, then
+// colocated and all-position decode workers (`limit` > 0: on that many at most). The first
+// error wins; with `need_one`, FailedPrecondition when no such worker is healthy.
+absl::Status ForEachAdapterWorker(
+    WorkerPool* pool, int limit, bool need_one,
+    const std::function<grpc::Status(worker::v1::PrefillWorker::Stub&, grpc::ClientContext*)>&
+        prefill_call,
+    const std::function<grpc::Status(worker::v1::DecodeWorker::Stub&, grpc::ClientContext*)>&
+        decode_call) {
   absl::Status first = absl::OkStatus();
   int done = 0;
+  auto run = [&](const std::string& address, auto& stub, const auto& call) {
+    if (limit > 0 && done >= limit) return;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    const absl::Status s = rpc::FromGrpcStatus(call(stub, &ctx));
+    if (!s.ok() && first.ok()) first = absl::Status(s.code(), absl::StrCat(address, ": ", s.message()));
+    ++done;
+  };
   for (const auto& w : pool->prefill()) {
     {
       absl::MutexLock lock(&w->mu);
       if (!w->view.healthy || w->view.draining) continue;
     }
-    if (limit > 0 && done >= limit) break;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-    const absl::Status s = call(*w, &ctx);
-    if (!s.ok() && first.ok()) first = absl::Status(s.code(), absl::StrCat(w->address, ": ", s.message()));
-    ++done;
+    run(w->address, *w->stub, prefill_call);
+  }
+  for (const auto& w : pool->decode()) {
+    {
+      absl::MutexLock lock(&w->mu);
+      if (!w->view.healthy || w->view.draining || !(w->view.adapters || w->view.colocated)) continue;
+    }
+    run(w->address, *w->stub, decode_call);
+  }
+  if (done == 0 && need_one) {
+    return absl::FailedPreconditionError(
+        "no healthy worker runs adapters (prefill, colocated or all-position decode workers)");
   }
   return first;
 }
 
 absl::Status LoadOnWorkers(WorkerPool* pool, const RegisteredAdapter& a, int limit) {
-  return ForEachPrefill(pool, limit, [&](PrefillWorker& w, grpc::ClientContext* ctx) {
-    worker::v1::WorkerAdapterRequest req;
-    req.set_name(a.name);
-    req.set_version(a.version);
-    req.set_path(a.path);
-    worker::v1::AdapterState out;
-    return rpc::FromGrpcStatus(w.stub->LoadAdapter(ctx, req, &out));
-  });
+  worker::v1::WorkerAdapterRequest req;
+  req.set_name(a.name);
+  req.set_version(a.version);
+  req.set_path(a.path);
+  worker::v1::AdapterState out;
+  return ForEachAdapterWorker(
+      pool, limit, /*need_one=*/true,
+      [&](worker::v1::PrefillWorker::Stub& stub, grpc::ClientContext* ctx) {
+        return stub.LoadAdapter(ctx, req, &out);
+      },
+      [&](worker::v1::DecodeWorker::Stub& stub, grpc::ClientContext* ctx) {
+        return stub.LoadAdapter(ctx, req, &out);
+      });
+}
+
+absl::Status UnloadOnWorkers(WorkerPool* pool, const std::string& name) {
+  worker::v1::WorkerAdapterRequest req;
+  req.set_name(name);
+  worker::v1::UnloadWorkerAdapterResponse out;
+  return ForEachAdapterWorker(
+      pool, 0, /*need_one=*/false,
+      [&](worker::v1::PrefillWorker::Stub& stub, grpc::ClientContext* ctx) {
+        return stub.UnloadAdapter(ctx, req, &out);
+      },
+      [&](worker::v1::DecodeWorker::Stub& stub, grpc::ClientContext* ctx) {
+        return stub.UnloadAdapter(ctx, req, &out);
+      });
 }
 
 }  // namespace
@@ -217,14 +257,7 @@ grpc::ServerUnaryReactor* RouterService::UnloadAdapter(grpc::CallbackServerConte
   if (Refused(*impl_->access, *context, Scope::kAdmin, reactor)) return reactor;
   impl_->Spawn([this, reactor, request] {
     absl::Status s = impl_->registry->Get(request->name()).status();
-    if (s.ok()) {
-      s = ForEachPrefill(impl_->pool, 0, [&](PrefillWorker& w, grpc::ClientContext* ctx) {
-        worker::v1::WorkerAdapterRequest req;
-        req.set_name(request->name());
-        worker::v1::UnloadWorkerAdapterResponse out;
-        return rpc::FromGrpcStatus(w.stub->UnloadAdapter(ctx, req, &out));
-      });
-    }
+    if (s.ok()) s = UnloadOnWorkers(impl_->pool, request->name());
     if (s.ok() && request->unregister()) s = impl_->registry->Unregister(request->name());
     reactor->Finish(rpc::ToGrpcStatus(s));
   });

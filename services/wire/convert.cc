@@ -105,4 +105,13 @@ const char* FinishReasonName(v1::FinishReason r) {
   }
 }
 
+worker::v1::AdapterState ResidentState(const std::string& name, int64_t version, int64_t bytes) {
+  worker::v1::AdapterState s;
+  s.set_name(name);
+  s.set_version(version);
+  s.set_residency(v1::ADAPTER_RESIDENCY_RESIDENT);
+  s.set_bytes(bytes);
+  return s;
+}
+
 }  // namespace preft::wire

@@ -33,6 +33,9 @@ v1::FinishReason ToProto(engine::FinishReason r);
 // "length", "stop", "abort"; "" for unspecified.
 const char* FinishReasonName(v1::FinishReason r);
 
+// A worker's answer to LoadAdapter: the version now resident there.
+worker::v1::AdapterState ResidentState(const std::string& name, int64_t version, int64_t bytes);
+
 // The endpoint a worker advertises for its transport and cache layout.
 worker::v1::TransportEndpoint MakeEndpoint(const transport::KvTransport& transport,
                                            const transport::KvLayout& layout);

@@ -225,7 +225,7 @@ void AddAdapterAdmin(CLI::App* parent, const std::shared_ptr<ClientFlags>& f, in
   CLI::App* reg = parent->add_subcommand("register", "register an adapter folder (JSON out)");
   reg->add_option("--name", f->name)->required();
   reg->add_option("--path", f->path, "folder under the server's adapter root")->required();
-  reg->add_flag("--load", f->load, "load it onto prefill workers now");
+  reg->add_flag("--load", f->load, "load it now on every worker that runs adapters");
   reg->callback([f, exit_code] { *exit_code = RunRegister(*f); });
 
   CLI::App* unload = parent->add_subcommand("unload", "drop an adapter from the workers");

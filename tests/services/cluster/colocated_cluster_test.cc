@@ -95,6 +95,48 @@ TEST_F(ColocatedRetryTest, AWorkerFailingBeforeTheFirstTokenIsReplaced) {
   ExpectNoLeaks();
 }
 
+// RegisterAdapter with `load` (and LoadAdapter) reach the colocated workers, which have no
+// prefill tier in front of them: each reads the adapter once, before traffic, and requests on
+// it then find it resident. UnloadAdapter drops it there too.
+TEST_F(ColocatedClusterTest, LoadingAnAdapterWarmsEveryColocatedWorker) {
+  auto disk_loads = [&] {
+    std::vector<int64_t> n;
+    for (int i = 0; i < cluster_->num_decode(); ++i)
+      n.push_back(cluster_->decode(i).adapter_store()->stats().disk_loads);
+    return n;
+  };
+  const std::vector<int64_t> before = disk_loads();
+  fs::copy(*root_ / "lora", *root_ / "warm");
+  grpc::ClientContext rctx;
+  v1::RegisterAdapterRequest reg;
+  reg.set_name("warm");
+  reg.set_path("warm");
+  reg.set_load(true);
+  v1::RegisterAdapterResponse rr;
+  const grpc::Status s = stub_->RegisterAdapter(&rctx, reg, &rr);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  std::vector<int64_t> loaded = disk_loads();
+  ASSERT_EQ(loaded.size(), before.size());
+  ASSERT_GE(loaded.size(), 2u);
+  for (size_t i = 0; i < loaded.size(); ++i) EXPECT_EQ(loaded[i], before[i] + 1) << i;
+  for (int k = 0; k < 4; ++k) {
+    const auto out = Generate(stub_.get(), Request({5, 6, 7, 8}, 3, "warm"));
+    ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+  }
+  EXPECT_EQ(disk_loads(), loaded);
+
+  grpc::ClientContext uctx;
+  v1::UnloadAdapterRequest un;
+  un.set_name("warm");
+  v1::UnloadAdapterResponse ur;
+  ASSERT_TRUE(stub_->UnloadAdapter(&uctx, un, &ur).ok());
+  for (int i = 0; i < cluster_->num_decode(); ++i) {
+    for (const auto& a : cluster_->decode(i).adapter_store()->List())
+      EXPECT_EQ(a.name.find("warm"), std::string::npos) << a.name;
+  }
+  ExpectNoLeaks();
+}
+
 TEST_F(ColocatedClusterTest, UnknownAdaptersAndBadRequestsGetPreciseCodes) {
   ExpectStatus(Generate(stub_.get(), Request({1, 2, 3}, 4, "nobody"), 10).status,
                grpc::StatusCode::NOT_FOUND, "'nobody'");

@@ -837,6 +837,71 @@ TEST_F(ColocatedDecodeTest, CancellingARunFreesItsBlocks) {
   EXPECT_TRUE(WaitNoStreams());
 }
 
+// LoadAdapter warms a worker that runs adapters (one disk load, then requests hit), and is
+// refused, naming why, by a PreFT decode worker, which never reads adapters.
+TEST_F(DecodeServiceTest, LoadAdapterWarmsOnlyWorkersThatRunAdapters) {
+  worker::v1::WorkerAdapterRequest req;
+  req.set_name("lora");
+  req.set_version(1);
+  req.set_path("lora");
+  worker::v1::AdapterState state;
+  {
+    grpc::ClientContext ctx;
+    const grpc::Status s = stub_->LoadAdapter(&ctx, req, &state);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(s.error_message(), HasSubstr("runs no adapters"));
+    grpc::ClientContext uctx;
+    worker::v1::UnloadWorkerAdapterResponse unloaded;
+    EXPECT_TRUE(stub_->UnloadAdapter(&uctx, req, &unloaded).ok());
+  }
+  DecodeServiceOptions o;
+  o.all_position_adapters = true;
+  o.adapter_root = testing::TinyLlamaFixture();
+  StartService(o);
+  {
+    grpc::ClientContext ctx;
+    const grpc::Status s = stub_->LoadAdapter(&ctx, req, &state);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  EXPECT_EQ(state.name(), "lora");
+  EXPECT_EQ(state.version(), 1);
+  EXPECT_EQ(state.residency(), v1::ADAPTER_RESIDENCY_RESIDENT);
+  EXPECT_GT(state.bytes(), 0);
+  const adapters::AdapterStoreStats loaded = service_->adapter_store()->stats();
+  EXPECT_EQ(loaded.disk_loads, 1);
+  EXPECT_EQ(loaded.compute_bytes_used, state.bytes());
+  EXPECT_EQ(loaded.pinned, 0);  // resident, not leased
+
+  // A request on it is a compute hit: no second load.
+  auto w = adapters::LoadAdapter(testing::TinyLlamaFixture() + "/lora", loaded_->model->config());
+  ASSERT_TRUE(w.ok()) << w.status();
+  engine::Request r = MakeRequest("warm", 20, 4, 0.f, 5);
+  r.adapter = engine::RequestAdapter{std::move(w).value(), "lora", 1,
+                                     model::AdapterPositions::kAll};
+  const engine::GenerationResult ref = Reference(r);
+  ReserveResponse res;
+  ExpectSameAsReference(RunStart(BaselineStart(r, &res)), ref);
+  const adapters::AdapterStoreStats after = service_->adapter_store()->stats();
+  EXPECT_EQ(after.disk_loads, 1);
+  EXPECT_EQ(after.compute_hits, loaded.compute_hits + 1);
+
+  // Unloading forgets it (its copy leaves once the finished request's lease is gone); a
+  // missing folder is the store's NOT_FOUND.
+  ASSERT_TRUE(WaitAllFree());
+  grpc::ClientContext uctx;
+  worker::v1::UnloadWorkerAdapterResponse unloaded;
+  ASSERT_TRUE(stub_->UnloadAdapter(&uctx, req, &unloaded).ok());
+  EXPECT_TRUE(WaitForCounts([&](const DecodeService::BlockCounts&) {
+    return service_->adapter_store()->stats().compute_bytes_used == 0;
+  }));
+  EXPECT_TRUE(service_->adapter_store()->List().empty());
+  req.set_name("gone");
+  req.set_path("no-such-adapter");
+  grpc::ClientContext gctx;
+  EXPECT_EQ(stub_->LoadAdapter(&gctx, req, &state).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_TRUE(WaitAllFree());
+}
+
 TEST_F(DecodeServiceTest, RunNeedsAColocatedWorker) {
   worker::v1::RunRequest run;
   run.set_request_id("r");
