@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+
 #include "common/adapters/adapter_loader.h"
 #include "common/adapters/make_adapter.h"
 #include "common/base/mapped_file.h"
@@ -472,7 +474,7 @@ TEST_F(AdapterEngineTest, RequestsGenerateBitForBitAsTheyDoAlone) {
       std::vector<int32_t> prompt;
       for (int k = 0; k < 4 + 5 * (i % 7) + i / 7; ++k) prompt.push_back((k * 11 + i * 37) % 290);
       const int a = i % 5;  // 4: base only
-      Request r = MakeRequest("r" + std::to_string(i), prompt, 12,
+      Request r = MakeRequest(absl::StrCat("r", i), prompt, 12,
                               a < 4 ? adapters[a] : nullptr,
                               a == 4 ? std::nullopt
                                      : std::optional(i % 2 ? AdapterPositions::kAll

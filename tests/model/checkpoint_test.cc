@@ -82,8 +82,9 @@ TEST(CheckpointTest, ExpectedTensorsForQwen2AddsBiasesAndDropsTiedHead) {
     EXPECT_NE(t.name, "lm_head.weight");
     EXPECT_EQ(t.name.find("o_proj.bias"), std::string::npos);
     if (t.is_bias) ++biases;
-    if (t.name == "model.layers.1.self_attn.k_proj.bias")
+    if (t.name == "model.layers.1.self_attn.k_proj.bias") {
       EXPECT_EQ(t.shape, std::vector<int64_t>{4});
+    }
   }
   EXPECT_EQ(biases, 6);
 }

@@ -18,6 +18,14 @@
 namespace preft::model {
 namespace {
 
+// Options for WriteSyntheticTokenizer (no chat template).
+SyntheticTokenizerOptions Synthetic(int32_t vocab_size, std::string style = "llama3") {
+  SyntheticTokenizerOptions o;
+  o.vocab_size = vocab_size;
+  o.style = std::move(style);
+  return o;
+}
+
 using json = nlohmann::json;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
@@ -440,7 +448,7 @@ TEST(SyntheticTokenizerTest, SmallLlama3) {
   const std::string dir = MakeTempDir();
   int32_t bos = 0, eos = 0;
   ASSERT_TRUE(
-      WriteSyntheticTokenizer(dir, {.vocab_size = 300, .style = "llama3"}, &bos, &eos).ok());
+      WriteSyntheticTokenizer(dir, Synthetic(300, "llama3"), &bos, &eos).ok());
   EXPECT_EQ(bos, 298);
   EXPECT_EQ(eos, 299);
   auto tok = Tokenizer::LoadFromModelDir(dir);
@@ -457,7 +465,7 @@ TEST(SyntheticTokenizerTest, SmallLlama3) {
   // Deterministic: a second write is byte-identical.
   const std::string dir2 = MakeTempDir();
   ASSERT_TRUE(
-      WriteSyntheticTokenizer(dir2, {.vocab_size = 300, .style = "llama3"}, &bos, &eos).ok());
+      WriteSyntheticTokenizer(dir2, Synthetic(300, "llama3"), &bos, &eos).ok());
   std::ifstream a(dir + "/tokenizer.json"), b(dir2 + "/tokenizer.json");
   std::string sa((std::istreambuf_iterator<char>(a)), {}),
       sb((std::istreambuf_iterator<char>(b)), {});
@@ -467,7 +475,7 @@ TEST(SyntheticTokenizerTest, SmallLlama3) {
 TEST(SyntheticTokenizerTest, SmallQwen2) {
   const std::string dir = MakeTempDir();
   int32_t bos = 0, eos = 0;
-  ASSERT_TRUE(WriteSyntheticTokenizer(dir, {.vocab_size = 300, .style = "qwen2"}, &bos, &eos).ok());
+  ASSERT_TRUE(WriteSyntheticTokenizer(dir, Synthetic(300, "qwen2"), &bos, &eos).ok());
   EXPECT_EQ(bos, -1);
   EXPECT_EQ(eos, 297);
   auto tok = Tokenizer::LoadFromModelDir(dir);
@@ -486,9 +494,9 @@ TEST(SyntheticTokenizerTest, SmallQwen2) {
 
 TEST(SyntheticTokenizerTest, RejectsBadOptions) {
   int32_t bos = 0, eos = 0;
-  EXPECT_FALSE(WriteSyntheticTokenizer(MakeTempDir(), {.vocab_size = 100}, &bos, &eos).ok());
+  EXPECT_FALSE(WriteSyntheticTokenizer(MakeTempDir(), Synthetic(100), &bos, &eos).ok());
   EXPECT_FALSE(
-      WriteSyntheticTokenizer(MakeTempDir(), {.vocab_size = 300, .style = "gpt9"}, &bos, &eos)
+      WriteSyntheticTokenizer(MakeTempDir(), Synthetic(300, "gpt9"), &bos, &eos)
           .ok());
 }
 
@@ -498,7 +506,7 @@ void CheckLargeSynthetic(const std::string& style, int32_t vocab_size, int32_t w
   int32_t bos = 0, eos = 0;
   auto start = std::chrono::steady_clock::now();
   ASSERT_TRUE(
-      WriteSyntheticTokenizer(dir, {.vocab_size = vocab_size, .style = style}, &bos, &eos).ok());
+      WriteSyntheticTokenizer(dir, Synthetic(vocab_size, style), &bos, &eos).ok());
   const double write_s = SecondsSince(start);
   start = std::chrono::steady_clock::now();
   auto tok = Tokenizer::LoadFromModelDir(dir);
@@ -533,7 +541,7 @@ TEST(SyntheticTokenizerTest, Llama3Size) {
   // 256 Llama 3.1 special tokens at the top; digits grouped in threes.
   const std::string dir = MakeTempDir();
   int32_t bos = 0, eos = 0;
-  ASSERT_TRUE(WriteSyntheticTokenizer(dir, {.vocab_size = 128256}, &bos, &eos).ok());
+  ASSERT_TRUE(WriteSyntheticTokenizer(dir, Synthetic(128256), &bos, &eos).ok());
   auto tok = Tokenizer::LoadFromModelDir(dir);
   ASSERT_TRUE(tok.ok());
   EXPECT_EQ((*tok)->TokenToId("<|eot_id|>"), 128009);
