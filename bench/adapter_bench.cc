@@ -11,7 +11,8 @@
 //                 [--ns 1,8,64] [--lora-rank 16] [--direft-rank 4] [--repeat 1] [--quick]
 // --repeat R runs the whole lockstep set R times (fresh engines each round) and reports each
 // figure's median round; the bandwidth is measured before and after every round and the
-// highest reading makes the byte bound (the tightest, so the overhead ratio errs high).
+// highest reading makes the byte bound (the tightest, so the overhead ratio errs high); the
+// BGMV's ratio is also printed round by round against that round's own bracketing readings.
 // Adapters are written into --adapters (bf16, PEFT LoRA on all seven projections and DiReFT
 // on every layer) when absent.
 
@@ -276,6 +277,27 @@ int main(int argc, char** argv) {
                 r["LoRAP"].e2e_tokens_per_s / b.e2e_tokens_per_s,
                 r["DiReFTP"].e2e_tokens_per_s / b.e2e_tokens_per_s, overhead, bgmv, bound,
                 overhead / bound, bgmv / bound);
+  }
+  // The same ratio round by round, each round's BGMV against the bound of the bandwidth
+  // measured right before and after it (the higher of the two): time-aligned, where the table
+  // above sets every round against the run's single best reading.
+  std::printf("\nBGMV / byte bound round by round (each against its own bracketing triads):\n");
+  for (size_t i = 1; i < keys.size(); ++i) {
+    if (keys[i].second->positions != AdapterPositions::kAll ||
+        keys[i].second->kind != K::kLora) {
+      continue;
+    }
+    const double distinct = std::min(keys[i].first, requests);
+    std::vector<double> ratio;
+    std::printf("| N = %d |", keys[i].first);
+    for (int round = 0; round < repeat; ++round) {
+      const double gbps = std::max(triads[round], triads[round + 1]);
+      const double bound_s = distinct * lora_mb * 1e6 / (gbps * 1e9);
+      ratio.push_back(rounds[i][round].decode_adapter_s / bound_s);
+      std::printf(" %.2f (%.1f ms at %.1f GB/s) |", ratio.back(),
+                  rounds[i][round].decode_adapter_s * 1e3, gbps);
+    }
+    std::printf(" median %.2f |\n", Median(ratio));
   }
   std::printf(
       "\ntargets: LoRAP and DiReFTP >= 0.95 x base at N = 64; multi-LoRA overhead <= 1.5 x "
