@@ -445,7 +445,9 @@ std::vector<AdapterInfo> StoreCore::List() const {
   out.reserve(entries_.size());
   for (const auto& [name, e] : entries_) {
     const Version& v = *e.current;
-    out.push_back({name, v.dir, v.number, v.host != nullptr, v.compute != nullptr, v.leases});
+    const WeightsPtr& held = v.compute != nullptr ? v.compute : v.host;
+    out.push_back({name, v.dir, v.number, v.host != nullptr, v.compute != nullptr, v.leases,
+                   held != nullptr ? static_cast<int64_t>(held->bytes()) : 0});
   }
   return out;
 }

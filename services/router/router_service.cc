@@ -110,16 +110,21 @@ v1::AdapterInfo ToInfo(const RegisteredAdapter& a, WorkerPool* pool) {
   info.set_rank(static_cast<int32_t>(a.rank));
   info.set_path(a.registered_path);
   info.set_bytes(a.bytes);
-  for (const auto& w : pool->prefill()) {
-    absl::MutexLock lock(&w->mu);
-    for (const auto& s : w->status.adapters()) {
-      if (s.name() != a.name) continue;
-      v1::WorkerResidency* r = info.add_workers();
-      r->set_worker(w->address);
-      r->set_version(s.version());
-      r->set_residency(s.residency());
+  // Prefill workers, then decode workers that run adapters (their polled lists).
+  auto add = [&](const auto& workers) {
+    for (const auto& w : workers) {
+      absl::MutexLock lock(&w->mu);
+      for (const auto& s : w->status.adapters()) {
+        if (s.name() != a.name) continue;
+        v1::WorkerResidency* r = info.add_workers();
+        r->set_worker(w->address);
+        r->set_version(s.version());
+        r->set_residency(s.residency());
+      }
     }
-  }
+  };
+  add(pool->prefill());
+  add(pool->decode());
   return info;
 }
 

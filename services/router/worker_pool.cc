@@ -170,6 +170,7 @@ void WorkerPool::PollNow() {
     w->view.queue_depth = r.queue_depth();
     w->view.adapters = r.all_position_adapters();
     w->view.colocated = r.colocated();
+    w->status = std::move(r);
   }
   for (const auto& w : prefill()) {
     grpc::ClientContext ctx;

@@ -40,6 +40,7 @@ struct DecodeWorker {
   std::unique_ptr<worker::v1::DecodeWorker::Stub> stub;
   mutable absl::Mutex mu;
   DecodeView view ABSL_GUARDED_BY(mu);
+  worker::v1::DecodeStatusResponse status ABSL_GUARDED_BY(mu);  // the last poll's answer
   // Until then view.kv_path_suspect holds (the poll does not clear it).
   absl::Time kv_path_suspect_until ABSL_GUARDED_BY(mu) = absl::InfinitePast();
 

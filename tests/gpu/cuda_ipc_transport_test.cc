@@ -147,7 +147,7 @@ TEST(CudaIpcTransportTest, BlocksReachAnotherCacheInThisProcess) {
             static_cast<int64_t>(kSrc.size() * kShape.num_layers * kShape.block_floats() * 4));
 
   // Out-of-range blocks are refused before any byte moves.
-  BlockTransfer bad{43, 1, {0}, {kShape.num_blocks}};
+  BlockTransfer bad{43, 1, {0}, {static_cast<int32_t>(kShape.num_blocks)}};
   absl::Notification refused;
   absl::Status status;
   sender.Write(*peer, bad, [&](absl::Status s) {

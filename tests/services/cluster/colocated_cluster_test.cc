@@ -119,6 +119,13 @@ TEST_F(ColocatedClusterTest, LoadingAnAdapterWarmsEveryColocatedWorker) {
   ASSERT_EQ(loaded.size(), before.size());
   ASSERT_GE(loaded.size(), 2u);
   for (size_t i = 0; i < loaded.size(); ++i) EXPECT_EQ(loaded[i], before[i] + 1) << i;
+  // The answer lists it resident, version 1, on every colocated worker.
+  std::set<std::string> resident;
+  for (const auto& w : rr.adapter().workers()) {
+    EXPECT_EQ(w.version(), 1);
+    if (w.residency() == v1::ADAPTER_RESIDENCY_RESIDENT) resident.insert(w.worker());
+  }
+  EXPECT_EQ(resident.size(), loaded.size());
   for (int k = 0; k < 4; ++k) {
     const auto out = Generate(stub_.get(), Request({5, 6, 7, 8}, 3, "warm"));
     ASSERT_TRUE(out.status.ok()) << out.status.error_message();
@@ -130,6 +137,14 @@ TEST_F(ColocatedClusterTest, LoadingAnAdapterWarmsEveryColocatedWorker) {
   un.set_name("warm");
   v1::UnloadAdapterResponse ur;
   ASSERT_TRUE(stub_->UnloadAdapter(&uctx, un, &ur).ok());
+  cluster_->pool().PollNow();
+  grpc::ClientContext lctx;
+  v1::ListAdaptersRequest list;
+  list.set_name("warm");
+  v1::ListAdaptersResponse listed;
+  ASSERT_TRUE(stub_->ListAdapters(&lctx, list, &listed).ok());
+  ASSERT_EQ(listed.adapters_size(), 1);
+  EXPECT_EQ(listed.adapters(0).workers_size(), 0);  // registered still, held nowhere
   for (int i = 0; i < cluster_->num_decode(); ++i) {
     for (const auto& a : cluster_->decode(i).adapter_store()->List())
       EXPECT_EQ(a.name.find("warm"), std::string::npos) << a.name;

@@ -867,6 +867,12 @@ TEST_F(DecodeServiceTest, LoadAdapterWarmsOnlyWorkersThatRunAdapters) {
   EXPECT_EQ(state.version(), 1);
   EXPECT_EQ(state.residency(), v1::ADAPTER_RESIDENCY_RESIDENT);
   EXPECT_GT(state.bytes(), 0);
+  worker::v1::DecodeStatusResponse status;
+  ASSERT_TRUE(CallStatus(&status).ok());
+  ASSERT_EQ(status.adapters_size(), 1);
+  EXPECT_EQ(status.adapters(0).name(), "lora");
+  EXPECT_EQ(status.adapters(0).residency(), v1::ADAPTER_RESIDENCY_RESIDENT);
+  EXPECT_EQ(status.adapters(0).bytes(), state.bytes());
   const adapters::AdapterStoreStats loaded = service_->adapter_store()->stats();
   EXPECT_EQ(loaded.disk_loads, 1);
   EXPECT_EQ(loaded.compute_bytes_used, state.bytes());
@@ -895,6 +901,9 @@ TEST_F(DecodeServiceTest, LoadAdapterWarmsOnlyWorkersThatRunAdapters) {
     return service_->adapter_store()->stats().compute_bytes_used == 0;
   }));
   EXPECT_TRUE(service_->adapter_store()->List().empty());
+  status.Clear();
+  ASSERT_TRUE(CallStatus(&status).ok());
+  EXPECT_EQ(status.adapters_size(), 0);
   req.set_name("gone");
   req.set_path("no-such-adapter");
   grpc::ClientContext gctx;
