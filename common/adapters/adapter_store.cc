@@ -445,9 +445,8 @@ std::vector<AdapterInfo> StoreCore::List() const {
   out.reserve(entries_.size());
   for (const auto& [name, e] : entries_) {
     const Version& v = *e.current;
-    const WeightsPtr& held = v.compute != nullptr ? v.compute : v.host;
     out.push_back({name, v.dir, v.number, v.host != nullptr, v.compute != nullptr, v.leases,
-                   held != nullptr ? static_cast<int64_t>(held->bytes()) : 0});
+                   std::max(v.host_bytes, v.compute_bytes)});
   }
   return out;
 }

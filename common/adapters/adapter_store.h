@@ -83,7 +83,8 @@ struct AdapterInfo {
   bool in_host = false;
   bool in_compute = false;
   int64_t leases = 0;  // outstanding Acquire grants on the current version
-  int64_t bytes = 0;   // of its parsed weights while in memory (either tier), else 0
+  int64_t bytes = 0;   // of its weights in the compute dtype once loaded (kept after
+                       // eviction); 0 if never loaded
 };
 
 // Thread-safe: every method may be called from any thread. Callbacks run without the store's

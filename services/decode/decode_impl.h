@@ -105,8 +105,6 @@ struct DecodeService::Impl {
   void OnAdapter(const std::shared_ptr<StartStream>& stream,
                  absl::StatusOr<adapters::AdapterLease> lease);
   absl::Status Release(const worker::v1::ReleaseRequest& req, Failures* failures);
-  // Status's adapter list (workers with a store).
-  void FillAdapters(worker::v1::DecodeStatusResponse* response) const;
   void OnDoneNotice(uint64_t id, uint32_t generation);
   void OnStreamCancel(StartStream* stream);
   void OnStreamDone(StartStream* stream);

@@ -428,25 +428,6 @@ grpc::ServerUnaryReactor* DecodeService::Release(grpc::CallbackServerContext* co
   return reactor;
 }
 
-void DecodeService::Impl::FillAdapters(worker::v1::DecodeStatusResponse* response) const {
-  std::map<std::string, adapters::AdapterInfo> infos;
-  for (adapters::AdapterInfo& info : store->List()) infos[info.name] = std::move(info);
-  for (const auto& [name, version] : versioned->versions()) {  // sorted by name
-    worker::v1::AdapterState* a = response->add_adapters();
-    a->set_name(name);
-    a->set_version(version);
-    a->set_residency(v1::ADAPTER_RESIDENCY_DISK);
-    auto it = infos.find(adapters::VersionKey(name, version));
-    if (it == infos.end()) continue;
-    if (it->second.in_compute || it->second.in_host) {
-      a->set_residency(it->second.in_compute ? v1::ADAPTER_RESIDENCY_RESIDENT
-                                             : v1::ADAPTER_RESIDENCY_HOST);
-    }
-    a->set_bytes(it->second.bytes);
-    a->set_leases(static_cast<int32_t>(it->second.leases));
-  }
-}
-
 grpc::ServerUnaryReactor* DecodeService::Status(grpc::CallbackServerContext* context,
                                                 const worker::v1::DecodeStatusRequest* request,
                                                 worker::v1::DecodeStatusResponse* response) {
@@ -474,7 +455,11 @@ grpc::ServerUnaryReactor* DecodeService::Status(grpc::CallbackServerContext* con
     response->set_queue_depth(static_cast<int32_t>(e.num_waiting()));
     response->set_all_position_adapters(impl->options.all_position_adapters);
     response->set_colocated(impl->options.colocated);
-    if (impl->versioned != nullptr) impl->FillAdapters(response);
+    if (impl->versioned != nullptr) {  // no loads tracked here: a version not in memory is DISK
+      wire::AppendAdapterStates(impl->versioned->versions(), impl->store->List(),
+                                [](const std::string&) { return false; },
+                                response->mutable_adapters());
+    }
     reactor->Finish(grpc::Status::OK);
   });
   return reactor;

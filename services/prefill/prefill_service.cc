@@ -57,7 +57,7 @@ struct PrefillService::Impl {
   // After a failed write: the next call connects again (a failed UCX peer is dropped).
   void ForgetPeer(const std::string& address, transport::PeerId peer);
   void LoadStarted(const std::string& key);
-  void LoadEnded(const std::string& key, int64_t bytes);  // bytes < 0: the load failed
+  void LoadEnded(const std::string& key);
   // Status's adapter, budget and endpoint fields (the caller adds the engine's figures).
   void FillStatus(worker::v1::PrefillStatusResponse* response);
   // What the metrics' gauges show; waits for the engine thread.
@@ -87,7 +87,6 @@ struct PrefillService::Impl {
   std::map<std::string, transport::PeerId> peers ABSL_GUARDED_BY(peers_mu);
   absl::Mutex adapters_mu;
   std::map<std::string, int> loading ABSL_GUARDED_BY(adapters_mu);    // key -> pending Acquires
-  std::map<std::string, int64_t> bytes ABSL_GUARDED_BY(adapters_mu);  // key -> compute bytes
 };
 
 // One Prefill call from arrival to its answer. Held by the reactor (until OnDone), the adapter
@@ -242,7 +241,7 @@ void PrefillService::Impl::Call::Start() {
 
 void PrefillService::Impl::Call::OnLease(absl::StatusOr<adapters::AdapterLease> lease) {
   const std::string key = adapters::VersionKey(request_.adapter(), request_.adapter_version());
-  impl_->LoadEnded(key, lease.ok() ? static_cast<int64_t>(lease->weights->bytes()) : -1);
+  impl_->LoadEnded(key);
   impl_->awaiting_adapter.fetch_sub(1);
   if (impl_->metrics != nullptr) {
     impl_->metrics->OnAdapterWait(absl::Now() - acquire_started_,
@@ -479,40 +478,23 @@ void PrefillService::Impl::LoadStarted(const std::string& key) {
   ++loading[key];
 }
 
-void PrefillService::Impl::LoadEnded(const std::string& key, int64_t weight_bytes) {
+void PrefillService::Impl::LoadEnded(const std::string& key) {
   absl::MutexLock lock(&adapters_mu);
   if (--loading[key] == 0) loading.erase(key);
-  if (weight_bytes >= 0) bytes[key] = weight_bytes;
 }
 
 void PrefillService::Impl::FillStatus(worker::v1::PrefillStatusResponse* response) {
   // Taken before adapters_mu: VersionedAdapters may answer an Acquire (OnLease -> LoadEnded)
   // under its own lock.
   const std::map<std::string, int64_t> versions = versioned->versions();
-  std::map<std::string, adapters::AdapterInfo> infos;
-  for (adapters::AdapterInfo& info : store->List()) infos[info.name] = std::move(info);
+  const std::vector<adapters::AdapterInfo> store_list = store->List();
   absl::MutexLock lock(&adapters_mu);
-  for (const auto& [name, version] : versions) {  // sorted by name
-    const std::string key = adapters::VersionKey(name, version);
-    worker::v1::AdapterState* a = response->add_adapters();
-    a->set_name(name);
-    a->set_version(version);
-    auto info = infos.find(key);
-    const bool in_compute = info != infos.end() && info->second.in_compute;
-    const bool in_host = info != infos.end() && info->second.in_host;
-    if (in_compute) {
-      a->set_residency(v1::ADAPTER_RESIDENCY_RESIDENT);
-    } else if (in_host) {
-      a->set_residency(v1::ADAPTER_RESIDENCY_HOST);
-    } else if (loading.count(key)) {
-      a->set_residency(v1::ADAPTER_RESIDENCY_LOADING);
-    } else {
-      a->set_residency(v1::ADAPTER_RESIDENCY_DISK);
-    }
-    auto b = bytes.find(key);
-    a->set_bytes(b == bytes.end() ? 0 : b->second);
-    a->set_leases(info == infos.end() ? 0 : static_cast<int32_t>(info->second.leases));
-  }
+  wire::AppendAdapterStates(
+      versions, store_list,
+      [this](const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(adapters_mu) {
+        return loading.count(key) > 0;
+      },
+      response->mutable_adapters());
   const adapters::AdapterStoreStats stats = store->stats();
   const int64_t total = options.store.compute_bytes;
   response->set_adapter_bytes_free(std::max<int64_t>(0, total - stats.compute_bytes_used));
@@ -659,7 +641,7 @@ grpc::ServerUnaryReactor* PrefillService::LoadAdapter(grpc::CallbackServerContex
   impl->versioned->Acquire(
       request->name(), request->version(), request->path(),
       [impl, reactor, response, key](absl::StatusOr<adapters::AdapterLease> lease) {
-        impl->LoadEnded(key, lease.ok() ? static_cast<int64_t>(lease->weights->bytes()) : -1);
+        impl->LoadEnded(key);
         if (lease.ok()) {
           *response = wire::ResidentState(lease->name, lease->version,
                                           static_cast<int64_t>(lease->weights->bytes()));

@@ -3,8 +3,13 @@
 // Engine and transport types <-> their protos (preft.v1 / preft.worker.v1), converted once at
 // the edge of every service.
 
+#include <functional>
+#include <map>
 #include <optional>
 #include <string>
+#include <vector>
+
+#include "common/adapters/adapter_store.h"
 
 #include "common/engine/request.h"
 #include "common/engine/sampling_params.h"
@@ -35,6 +40,15 @@ const char* FinishReasonName(v1::FinishReason r);
 
 // A worker's answer to LoadAdapter: the version now resident there.
 worker::v1::AdapterState ResidentState(const std::string& name, int64_t version, int64_t bytes);
+
+// A worker Status's adapter list: each version in `versions` (name -> newest version, as
+// VersionedAdapters::versions), with its residency and size from `store_list` (the worker's
+// AdapterStore::List, keyed by VersionKey): RESIDENT, HOST, LOADING where `loading(key)`
+// holds, else DISK.
+void AppendAdapterStates(const std::map<std::string, int64_t>& versions,
+                         const std::vector<adapters::AdapterInfo>& store_list,
+                         const std::function<bool(const std::string& key)>& loading,
+                         google::protobuf::RepeatedPtrField<worker::v1::AdapterState>* out);
 
 // The endpoint a worker advertises for its transport and cache layout.
 worker::v1::TransportEndpoint MakeEndpoint(const transport::KvTransport& transport,
