@@ -19,7 +19,8 @@ gnuplot, OUT/throughput_vs_adapters.svg and OUT/latency_vs_load.svg (OUT/plots.g
 them); prints the ratio table. Progress and each process's log go to OUT/logs/; each cell's
 result is kept in OUT/cells/, and a rerun into the same OUT measures only the missing cells.
 On a shared host, --repeat K runs every cell K times (rounds after the first in a shuffled
-order) and reports each cell's median round, with every round's throughput beside it.
+order) and reports each cell's median round, with every round's throughput beside it, and
+each ratio also round by round (round r over round r) with the median of those.
 
   bench/serve/matrix.py --build build --model models/qwen2.5-0.5b --preset qwen2.5-0.5b \\
       --adapters 64,512 --concurrency 64 --requests 128 --out bench/results/qwen
@@ -32,6 +33,7 @@ import random
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -399,7 +401,10 @@ def measure_cell(args, cell, deployment, mode, n, concurrency, requests):
 
 
 def ratios(cells):
-    """PreFT / multi-LoRA and PreFT / base, per deployment, N and load."""
+    """PreFT / multi-LoRA and PreFT / base, per deployment, N and load, from the cells' reported
+    (median) rounds; with --repeat, also round by round (round r of one cell over round r of
+    the other: measured minutes apart, so a slow spell of the host hits both) and the median
+    of those paired ratios (a statistic, so an even count takes the middle two's mean)."""
     by = {(c["deployment"], c["mode"], c["num_adapters"], c["concurrency"]): c for c in cells}
     base = {(c["deployment"], c["concurrency"]): c for c in cells if c["mode"] == "base"}
     out = []
@@ -407,11 +412,16 @@ def ratios(cells):
         if mode not in BASELINE:
             continue
         row = {"deployment": dep, "mode": mode, "num_adapters": n, "concurrency": conc}
-        ref = by.get((dep, BASELINE[mode], n, conc))
-        if ref:
-            row["vs_multi_lora"] = c["output_tokens_per_s"] / ref["output_tokens_per_s"]
-        if (dep, conc) in base:
-            row["vs_base"] = c["output_tokens_per_s"] / base[(dep, conc)]["output_tokens_per_s"]
+        for name, ref in (("vs_multi_lora", by.get((dep, BASELINE[mode], n, conc))),
+                          ("vs_base", base.get((dep, conc)))):
+            if not ref:
+                continue
+            row[name] = c["output_tokens_per_s"] / ref["output_tokens_per_s"]
+            mine, theirs = (x.get("output_tokens_per_s_rounds", []) for x in (c, ref))
+            if len(mine) > 1 and len(mine) == len(theirs):
+                paired = [a / b for a, b in zip(mine, theirs)]
+                row[f"{name}_rounds"] = paired
+                row[f"{name}_paired"] = statistics.median(paired)
         out.append(row)
     return out
 
@@ -512,11 +522,16 @@ def table(cells, rows):
                                           list(MODES).index(c["mode"]))):
         r = ratio.get((c["deployment"], c["mode"], c["num_adapters"], c["concurrency"]), {})
         opt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731  (absent: no adapter/ratio)
+
+        def ratio_text(name):  # "0.95 (0.99/0.90/0.97)": the rounds' paired ratios beside it
+            rounds = r.get(f"{name}_rounds")
+            text = opt(r.get(name))
+            return text if not rounds else f"{text} ({'/'.join(f'{x:.2f}' for x in rounds)})"
         lines.append(
             f"| {c['deployment']} | {c['num_adapters']} | {c['concurrency']} | {c['mode']} | "
             f"{c['output_tokens_per_s']:.1f} | {c['ttft_ms']['p50']:.0f} | "
             f"{c['itl_ms']['p50']:.1f} | {c['kv_usage_mean']:.2f} | "
-            f"{opt(c['adapter_hit_rate'])} | {opt(r.get('vs_multi_lora'))} | {opt(r.get('vs_base'))} |")
+            f"{opt(c['adapter_hit_rate'])} | {ratio_text('vs_multi_lora')} | {ratio_text('vs_base')} |")
     return "\n".join(lines)
 
 
@@ -620,8 +635,12 @@ def main():
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"config": config, "cells": cells, "ratios": rows}, f, indent=1)
     write_csv(os.path.join(args.out, "results.csv"), [flatten(c) for c in cells], CSV_FIELDS)
-    write_csv(os.path.join(args.out, "ratios.csv"), rows,
-              ["deployment", "mode", "num_adapters", "concurrency", "vs_multi_lora", "vs_base"])
+    write_csv(os.path.join(args.out, "ratios.csv"),
+              [{k: " ".join(f"{x:.4f}" for x in v) if isinstance(v, list) else v
+                for k, v in r.items()} for r in rows],
+              ["deployment", "mode", "num_adapters", "concurrency", "vs_multi_lora", "vs_base",
+               "vs_multi_lora_paired", "vs_base_paired", "vs_multi_lora_rounds",
+               "vs_base_rounds"])
     plot(args.out, cells, max(ints(args.concurrency)), ints(args.adapters)[0])
     text = table(cells, rows)
     with open(os.path.join(args.out, "table.md"), "w") as f:

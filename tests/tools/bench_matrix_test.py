@@ -132,6 +132,15 @@ def main():
                   c["output_tokens_per_s"] == min(rounds), f"{name}: median of 2 rounds")
             check(rounds[0] == tps[("colocated", c["mode"], 2)], f"{name}: round 0 reused")
             check(c["failed"] == 0 and c["generated_tokens"] == 50, f"{name}: every token")
+        # Each ratio also round by round: round r of LoRAP over round r of base.
+        rounds = {c["mode"]: c["output_tokens_per_s_rounds"] for c in got}
+        paired = [a / b for a, b in zip(rounds["lorap"], rounds["base"])]
+        x = json.load(open(f"{work}/out/results.json"))["ratios"][0]
+        check(x["mode"] == "lorap" and len(x["vs_base_rounds"]) == 2 and
+              all(abs(a - b) < 1e-9 for a, b in zip(x["vs_base_rounds"], paired)) and
+              abs(x["vs_base_paired"] - sum(paired) / 2) < 1e-9, f"paired ratios by round: {x}")
+        table = open(f"{work}/out/table.md").read()
+        check(f"({paired[0]:.2f}/{paired[1]:.2f})" in table, "the table shows the rounds' ratios")
     for f in failures:
         print("FAIL:", f)
     print(f"bench matrix: {len(failures)} failures")
