@@ -10,7 +10,6 @@
 #include <vector>
 
 #include "common/adapters/adapter_store.h"
-
 #include "common/engine/request.h"
 #include "common/engine/sampling_params.h"
 #include "common/model/adapter_weights.h"
