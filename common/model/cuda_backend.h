@@ -9,9 +9,17 @@
 // blocks are copied out after its prefill and in before its decode (staging through host
 // memory); a CUDA IPC transport instead moves the device blocks themselves (device_cache()),
 // and then no mirror is kept.
+//
+// With tensor_parallel N > 1 the model is split over N GPUs (common/model/tensor_parallel.h):
+// one DeviceModel, KV cache (its KV heads) and adapter slots per rank, each rank driven by a
+// thread of its own on its device, NCCL summing the row-parallel outputs. Such a backend
+// serves colocated workers: its KV stays split over the GPUs and is not handed to other
+// workers (no host mirror, no device_cache()).
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/model/device_model.h"
@@ -31,39 +39,57 @@ class CudaBackend : public ForwardBackend {
     // A host copy of the cache's blocks for the KV transport (as much host memory as the
     // device pool: size that with kv_blocks).
     bool host_mirror = false;
+    // GPUs the model is split over (devices 0 .. N-1); kv_blocks and adapter_bytes are per GPU.
+    int tensor_parallel = 1;
+    // Every rank on device 0, summing through the host instead of NCCL: checks the split on a
+    // single GPU (tests). Slow; never for serving.
+    bool ranks_share_device = false;
   };
-  // FailedPrecondition without a CUDA device.
+  // FailedPrecondition without a CUDA device, or with fewer GPUs than tensor_parallel;
+  // InvalidArgument when tensor_parallel does not divide the model's heads and MLP, or is
+  // combined with host_mirror.
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const Model& model,
                                                              const Options& options);
+  ~CudaBackend() override;
 
-  const ModelConfig& config() const override { return device_->config(); }
-  const kv::KvCacheShape& cache_shape() const override { return cache_->shape(); }
-  absl::Status Forward(const ForwardBatch& batch, base::AlignedVector<float>* logits) override {
-    return device_->Forward(batch, cache_.get(), &slots_, logits);
-  }
+  const ModelConfig& config() const override { return ranks_[0].model->config(); }
+  // The whole model's KV heads (each rank holds its share of them in as many blocks).
+  const kv::KvCacheShape& cache_shape() const override { return shape_; }
+  absl::Status Forward(const ForwardBatch& batch, base::AlignedVector<float>* logits) override;
   bool samples_on_device() const override { return true; }
   absl::Status ForwardSample(const ForwardBatch& batch, const std::vector<RowSampling>& rows,
                              std::vector<int32_t>* tokens) override;
-  void PrepareAdapter(const std::shared_ptr<const AdapterWeights>& adapter) override {
-    slots_.Prefetch(adapter);
-  }
-  absl::StatusOr<bool> AdapterReady(const std::shared_ptr<const AdapterWeights>& adapter) override {
-    return slots_.Ready(adapter);
-  }
+  void PrepareAdapter(const std::shared_ptr<const AdapterWeights>& adapter) override;
+  absl::StatusOr<bool> AdapterReady(const std::shared_ptr<const AdapterWeights>& adapter) override;
   kernels::DType adapter_dtype() const override { return kernels::DType::kBF16; }
   bool cpu_adapter_kernels() const override { return false; }
   kv::KvCache* host_cache() override { return mirror_.get(); }
-  kv::DeviceKvView device_cache() const override { return {cache_->layer_base(0), cache_->shape()}; }
+  kv::DeviceKvView device_cache() const override;
   absl::Status KvToHost(const std::vector<int32_t>& blocks) override;
   absl::Status KvFromHost(const std::vector<int32_t>& blocks) override;
   const char* name() const override { return "cuda"; }
+  int tensor_parallel() const { return static_cast<int>(ranks_.size()); }
+  // "nccl" or "shared-device" with several ranks, "" with one.
+  const char* collective_kind() const;
 
  private:
-  explicit CudaBackend(size_t adapter_bytes) : slots_(adapter_bytes) {}
-  std::unique_ptr<DeviceModel> device_;
-  std::unique_ptr<DeviceKvCache> cache_;
+  struct Rank {
+    int device = 0;
+    std::unique_ptr<kernels::cuda::Collective> collective;
+    std::unique_ptr<DeviceModel> model;
+    std::unique_ptr<DeviceKvCache> cache;
+    std::unique_ptr<DeviceAdapterSlots> slots;
+  };
+  class RankThreads;
+  CudaBackend() = default;
+  // Runs fn(rank) for every rank at once, each on its rank's thread (inline with one rank);
+  // the first error, by rank.
+  absl::Status OnRanks(const std::function<absl::Status(int)>& fn);
+
+  std::vector<Rank> ranks_;
+  std::unique_ptr<RankThreads> threads_;  // several ranks only
+  kv::KvCacheShape shape_;
   std::unique_ptr<kv::KvCache> mirror_;  // host_mirror only
-  DeviceAdapterSlots slots_;
 };
 
 }  // namespace preft::model

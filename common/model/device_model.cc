@@ -334,9 +334,19 @@ const LowRank* PairOf(const AdapterWeights& a, int64_t layer, int slot) {
   return slot < kNumProjections ? &a.lora(layer, static_cast<Projection>(slot)) : nullptr;
 }
 
+// The part of the pair in `slot` that rank `shard` holds: LoRA follows its projection's split;
+// DiReFT (on the whole residual stream) is replicated.
+LowRankSlice SliceOfSlot(const LowRank& lr, int slot, const TensorShard& shard) {
+  if (slot == DeviceAdapter::kDireftSlot) {
+    return {{0, lr.shrink.cols}, {0, lr.expand.cols}, true};
+  }
+  return SliceOfLowRank(lr, static_cast<Projection>(slot), shard);
+}
+
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<DeviceAdapter>> DeviceAdapter::Allocate(const AdapterWeights& a) {
+absl::StatusOr<std::unique_ptr<DeviceAdapter>> DeviceAdapter::Allocate(const AdapterWeights& a,
+                                                                      const TensorShard& shard) {
   PREFT_RETURN_IF_ERROR(NeedDevice());
   const int64_t layers = a.num_layers();
   std::unique_ptr<DeviceAdapter> out(new DeviceAdapter());
@@ -360,9 +370,11 @@ absl::StatusOr<std::unique_ptr<DeviceAdapter>> DeviceAdapter::Allocate(const Ada
             "LoadOptions::cpu_layout) cannot be uploaded to a GPU");
       }
       Placed& p = out->placed_[Entry(l, slot)];
-      p.shrink = plan.Place(lr->shrink.rows * lr->shrink.cols * kernels::DTypeSize(lr->shrink.dtype));
-      p.expand = plan.Place(lr->expand.rows * lr->expand.cols * kernels::DTypeSize(lr->expand.dtype));
-      if (lr->shrink_bias != nullptr) p.bias = plan.Place(lr->rank() * sizeof(float));
+      p.slice = SliceOfSlot(*lr, slot, shard);
+      const size_t es = kernels::DTypeSize(lr->shrink.dtype);
+      p.shrink = plan.Place(lr->rank() * p.slice.shrink_cols.size() * es);
+      p.expand = plan.Place(lr->rank() * p.slice.expand_cols.size() * es);
+      if (lr->shrink_bias != nullptr && p.slice.bias) p.bias = plan.Place(lr->rank() * sizeof(float));
     }
   }
   out->table_at_ = plan.Place(out->placed_.size() * sizeof(cuda::LowRankPair));
@@ -383,15 +395,15 @@ void DeviceAdapter::Fill(const AdapterWeights& a, uint8_t* staging) const {
       pair = cuda::LowRankPair{};
       if (lr == nullptr || lr->empty()) continue;
       const Placed& p = placed_[Entry(l, slot)];
-      const size_t es = kernels::DTypeSize(lr->shrink.dtype);
-      std::memcpy(staging + p.shrink, lr->shrink.data, lr->shrink.rows * lr->shrink.cols * es);
-      std::memcpy(staging + p.expand, lr->expand.data, lr->expand.rows * lr->expand.cols * es);
-      if (lr->shrink_bias != nullptr) {
-        std::memcpy(staging + p.bias, lr->shrink_bias, lr->rank() * sizeof(float));
-      }
-      pair = {data_.as<uint8_t>(p.shrink), data_.as<uint8_t>(p.expand),
-              lr->shrink.dtype, lr->rank(), lr->shrink.cols, lr->expand.cols,
-              lr->shrink_bias != nullptr ? data_.as<float>(p.bias) : nullptr, lr->scale};
+      const ShardRange ranks{0, lr->rank()};
+      CopySubMatrix(lr->shrink, ranks, p.slice.shrink_cols, staging + p.shrink);
+      CopySubMatrix(lr->expand, ranks, p.slice.expand_cols, staging + p.expand);
+      const bool bias = lr->shrink_bias != nullptr && p.slice.bias;
+      if (bias) std::memcpy(staging + p.bias, lr->shrink_bias, lr->rank() * sizeof(float));
+      pair = {data_.as<uint8_t>(p.shrink),       data_.as<uint8_t>(p.expand),
+              lr->shrink.dtype,                  lr->rank(),
+              p.slice.shrink_cols.size(),        p.slice.expand_cols.size(),
+              bias ? data_.as<float>(p.bias) : nullptr, lr->scale};
     }
   }
 }
@@ -460,6 +472,7 @@ absl::StatusOr<std::unique_ptr<DeviceAdapter>> DeviceAdapter::Random(const Model
 
 absl::StatusOr<std::unique_ptr<AdapterUploader>> AdapterUploader::Create() {
   std::unique_ptr<AdapterUploader> u(new AdapterUploader());
+  PREFT_RETURN_IF_ERROR(Cuda(cuda::GetDevice(&u->device_), "current device"));
   PREFT_ASSIGN_OR_RETURN(u->stage_, UploadStage::Create());
   u->thread_ = std::thread([raw = u.get()] { raw->Run(); });
   return u;
@@ -499,6 +512,8 @@ absl::Status AdapterUploader::Wait(const DeviceAdapter* dst) {
 }
 
 void AdapterUploader::Run() {
+  // The stage's stream and the events Stage creates live on the creator's device.
+  const absl::Status device = Cuda(cuda::SetDevice(device_), "set device");
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
@@ -506,7 +521,7 @@ void AdapterUploader::Run() {
     Job job = std::move(jobs_.front());
     jobs_.pop_front();
     lock.unlock();
-    absl::Status s = job.dst->Stage(*job.host, stage_.get());
+    absl::Status s = device.ok() ? job.dst->Stage(*job.host, stage_.get()) : device;
     job.host.reset();  // the host copy may go once staged
     lock.lock();
     pending_.erase(job.dst);
@@ -525,11 +540,11 @@ absl::StatusOr<DeviceAdapter*> DeviceAdapterSlots::StartUpload(
   // The device copy holds the matrices in their dtype plus biases and a table: about the host
   // size, which is what room is made for.
   Drop(lru_.MakeRoom(host->bytes()));
-  absl::StatusOr<std::unique_ptr<DeviceAdapter>> a = DeviceAdapter::Allocate(*host);
+  absl::StatusOr<std::unique_ptr<DeviceAdapter>> a = DeviceAdapter::Allocate(*host, shard_);
   if (absl::IsResourceExhausted(a.status())) {
     // Something else took the device memory: drop every copy this step does not use, retry.
     Drop(lru_.ShrinkTo(0));
-    a = DeviceAdapter::Allocate(*host);
+    a = DeviceAdapter::Allocate(*host, shard_);
   }
   if (!a.ok()) return a.status();
   DeviceAdapter* raw = a->get();
@@ -637,10 +652,21 @@ kv::KvCacheShape DeviceModel::CacheShape(int64_t num_blocks, int64_t block_token
 }
 
 // Plans and allocates the weights (the layout Upload copies into and Random fills), the
-// stream and the cuBLAS handle. lm_head shares the embedding when tied.
-absl::Status DeviceModel::Init(const ModelConfig& c) {
+// stream and the cuBLAS handle. lm_head shares the embedding when tied. Under tensor
+// parallelism the matrices are the rank's slices, and o's bias (added to a partial sum) is
+// rank 0's alone.
+absl::Status DeviceModel::Init(const ModelConfig& full, const TensorShard& shard,
+                               cuda::Collective* collective) {
   PREFT_RETURN_IF_ERROR(NeedDevice());
-  config_ = c;
+  PREFT_RETURN_IF_ERROR(CheckTensorParallel(full, shard.ranks));
+  if (!shard.whole() && collective == nullptr) {
+    return absl::InvalidArgumentError("a tensor-parallel rank needs its group's collective");
+  }
+  full_config_ = full;
+  config_ = ShardConfig(full, shard);
+  shard_ = shard;
+  collective_ = shard.whole() ? nullptr : collective;
+  const ModelConfig& c = config_;
   const int64_t d = c.hidden_size, q_out = c.num_heads * c.head_dim;
   const int64_t kv_out = c.num_kv_heads * c.head_dim;
   Placer plan;
@@ -658,7 +684,7 @@ absl::Status DeviceModel::Init(const ModelConfig& c) {
       l.m[p] = plan.Place(in * out * bf);
     }
   }
-  const bool o_bias = c.attention_bias && c.architecture == Architecture::kLlama;
+  const bool o_bias = c.attention_bias && c.architecture == Architecture::kLlama && shard.rank == 0;
   for (LayerAt& l : at) {
     if (c.attention_bias) {
       l.qb = plan.Place(q_out * f);
@@ -699,11 +725,13 @@ absl::Status DeviceModel::Init(const ModelConfig& c) {
   return Cuda(cuda::Blas::Create(stream_, &blas_), "cuBLAS handle");
 }
 
-absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Upload(const Model& host) {
+absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Upload(const Model& host,
+                                                                const TensorShard& shard,
+                                                                cuda::Collective* collective) {
   std::unique_ptr<DeviceModel> m(new DeviceModel());
   ModelConfig c = host.config();
   c.tie_word_embeddings = host.lm_head().data == host.embed().data;
-  PREFT_RETURN_IF_ERROR(m->Init(c));
+  PREFT_RETURN_IF_ERROR(m->Init(c, shard, collective));
   // Matrices go as bf16: straight from the mapping, or converted in chunks.
   std::vector<uint16_t> chunk;
   auto matrix = [&](const uint16_t* dst, const kernels::MatrixView& v) -> absl::Status {
@@ -723,25 +751,43 @@ absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Upload(const Model& ho
     }
     return absl::OkStatus();
   };
+  // A projection's weight: the rank's slice of it, cut on the host first.
+  std::vector<uint8_t> slice;
+  auto projection = [&](const uint16_t* dst, const kernels::MatrixView& v,
+                        Projection p) -> absl::Status {
+    if (shard.whole()) return matrix(dst, v);
+    const WeightSlice ws = SliceOfWeight(v, p, shard);
+    slice.resize(ws.rows.size() * ws.cols.size() * kernels::DTypeSize(v.dtype));
+    CopySubMatrix(v, ws.rows, ws.cols, slice.data());
+    return matrix(dst, {slice.data(), v.dtype, ws.rows.size(), ws.cols.size()});
+  };
   auto floats = [&](const float* dst, const std::vector<float>& v) -> absl::Status {
     if (dst == nullptr || v.empty()) return absl::OkStatus();
     return Cuda(cuda::CopyToDevice(const_cast<float*>(dst), v.data(), v.size() * sizeof(float),
                                    nullptr),
                 "copy");
   };
+  // A column-parallel projection's bias: the rank's outputs.
+  auto bias = [&](const float* dst, const std::vector<float>& v) -> absl::Status {
+    if (dst == nullptr || v.empty() || shard.whole()) return floats(dst, v);
+    const ShardRange r = RangeOf(static_cast<int64_t>(v.size()), shard);
+    return floats(dst, std::vector<float>(v.begin() + r.begin, v.begin() + r.end));
+  };
   PREFT_RETURN_IF_ERROR(matrix(m->embed_, host.embed()));
   if (!c.tie_word_embeddings) PREFT_RETURN_IF_ERROR(matrix(m->lm_head_, host.lm_head()));
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const Model::LayerWeights& hl = host.layer(i);
     const DeviceLayer& dl = m->layers_[i];
-    const std::pair<const uint16_t*, const kernels::MatrixView*> mats[] = {
-        {dl.q, &hl.q},       {dl.k, &hl.k},   {dl.v, &hl.v},      {dl.o, &hl.o},
-        {dl.gate, &hl.gate}, {dl.up, &hl.up}, {dl.down, &hl.down}};
-    for (const auto& [dst, src] : mats) PREFT_RETURN_IF_ERROR(matrix(dst, *src));
-    PREFT_RETURN_IF_ERROR(floats(dl.q_bias, hl.q_bias));
-    PREFT_RETURN_IF_ERROR(floats(dl.k_bias, hl.k_bias));
-    PREFT_RETURN_IF_ERROR(floats(dl.v_bias, hl.v_bias));
-    PREFT_RETURN_IF_ERROR(floats(dl.o_bias, hl.o_bias));
+    const uint16_t* dst[kNumProjections] = {dl.q, dl.k, dl.v, dl.o, dl.gate, dl.up, dl.down};
+    const kernels::MatrixView* src[kNumProjections] = {&hl.q,    &hl.k,  &hl.v,   &hl.o,
+                                                       &hl.gate, &hl.up, &hl.down};
+    for (int p = 0; p < kNumProjections; ++p) {
+      PREFT_RETURN_IF_ERROR(projection(dst[p], *src[p], static_cast<Projection>(p)));
+    }
+    PREFT_RETURN_IF_ERROR(bias(dl.q_bias, hl.q_bias));
+    PREFT_RETURN_IF_ERROR(bias(dl.k_bias, hl.k_bias));
+    PREFT_RETURN_IF_ERROR(bias(dl.v_bias, hl.v_bias));
+    PREFT_RETURN_IF_ERROR(floats(dl.o_bias, hl.o_bias));  // rank 0's alone
     PREFT_RETURN_IF_ERROR(floats(dl.input_norm, hl.input_norm));
     PREFT_RETURN_IF_ERROR(floats(dl.post_attention_norm, hl.post_attention_norm));
   }
@@ -750,11 +796,14 @@ absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Upload(const Model& ho
   return m;
 }
 
-absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Random(const ModelConfig& c,
-                                                                uint64_t seed) {
+absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Random(const ModelConfig& full,
+                                                                uint64_t seed,
+                                                                const TensorShard& shard,
+                                                                cuda::Collective* collective) {
   std::unique_ptr<DeviceModel> m(new DeviceModel());
-  PREFT_RETURN_IF_ERROR(m->Init(c));
-  uint64_t stream_id = seed * 0x9e3779b97f4a7c15ull;
+  PREFT_RETURN_IF_ERROR(m->Init(full, shard, collective));
+  const ModelConfig& c = m->config_;  // the rank's shapes
+  uint64_t stream_id = (seed + shard.rank * 0x51ed27ull) * 0x9e3779b97f4a7c15ull;
   auto fill = [&](const uint16_t* dst, int64_t in, int64_t out, double std) {
     return Cuda(cuda::FillRandomBf16(const_cast<uint16_t*>(dst), in * out, ++stream_id,
                                      UniformBound(std), nullptr),
@@ -768,7 +817,9 @@ absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Random(const ModelConf
     const uint16_t* mats[kNumProjections] = {l.q, l.k, l.v, l.o, l.gate, l.up, l.down};
     for (int p = 0; p < kNumProjections; ++p) {
       const auto [in, out] = DimsOf(c, static_cast<Projection>(p));
-      PREFT_RETURN_IF_ERROR(fill(mats[p], in, out, 1.0 / std::sqrt(in)));
+      // Fan-in scaled by the whole projection's inputs, as the unsharded model is.
+      const int64_t fan_in = DimsOf(full, static_cast<Projection>(p)).in;
+      PREFT_RETURN_IF_ERROR(fill(mats[p], in, out, 1.0 / std::sqrt(fan_in)));
     }
     for (const float* norm : {l.input_norm, l.post_attention_norm}) {
       PREFT_RETURN_IF_ERROR(Cuda(cuda::CopyToDevice(const_cast<float*>(norm), ones.data(),
@@ -835,7 +886,7 @@ absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
     absl::flat_hash_set<const AdapterWeights*> seen;
     for (const ForwardBatch::Sequence& s : batch.sequences) {
       if (s.adapter != nullptr && seen.insert(s.adapter).second) {
-        PREFT_RETURN_IF_ERROR(CheckAdapterFits(c, *s.adapter));
+        PREFT_RETURN_IF_ERROR(CheckAdapterFits(full_config_, *s.adapter));
         used.push_back(s.adapter);
       }
     }
@@ -933,7 +984,8 @@ absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
   PREFT_RETURN_IF_ERROR(Reserve(
       &attention_parts_,
       cuda::AttentionWorkspaceFloats(S, max_new, geometry, c.num_heads) * sizeof(float)));
-  if (!use_graphs_ || max_new != 1) return Launch(step, cache, lora, direft);
+  const bool capturable = collective_ == nullptr || collective_->capturable();
+  if (!use_graphs_ || !capturable || max_new != 1) return Launch(step, cache, lora, direft);
 
   // Decode steps replay a graph recorded for their shape (the kernels' arguments are fixed
   // by the shape, the cache and the buffers, all in the key; the data is in meta_).
@@ -1039,6 +1091,7 @@ absl::Status DeviceModel::Launch(const Step& step, DeviceKvCache* cache, const L
                                "attention"));
     PREFT_RETURN_IF_ERROR(linear(attn_, T, l.o, d, q_out, l.o_bias, tmp_));
     PREFT_RETURN_IF_ERROR(apply_lora(li, attn_, q_out, {{Projection::kO, tmp_, d}}));
+    PREFT_RETURN_IF_ERROR(AllReduce(tmp_, T * d));
     PREFT_RETURN_IF_ERROR(Cuda(
         cuda::AddRmsNorm(x_, tmp_, l.post_attention_norm, T, d, eps, h_, stream_), "norm"));
     PREFT_RETURN_IF_ERROR(
@@ -1050,6 +1103,7 @@ absl::Status DeviceModel::Launch(const Step& step, DeviceKvCache* cache, const L
         Cuda(cuda::SiluMulSeparate(gate_, up_, T * inter, gate_, stream_), "SwiGLU"));
     PREFT_RETURN_IF_ERROR(linear(gate_, T, l.down, d, inter, nullptr, tmp_));
     PREFT_RETURN_IF_ERROR(apply_lora(li, gate_, inter, {{Projection::kDown, tmp_, d}}));
+    PREFT_RETURN_IF_ERROR(AllReduce(tmp_, T * d));
     mlp_out_pending = direft.empty();
     if (!direft.empty()) {
       PREFT_RETURN_IF_ERROR(Cuda(cuda::AddInPlace(x_, tmp_, T * d, stream_), "add"));
@@ -1063,7 +1117,9 @@ absl::Status DeviceModel::Launch(const Step& step, DeviceKvCache* cache, const L
   if (mlp_out_pending) {
     PREFT_RETURN_IF_ERROR(Cuda(cuda::AddInPlace(x_, tmp_, T * d, stream_), "add"));
   }
-  // Only the rows that will be sampled go through the final norm and the LM head.
+  // Only the rows that will be sampled go through the final norm and the LM head; only rank 0
+  // (every rank holds the same residual stream) runs them.
+  if (shard_.rank != 0) return absl::OkStatus();
   PREFT_RETURN_IF_ERROR(
       Cuda(cuda::GatherRows(x_, DType::kF32, d, logit_rows, R, last_, stream_), "gather"));
   PREFT_RETURN_IF_ERROR(Cuda(cuda::RmsNorm(last_, final_norm_, R, d, eps, last_, stream_), "norm"));
@@ -1079,6 +1135,21 @@ absl::Status DeviceModel::Forward(const ForwardBatch& batch, DeviceKvCache* cach
   PREFT_RETURN_IF_ERROR(
       Cuda(cuda::CopyToHost(logits->data(), logits_, n * sizeof(float), stream_), "copy"));
   return Cuda(cuda::StreamSynchronize(stream_), "forward");
+}
+
+absl::Status DeviceModel::ForwardRank(const ForwardBatch& batch, DeviceKvCache* cache,
+                                      DeviceAdapterSlots* adapters) {
+  PREFT_RETURN_IF_ERROR(Run(batch, cache, adapters));
+  return Cuda(cuda::StreamSynchronize(stream_), "forward");
+}
+
+absl::Status DeviceModel::AllReduce(float* y, int64_t n) {
+  if (collective_ == nullptr) return absl::OkStatus();
+  if (const char* error = collective_->SumInPlace(y, n, stream_); error != nullptr) {
+    return absl::InternalError(absl::StrCat("tensor-parallel all-reduce (", collective_->kind(),
+                                            ", rank ", shard_.rank, "): ", error));
+  }
+  return absl::OkStatus();
 }
 
 void DeviceModel::ClearGraphs() {

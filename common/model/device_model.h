@@ -21,6 +21,7 @@
 #include "common/base/aligned_vector.h"
 #include "common/base/step_lru.h"
 #include "common/kernels/attention_types.h"
+#include "common/kernels/cuda/collectives.cuh"
 #include "common/kernels/cuda/linear.cuh"
 #include "common/kernels/cuda/low_rank.cuh"
 #include "common/kernels/cuda/sampling.cuh"
@@ -29,6 +30,7 @@
 #include "common/model/config.h"
 #include "common/model/forward_batch.h"
 #include "common/model/model.h"
+#include "common/model/tensor_parallel.h"
 
 namespace preft::model {
 
@@ -121,15 +123,17 @@ class DeviceAdapter {
   static constexpr int64_t Entry(int64_t layer, int slot) { return layer * kEntriesPerLayer + slot; }
   static constexpr int kDireftSlot = kNumProjections;
 
-  // Device memory for `a` and where each piece goes, nothing copied yet. InvalidArgument for
-  // a rank over kernels::cuda::kMaxLowRank or matrices of mixed dtypes.
-  static absl::StatusOr<std::unique_ptr<DeviceAdapter>> Allocate(const AdapterWeights& a);
+  // Device memory for `a` (the part of it tensor-parallel rank `shard` holds) and where each
+  // piece goes, nothing copied yet. InvalidArgument for a rank over
+  // kernels::cuda::kMaxLowRank or matrices of mixed dtypes.
+  static absl::StatusOr<std::unique_ptr<DeviceAdapter>> Allocate(const AdapterWeights& a,
+                                                                const TensorShard& shard = {});
   // Stages `a` (the adapter Allocate planned) in `stage` and queues its copy there;
   // ready_event() then marks the copy's end (a stream that reads the adapter waits on it).
   absl::Status Stage(const AdapterWeights& a, UploadStage* stage);
   // Random bf16 matrices made on the device (benchmarks: 512 adapters of an 8B model without
   // writing them): LoRA of `rank` on all seven projections of every layer, scale 1, or DiReFT
-  // of `rank` on every layer.
+  // of `rank` on every layer. `config` is the rank's own (ShardConfig) under tensor parallelism.
   static absl::StatusOr<std::unique_ptr<DeviceAdapter>> Random(const ModelConfig& config,
                                                               AdapterKind kind, int64_t rank,
                                                               uint64_t seed);
@@ -144,6 +148,7 @@ class DeviceAdapter {
  private:
   struct Placed {
     size_t shrink = 0, expand = 0, bias = 0;
+    LowRankSlice slice;  // the part of the pair this rank holds
   };
   DeviceAdapter() = default;
   // The matrices, biases and table (with device addresses) as they are laid out on the device.
@@ -184,6 +189,7 @@ class AdapterUploader {
   AdapterUploader() = default;
   void Run();
 
+  int device_ = 0;  // the creator's current device: thread_ works on it
   std::unique_ptr<UploadStage> stage_;  // used by thread_ alone
   std::mutex mu_;
   std::condition_variable cv_;
@@ -201,8 +207,10 @@ class AdapterUploader {
 // allocated at its address never share a copy. Not thread-safe (the forward's thread).
 class DeviceAdapterSlots {
  public:
-  explicit DeviceAdapterSlots(size_t budget_bytes = base::StepLru::kNoBudget)
-      : lru_(budget_bytes) {}
+  // Under tensor parallelism each rank keeps its own slots, holding its part of each adapter.
+  explicit DeviceAdapterSlots(size_t budget_bytes = base::StepLru::kNoBudget,
+                              const TensorShard& shard = {})
+      : lru_(budget_bytes), shard_(shard) {}
 
   // Starts a forward step over the distinct adapters in `used`: copies used only before it
   // may now be dropped, and those of `used` already here are pinned first, so making room
@@ -237,6 +245,7 @@ class DeviceAdapterSlots {
   void Erase(uint64_t serial);  // after its copy is queued, so no job writes freed memory
 
   base::StepLru lru_;
+  TensorShard shard_;
   absl::flat_hash_map<uint64_t, std::unique_ptr<DeviceAdapter>> slots_;
   // Made at the first upload (it needs a device); declared after slots_, so it finishes its
   // jobs (which write into slots_' adapters) before they are freed.
@@ -245,22 +254,36 @@ class DeviceAdapterSlots {
   int64_t evictions_ = 0;
 };
 
-// Owned by one thread (Forward reuses device scratch; not thread-safe). Runs on its own
-// stream; every call returns after its results are on the host.
+// Owned by one thread (Forward reuses device scratch; not thread-safe), on the device that
+// was current when it was made. Runs on its own stream; every call returns after its results
+// are on the host.
+//
+// Under tensor parallelism (common/model/tensor_parallel.h) a DeviceModel is one rank: it holds
+// its slice of the weights, its heads' KV cache (CacheShape) and its part of each adapter
+// (its DeviceAdapterSlots), and sums the partial outputs of o and down over the ranks through
+// `collective`. Every rank runs every step (rank 0 through Forward*, which computes the LM
+// head and returns results; the others through ForwardRank), each from its own thread.
 class DeviceModel {
  public:
   // Copies the host model's weights (matrices as bf16, converting f32/f16 ones; norms and
-  // biases f32). FailedPrecondition without a CUDA device.
-  static absl::StatusOr<std::unique_ptr<DeviceModel>> Upload(const Model& host);
-  // Random bf16 weights in `config`'s shapes and make-model's scales, made on the device.
-  static absl::StatusOr<std::unique_ptr<DeviceModel>> Random(const ModelConfig& config,
-                                                            uint64_t seed);
+  // biases f32): all of them, or rank `shard`'s slice (then `collective` is the rank's).
+  // FailedPrecondition without a CUDA device.
+  static absl::StatusOr<std::unique_ptr<DeviceModel>> Upload(
+      const Model& host, const TensorShard& shard = {},
+      kernels::cuda::Collective* collective = nullptr);
+  // Random bf16 weights in `config`'s shapes and make-model's scales, made on the device (a
+  // rank's slice: its own random values in the slice's shape).
+  static absl::StatusOr<std::unique_ptr<DeviceModel>> Random(
+      const ModelConfig& config, uint64_t seed, const TensorShard& shard = {},
+      kernels::cuda::Collective* collective = nullptr);
   ~DeviceModel();
   DeviceModel(const DeviceModel&) = delete;
   DeviceModel& operator=(const DeviceModel&) = delete;
 
-  const ModelConfig& config() const { return config_; }
+  const ModelConfig& config() const { return full_config_; }  // the whole model's
+  const TensorShard& shard() const { return shard_; }
   size_t weight_bytes() const { return weights_.size(); }
+  // The shape of this rank's cache: its own KV heads.
   kv::KvCacheShape CacheShape(int64_t num_blocks, int64_t block_tokens = 16) const;
 
   // As Model::Forward: K/V of the new tokens into `cache`, the logits of batch.logit_rows
@@ -279,8 +302,13 @@ class DeviceModel {
                              const std::vector<kernels::cuda::SampleSpec>& specs,
                              std::vector<int32_t>* tokens);
 
+  // A step on a rank other than 0: its share of the layers (no LM head), nothing returned.
+  absl::Status ForwardRank(const ForwardBatch& batch, DeviceKvCache* cache,
+                           DeviceAdapterSlots* adapters);
+
   // Decode steps (one new token per sequence) record a CUDA graph per shape and replay it,
-  // one launch instead of ~13 per layer. Off by default.
+  // one launch instead of ~13 per layer (not with a collective that cannot be captured).
+  // Off by default.
   void UseGraphs(bool on) { use_graphs_ = on; }
   // Decode graphs recorded so far (each costs a capture and an instantiation on the host).
   int64_t graph_captures() const { return graph_captures_; }
@@ -310,7 +338,11 @@ class DeviceModel {
   static constexpr size_t kMaxGraphs = 64;
 
   DeviceModel() = default;
-  absl::Status Init(const ModelConfig& config);
+  // `config` is the whole model's; the rank's slice is planned.
+  absl::Status Init(const ModelConfig& config, const TensorShard& shard,
+                    kernels::cuda::Collective* collective);
+  // Sums a row-parallel layer's partial output over the ranks (nothing with one rank).
+  absl::Status AllReduce(float* y, int64_t n);
   // Runs the layers and the LM head; leaves [rows, vocab] logits in logits_ on the device.
   absl::Status Run(const ForwardBatch& batch, DeviceKvCache* cache,
                    DeviceAdapterSlots* adapters);
@@ -322,7 +354,10 @@ class DeviceModel {
   // Grows `buffer` to at least `bytes` (after the stream's work that may still read it).
   absl::Status Reserve(DeviceBuffer* buffer, size_t bytes);
 
-  ModelConfig config_;
+  ModelConfig full_config_;
+  ModelConfig config_;  // this rank's slice (ShardConfig): what the kernels run
+  TensorShard shard_;
+  kernels::cuda::Collective* collective_ = nullptr;  // borrowed; null with one rank
   void* stream_ = nullptr;
   kernels::cuda::Blas* blas_ = nullptr;
   DeviceBuffer weights_;  // every matrix (bf16), then norms, biases and inv_freq (f32)

@@ -138,6 +138,11 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f) {
                  "decode worker stages KV through host memory unless --transport cuda_ipc)")
       ->capture_default_str()
       ->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--tensor-parallel", f->tensor_parallel,
+                 "split the model over this many GPUs (with --device cuda; NCCL between them; "
+                 "colocated workers only)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
   app.add_option("--transport", f->transport.kind,
                  "KV transport: ucx, cuda_ipc (GPU to GPU on one node, with --device cuda; "
                  "notices over UCX), grpc or inproc")
@@ -215,7 +220,7 @@ absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& f, bool kv_tran
   PREFT_ASSIGN_OR_RETURN(
       w.engine,
       MakeEngine(w.model.model.get(), w.model.tokenizer.get(), f.device, o,
-                 kv_transport && f.transport.kind != "cuda_ipc"));
+                 kv_transport && f.transport.kind != "cuda_ipc", f.tensor_parallel));
   w.engine->set_observer(w.engine_metrics.get());
   return w;
 }
@@ -224,13 +229,27 @@ absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(model::Model* model,
                                                            const model::Tokenizer* tokenizer,
                                                            const std::string& device,
                                                            const engine::EngineOptions& options,
-                                                           bool kv_transport) {
+                                                           bool kv_transport,
+                                                           int tensor_parallel) {
+  if (tensor_parallel != 1) {
+    if (device != "cuda") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--tensor-parallel ", tensor_parallel, " splits the model over GPUs: use --device cuda"));
+    }
+    if (kv_transport) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--tensor-parallel ", tensor_parallel,
+          " serves colocated workers only: each GPU keeps its own KV heads, and handing them "
+          "to another worker (prefill and decode tiers) is not built"));
+    }
+  }
   if (device == "cpu") return engine::Engine::Create(model, tokenizer, options);
 #ifdef PREFT_HAVE_CUDA
   if (device == "cuda") {
     model::CudaBackend::Options co;
     co.kv_blocks = options.kv_blocks;
     co.host_mirror = kv_transport;
+    co.tensor_parallel = tensor_parallel;
     // A mirrored pool takes as much host memory as device memory: not a share of the GPU's.
     const int64_t kv_bytes =
         options.kv_bytes > 0 ? options.kv_bytes : kv_transport ? kMirroredKvBytes : 0;

@@ -42,9 +42,10 @@ std::string TempDir(const std::string& name) {
 }
 
 // A fresh random bf16 tiny model in TempDir(name); *seed gets its seed.
-std::unique_ptr<model::Model> FreshTinyModel(const std::string& name, uint64_t* seed) {
+std::unique_ptr<model::Model> FreshTinyModel(const std::string& name, uint64_t* seed,
+                                             const std::string& preset = "tiny") {
   model::MakeModelOptions mo;
-  mo.preset = "tiny";
+  mo.preset = preset;
   mo.dtype = kernels::DType::kBF16;
   mo.seed = *seed = std::random_device{}();
   mo.out_dir = TempDir(name);
@@ -52,6 +53,84 @@ std::unique_ptr<model::Model> FreshTinyModel(const std::string& name, uint64_t* 
   auto host = model::Model::Load(mo.out_dir);
   EXPECT_TRUE(host.ok()) << host.status();
   return host.ok() ? *std::move(host) : nullptr;
+}
+
+// A random bf16 LoRA (rank 8) and DiReFT (rank 4) for `model`, written under TempDir(prefix
+// + kind) and loaded as the GPU backend takes them. Empty on failure (the failure reported).
+std::vector<std::shared_ptr<const model::AdapterWeights>> RandomAdapters(
+    const model::Model& model, uint64_t seed, const std::string& prefix) {
+  std::vector<std::shared_ptr<const model::AdapterWeights>> adapters;
+  for (auto kind : {model::AdapterKind::kLora, model::AdapterKind::kDireft}) {
+    adapters::RandomAdapterSpec spec;
+    spec.kind = kind;
+    spec.rank = kind == model::AdapterKind::kLora ? 8 : 4;
+    spec.dtype = kernels::DType::kBF16;
+    spec.seed = seed + 1;
+    const std::string adir = TempDir(prefix + model::AdapterKindName(kind));
+    const absl::Status written = adapters::WriteRandomAdapter(model.config(), spec, adir);
+    EXPECT_TRUE(written.ok()) << written;
+    adapters::LoadOptions lo;
+    lo.dtype = kernels::DType::kBF16;
+    auto a = adapters::LoadAdapter(adir, model.config(), lo);
+    EXPECT_TRUE(a.ok()) << a.status();
+    if (!written.ok() || !a.ok()) return {};
+    adapters.push_back(std::move(*a));
+  }
+  return adapters;
+}
+
+// Five greedy requests (prompts of 9 to 37 random tokens, 12 new tokens): base, then LoRAP,
+// LoRA, DiReFTP, DiReFT on RandomAdapters' two; with `logprobs` each token's top two.
+std::vector<Request> MixedRequests(
+    const std::vector<std::shared_ptr<const model::AdapterWeights>>& adapters, uint64_t seed,
+    bool logprobs) {
+  std::vector<Request> reqs;
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  for (int i = 0; i < 5; ++i) {
+    Request r;
+    r.id = "r" + std::to_string(i);
+    for (int t = 0; t < 9 + 7 * i; ++t) r.prompt_ids.push_back(static_cast<int32_t>(rng() % 250));
+    r.sampling.max_tokens = 12;
+    r.sampling.ignore_eos = true;
+    if (logprobs) r.sampling.logprobs = 2;  // the reference's margins, for near ties
+    if (i > 0) {
+      r.adapter.weights = adapters[(i - 1) / 2];
+      r.adapter.positions =
+          i % 2 == 1 ? model::AdapterPositions::kPrompt : model::AdapterPositions::kAll;
+    }
+    reqs.push_back(std::move(r));
+  }
+  return reqs;
+}
+
+// `got` generated the tokens of `want` (which has each token's top-2 logprobs), but for a
+// request that took want's runner-up at a near tie, compared no further from there.
+void ExpectSameUpToNearTies(const std::vector<GenerationResult>& want,
+                            const std::vector<GenerationResult>& got) {
+  constexpr double kNearTie = 0.05;  // nats between the reference's best two
+  ASSERT_EQ(got.size(), want.size());
+  size_t diverged = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    SCOPED_TRACE("request " + std::to_string(i));
+    ASSERT_TRUE(got[i].status.ok()) << got[i].status;
+    const std::vector<int32_t>& w = want[i].token_ids;
+    const std::vector<int32_t>& g = got[i].token_ids;
+    ASSERT_EQ(g.size(), w.size());
+    ASSERT_EQ(want[i].logprobs.size(), w.size());
+    size_t j = 0;
+    while (j < w.size() && g[j] == w[j]) ++j;
+    if (j == w.size()) continue;
+    const TokenLogprob& at = want[i].logprobs[j];
+    ASSERT_GE(at.top.size(), 2u);
+    const int32_t other = at.top[0].first == w[j] ? at.top[1].first : at.top[0].first;
+    EXPECT_EQ(g[j], other) << "token " << j << ": not the reference's runner-up";
+    EXPECT_LT(at.top[0].second - at.top[1].second, kNearTie)
+        << "token " << j << " differs where the reference's margin was clear";
+    std::printf("request %zu: took the runner-up at token %zu (margin %.4f nats)\n", i, j,
+                at.top[0].second - at.top[1].second);
+    ++diverged;
+  }
+  EXPECT_LE(diverged, 2u) << "near ties are rare; flips in most requests are a bug";
 }
 
 TEST(CudaEngineTest, MixedAdapterRequestsMatchTheCpuEngine) {
@@ -67,40 +146,8 @@ TEST(CudaEngineTest, MixedAdapterRequestsMatchTheCpuEngine) {
   ASSERT_TRUE(gpu_backend.ok()) << gpu_backend.status();
   EXPECT_EQ((*gpu_backend)->cache_shape().block_tokens, 16);
 
-  std::vector<std::shared_ptr<const model::AdapterWeights>> adapters;
-  for (auto kind : {model::AdapterKind::kLora, model::AdapterKind::kDireft}) {
-    adapters::RandomAdapterSpec spec;
-    spec.kind = kind;
-    spec.rank = kind == model::AdapterKind::kLora ? 8 : 4;
-    spec.dtype = kernels::DType::kBF16;
-    spec.seed = seed + 1;
-    const std::string adir = TempDir(model::AdapterKindName(kind));
-    ASSERT_TRUE(adapters::WriteRandomAdapter(model->config(), spec, adir).ok());
-    adapters::LoadOptions lo;
-    lo.dtype = kernels::DType::kBF16;
-    auto a = adapters::LoadAdapter(adir, model->config(), lo);
-    ASSERT_TRUE(a.ok()) << a.status();
-    adapters.push_back(std::move(*a));
-  }
-  auto requests = [&](bool logprobs) {
-    std::vector<Request> reqs;
-    std::mt19937 rng(static_cast<uint32_t>(seed));
-    for (int i = 0; i < 5; ++i) {
-      Request r;
-      r.id = "r" + std::to_string(i);
-      for (int t = 0; t < 9 + 7 * i; ++t) r.prompt_ids.push_back(static_cast<int32_t>(rng() % 250));
-      r.sampling.max_tokens = 12;
-      r.sampling.ignore_eos = true;
-      if (logprobs) r.sampling.logprobs = 2;  // the CPU's margins, for near ties
-      if (i > 0) {
-        r.adapter.weights = adapters[(i - 1) / 2];
-        r.adapter.positions =
-            i % 2 == 1 ? model::AdapterPositions::kPrompt : model::AdapterPositions::kAll;
-      }
-      reqs.push_back(std::move(r));
-    }
-    return reqs;
-  };
+  const auto adapters = RandomAdapters(*model, seed, "");
+  ASSERT_EQ(adapters.size(), 2u);
   EngineOptions o;
   o.kv_blocks = 64;
   auto cpu = Engine::Create(model.get(), nullptr, o);
@@ -108,32 +155,84 @@ TEST(CudaEngineTest, MixedAdapterRequestsMatchTheCpuEngine) {
   auto gpu = Engine::Create(*std::move(gpu_backend), nullptr, o);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   EXPECT_EQ((*gpu)->cache(), nullptr);  // the KV cache lives on the device
-  auto want = (*cpu)->Generate(requests(true));
-  auto got = (*gpu)->Generate(requests(false));
+  auto want = (*cpu)->Generate(MixedRequests(adapters, seed, true));
+  auto got = (*gpu)->Generate(MixedRequests(adapters, seed, false));
   ASSERT_TRUE(want.ok() && got.ok());
-  constexpr double kNearTie = 0.05;  // nats between the CPU's best two
-  size_t diverged = 0;
-  for (size_t i = 0; i < want->size(); ++i) {
-    SCOPED_TRACE("request " + std::to_string(i));
-    ASSERT_TRUE((*got)[i].status.ok()) << (*got)[i].status;
-    const std::vector<int32_t>& w = (*want)[i].token_ids;
-    const std::vector<int32_t>& g = (*got)[i].token_ids;
-    ASSERT_EQ(g.size(), w.size());
-    ASSERT_EQ((*want)[i].logprobs.size(), w.size());
-    size_t j = 0;
-    while (j < w.size() && g[j] == w[j]) ++j;
-    if (j == w.size()) continue;
-    const TokenLogprob& at = (*want)[i].logprobs[j];
-    ASSERT_GE(at.top.size(), 2u);
-    const int32_t other = at.top[0].first == w[j] ? at.top[1].first : at.top[0].first;
-    EXPECT_EQ(g[j], other) << "token " << j << ": not the CPU's runner-up";
-    EXPECT_LT(at.top[0].second - at.top[1].second, kNearTie)
-        << "token " << j << " differs where the CPU's margin was clear";
-    std::printf("request %zu: took the runner-up at token %zu (CPU margin %.4f nats)\n", i, j,
-                at.top[0].second - at.top[1].second);
-    ++diverged;
+  ExpectSameUpToNearTies(*want, *got);
+}
+
+// Tensor parallelism: the model split over two ranks (two GPUs through NCCL where there are
+// two, else both ranks on one GPU summing through the host) generates the tokens one GPU
+// does, for base, LoRA, LoRAP, DiReFT and DiReFTP requests batched together, through the
+// logits path (logprobs asked) and the on-device sampling path. Qwen2's q/k/v biases are
+// sliced with their heads.
+TEST(CudaEngineTest, TensorParallelRanksGenerateAsOneGpu) {
+  uint64_t seed = 0;
+  std::unique_ptr<model::Model> model = FreshTinyModel("tp_model", &seed, "tiny-qwen2");
+  ASSERT_NE(model, nullptr);
+  const int devices = kernels::cuda::DeviceCount();
+  model::CudaBackend::Options tp;
+  tp.kv_blocks = 64;
+  tp.tensor_parallel = 2;
+  tp.ranks_share_device = devices < 2;
+  if (devices == 0) {
+    EXPECT_EQ(model::CudaBackend::Create(*model, tp).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+    GTEST_SKIP() << "no CUDA device visible";
   }
-  EXPECT_LE(diverged, 2u) << "near ties are rare; flips in most requests are a bug";
+  // Splits the model cannot take, and KV that would have to leave the GPUs, are refused.
+  model::CudaBackend::Options bad = tp;
+  bad.tensor_parallel = 3;
+  const absl::Status heads = model::CudaBackend::Create(*model, bad).status();
+  EXPECT_EQ(heads.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(heads.message().find("num_attention_heads (4) is not a multiple of 3"),
+            std::string::npos) << heads;
+  bad = tp;
+  bad.host_mirror = true;
+  EXPECT_EQ(model::CudaBackend::Create(*model, bad).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  bad = tp;
+  bad.tensor_parallel = devices * 2;
+  bad.ranks_share_device = false;
+  const absl::Status too_few = model::CudaBackend::Create(*model, bad).status();
+  EXPECT_EQ(too_few.code(), absl::StatusCode::kFailedPrecondition) << too_few;
+
+  auto split = model::CudaBackend::Create(*model, tp);
+  ASSERT_TRUE(split.ok()) << split.status();
+  EXPECT_EQ((*split)->tensor_parallel(), 2);
+  std::printf("tensor parallelism: 2 ranks through %s\n", (*split)->collective_kind());
+  EXPECT_EQ((*split)->cache_shape().num_kv_heads, model->config().num_kv_heads);
+  EXPECT_EQ((*split)->device_cache().base, nullptr);  // split over ranks: no single pool
+  model::CudaBackend::Options one;
+  one.kv_blocks = 64;
+  auto whole = model::CudaBackend::Create(*model, one);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+
+  const auto adapters = RandomAdapters(*model, seed, "tp_");
+  ASSERT_EQ(adapters.size(), 2u);
+  EngineOptions o;
+  o.kv_blocks = 64;
+  auto reference = Engine::Create(*std::move(whole), nullptr, o);
+  auto engine = Engine::Create(*std::move(split), nullptr, o);
+  ASSERT_TRUE(reference.ok() && engine.ok());
+  auto want = (*reference)->Generate(MixedRequests(adapters, seed, true));
+  ASSERT_TRUE(want.ok()) << want.status();
+  for (bool logprobs : {true, false}) {
+    SCOPED_TRACE(logprobs ? "logits to the host" : "sampled on the device");
+    auto got = (*engine)->Generate(MixedRequests(adapters, seed, logprobs));
+    ASSERT_TRUE(got.ok()) << got.status();
+    ExpectSameUpToNearTies(*want, *got);
+    if (!logprobs) continue;
+    // Where the tokens agree, so do their logprobs (to bf16 rounding).
+    for (size_t i = 0; i < want->size(); ++i) {
+      const auto& w = (*want)[i];
+      const auto& g = (*got)[i];
+      for (size_t j = 0; j < w.token_ids.size() && g.token_ids[j] == w.token_ids[j]; ++j) {
+        EXPECT_NEAR(g.logprobs[j].logprob, w.logprobs[j].logprob, 0.02)
+            << "request " << i << " token " << j;
+      }
+    }
+  }
 }
 
 // Three greedy requests with prompts of 20, 29 and 38 random tokens, 8 new tokens each: the

@@ -73,5 +73,40 @@ TEST(WorkerSetupTest, CudaIpcNeedsADeviceCacheAndIsCheckedAtReadiness) {
   EXPECT_FALSE(CheckTransport("inproc", f).ok());
 }
 
+// --tensor-parallel splits a model over GPUs, for colocated workers: asked of the CPU, or of a
+// worker that hands its KV to others, it is refused before anything is built; the flag takes
+// 1 to 64.
+TEST(WorkerSetupTest, TensorParallelNeedsGpusAndAColocatedWorker) {
+  auto m = LoadModel(testing::TinyLlamaFixture());
+  ASSERT_TRUE(m.ok()) << m.status();
+  engine::EngineOptions o;
+  o.kv_blocks = 16;
+  const absl::Status cpu =
+      MakeEngine(m->model.get(), m->tokenizer.get(), "cpu", o, false, 2).status();
+  EXPECT_EQ(cpu.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cpu.message(), "--tensor-parallel 2 splits the model over GPUs: use --device cuda");
+  const absl::Status split =
+      MakeEngine(m->model.get(), m->tokenizer.get(), "cuda", o, /*kv_transport=*/true, 4).status();
+  EXPECT_EQ(split.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(split.message().find("--tensor-parallel 4 serves colocated workers only"),
+            std::string::npos)
+      << split;
+  EXPECT_TRUE(MakeEngine(m->model.get(), m->tokenizer.get(), "cpu", o, false, 1).ok());
+
+  for (const char* bad : {"0", "65", "two"}) {
+    CLI::App app;
+    WorkerFlags f;
+    AddWorkerFlags(app, &f);
+    const char* argv[] = {"worker", "--model", "m", "--tensor-parallel", bad};
+    EXPECT_THROW(app.parse(5, const_cast<char**>(argv)), CLI::ParseError) << bad;
+  }
+  CLI::App app;
+  WorkerFlags f;
+  AddWorkerFlags(app, &f);
+  const char* argv[] = {"worker", "--model", "m", "--device", "cuda", "--tensor-parallel", "8"};
+  app.parse(7, const_cast<char**>(argv));
+  EXPECT_EQ(f.tensor_parallel, 8);
+}
+
 }  // namespace
 }  // namespace preft::serving

@@ -41,6 +41,7 @@ struct GenerateFlags {
   int concurrency = 1;
   bool chat = false;  // --prompt is a user message, rendered by the model's chat template
   std::string device = "cpu";  // or "cuda"
+  int tensor_parallel = 1;      // GPUs the model is split over (cuda)
 };
 
 int Fail(const std::string& message) {
@@ -176,7 +177,7 @@ int RunGenerate(const GenerateFlags& f) {
   options.num_threads = f.threads;
   absl::StatusOr<std::unique_ptr<engine::Engine>> eng =
       serving::MakeEngine(model->get(), tokenizer.get(), f.device, options,
-                          /*kv_transport=*/false);
+                          /*kv_transport=*/false, f.tensor_parallel);
   if (!eng.ok()) return Fail(std::string(eng.status().message()));
   const auto start = std::chrono::steady_clock::now();
   auto results = (*eng)->Generate(std::move(reqs));
@@ -242,6 +243,10 @@ void RegisterGenerateCommand(CLI::App& app, int* exit_code) {
                   "Where the forward runs: cpu, or cuda (the first GPU; KV cache sized from its "
                   "free memory)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  cmd->add_option("--tensor-parallel", f->tensor_parallel,
+                  "Split the model over this many GPUs (with --device cuda)")
+      ->check(CLI::Range(1, 64))
       ->capture_default_str();
   cmd->add_option("--adapter", f->adapters,
                   "Adapter folder (PEFT LoRA or DiReFT; repeatable, 'none' = base model)");

@@ -19,6 +19,9 @@ const char* ErrorString(int code) {
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
 
+int SetDevice(int device) { return cudaSetDevice(device); }
+int GetDevice(int* device) { return cudaGetDevice(device); }
+
 int Malloc(void** ptr, size_t bytes) { return cudaMalloc(ptr, bytes); }
 int Free(void* ptr) { return cudaFree(ptr); }
 int Memset(void* ptr, int value, size_t bytes, void* stream) {

@@ -16,6 +16,10 @@ inline constexpr int kBlasErrorBase = 100000;
 int DeviceCount();
 // Names a code returned by any function here (CUDA's message, or the cuBLAS status).
 const char* ErrorString(int code);
+// The calling thread's current device: where its allocations, streams and kernels go (each
+// thread starts on device 0; a tensor-parallel rank's thread sets its own).
+int SetDevice(int device);
+int GetDevice(int* device);
 
 int Malloc(void** ptr, size_t bytes);
 int Free(void* ptr);
