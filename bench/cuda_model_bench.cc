@@ -9,9 +9,13 @@
 //    LoRAP, DiReFTP (adapter on the prompt only; decode on the base model), LoRA (multi-LoRA,
 //    every position) and DiReFT, and PreFT / multi-LoRA;
 //  - host-to-device copy rates and a LoRA adapter's upload as the engine does it.
+// With --tensor-parallel N (N GPUs; e.g. --preset llama3.1-70b) only the split model's decode
+// is measured instead: batch 1 against rank 0's weight bytes / copy bandwidth, and 64
+// sequences, through the CUDA backend's ranks (NCCL all-reduces).
 //
 //   cuda_model_bench [--preset llama3.1-8b] [--requests 512] [--prompt 128] [--new 128]
 //                    [--chunk 8192] [--lora-rank 16] [--direft-rank 4] [--quick] [--no-graphs]
+//                    [--tensor-parallel N]
 // Decode steps replay CUDA graphs unless --no-graphs (batch 1 is measured both ways).
 // Prints one markdown table; exit 2 without a CUDA device.
 
@@ -26,6 +30,7 @@
 #include "bench/bench_util.h"
 #include "CLI/CLI.hpp"
 #include "common/kernels/cuda/runtime.cuh"
+#include "common/model/cuda_backend.h"
 #include "common/model/device_model.h"
 #include "common/model/make_model.h"
 
@@ -222,6 +227,70 @@ class Lockstep {
   std::vector<float> logprobs_;
 };
 
+// Decode of `config` split over `tp` GPUs (random weights made on each): batch 1 and 64
+// sequences with `prompt`-token prompts, through CudaBackend's ranks.
+int TensorParallelFigures(const preft::model::ModelConfig& config, int tp, int64_t prompt,
+                          int64_t new_tokens, bool graphs, double bw) {
+  preft::model::CudaBackend::Options o;
+  o.tensor_parallel = tp;
+  o.graphs = graphs;
+  const int64_t total = prompt + new_tokens, per_seq = (total + 15) / 16;
+  o.kv_blocks = 64 * per_seq;
+  auto backend = Check(preft::model::CudaBackend::CreateRandom(config, 1, o), "split model");
+  // Rank 0 reads its slice of every layer's projections and the whole LM head per step.
+  double linear = 0;
+  for (int p = 0; p < preft::model::kNumProjections; ++p) {
+    const auto d = preft::model::DimsOf(config, static_cast<preft::model::Projection>(p));
+    linear += static_cast<double>(d.in) * d.out;
+  }
+  const double rank0_bytes =
+      2.0 * (config.num_layers * linear / tp + static_cast<double>(config.vocab_size) * config.hidden_size);
+  std::printf("tensor parallelism over %d GPUs (%s): %.1f GB read per decode step by rank 0\n\n",
+              tp, backend->collective_kind(), rank0_bytes / 1e9);
+  std::printf("| figure | value | reference (same run) | ratio | target |\n|---|---|---|---|---|\n");
+  for (int64_t n : {int64_t{1}, int64_t{64}}) {
+    std::vector<Seq> seqs(n);
+    std::vector<preft::model::RowSampling> greedy(n);
+    uint64_t rng = 12345;
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t b = 0; b < per_seq; ++b) seqs[i].blocks.push_back(static_cast<int32_t>(i * per_seq + b));
+      for (int64_t t = 0; t < prompt; ++t) {
+        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+        seqs[i].tokens.push_back(static_cast<int32_t>((rng >> 33) % config.vocab_size));
+      }
+    }
+    std::vector<int32_t> picks;
+    auto run = [&](bool prefill) {
+      ForwardBatch batch;
+      for (Seq& s : seqs) {
+        const int64_t ctx = static_cast<int64_t>(s.tokens.size()), num = prefill ? ctx : 1;
+        batch.AddSequence(s.blocks.data(), static_cast<int64_t>(s.blocks.size()),
+                          s.tokens.data() + ctx - num, num, ctx, true, nullptr);
+      }
+      const double t0 = Now();
+      Check(backend->ForwardSample(batch, greedy, &picks), "forward");
+      const double dt = Now() - t0;
+      for (int64_t i = 0; i < n; ++i) seqs[i].tokens.push_back(picks[i]);
+      return dt;
+    };
+    run(true);
+    std::vector<double> steps;
+    for (int i = 0; i < 16 && static_cast<int64_t>(seqs[0].tokens.size()) < total; ++i) {
+      steps.push_back(run(false));
+    }
+    const double step = preft::bench::Median(steps);
+    if (n == 1) {
+      const double gbps = rank0_bytes / step / 1e9;
+      std::printf("| decode batch 1, %d GPUs | %.2f ms/step = %.0f GB/s of rank 0's weights | copy %.0f GB/s | %.2f | >= 0.70 |\n",
+                  tp, step * 1e3, gbps, bw, gbps / bw);
+    } else {
+      std::printf("| decode %ld sequences, %d GPUs | %.0f tok/s (%.2f ms/step) | - | - | - |\n",
+                  static_cast<long>(n), tp, n / step, step * 1e3);
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -231,6 +300,7 @@ int main(int argc, char** argv) {
   int64_t requests = 512, prompt = 128, new_tokens = 128, chunk = 8192, lora_rank = 16,
           direft_rank = 4;
   bool quick = false, no_graphs = false;
+  int tensor_parallel = 0;
   app.add_option("--preset", preset, "model shape (make-model preset)");
   app.add_option("--requests", requests, "requests in the adapter comparison, one adapter each");
   app.add_option("--prompt", prompt, "prompt tokens per request");
@@ -240,6 +310,9 @@ int main(int argc, char** argv) {
   app.add_option("--direft-rank", direft_rank);
   app.add_flag("--quick", quick, "64 requests, 16 new tokens");
   app.add_flag("--no-graphs", no_graphs, "decode steps launch kernels one by one");
+  app.add_option("--tensor-parallel", tensor_parallel,
+                 "measure only the model split over this many GPUs")
+      ->check(CLI::Range(2, 64));
   CLI11_PARSE(app, argc, argv);
   if (quick) {
     requests = std::min<int64_t>(requests, 64);
@@ -251,6 +324,9 @@ int main(int argc, char** argv) {
   }
   const auto config = Check(preft::model::PresetConfig(preset), "preset");
   const double bw = CopyBandwidth();
+  if (tensor_parallel > 0) {
+    return TensorParallelFigures(config, tensor_parallel, prompt, new_tokens, !no_graphs, bw);
+  }
   auto model = Check(DeviceModel::Random(config, 1), "random model");
   const int64_t total = prompt + new_tokens;
   const int64_t per_seq = (total + 15) / 16;

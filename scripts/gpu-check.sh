@@ -4,7 +4,9 @@
 # adapter mode against the CPU model; the engine), bench/cuda_bench (copy bandwidth, bf16 GEMM
 # rate, projections and low-rank kernels against their bounds), bench/cuda_model_bench (decode
 # at batch 1 against the bandwidth bound, 64 and 256 sequences, and the paper's 512-adapter
-# setting on llama3.1-8b and qwen2.5-0.5b) and, where the cluster's binaries are there, the
+# setting on llama3.1-8b and qwen2.5-0.5b; on a machine of several GPUs, decode split over
+# them by tensor parallelism: the 8B over 2, the 70B over 4 or 8) and, where the cluster's
+# binaries are there, the
 # served table on the GPU (bench/serve/matrix.py: router + one colocated --device cuda worker,
 # then prefill + decode workers on the GPU; qwen2.5-0.5b, 64 adapters, every mode). Sized to
 # finish in under 8 minutes.
@@ -84,6 +86,18 @@ run_checks() {
     echo "== cuda_model_bench --preset $preset"
     timeout 150 "$bench/cuda_model_bench" --preset "$preset" ${MODEL_BENCH_FLAGS:-} || rc=$?
   done
+  # Tensor parallelism where the machine has the GPUs: the 8B over 2, the 70B over 4 or 8.
+  local gpus
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  if (( gpus >= 2 )); then
+    echo "== cuda_model_bench --preset llama3.1-8b --tensor-parallel 2"
+    timeout 150 "$bench/cuda_model_bench" --preset llama3.1-8b --tensor-parallel 2 || rc=$?
+  fi
+  if (( gpus >= 4 )); then
+    local tp=$(( gpus >= 8 ? 8 : 4 ))
+    echo "== cuda_model_bench --preset llama3.1-70b --tensor-parallel $tp"
+    timeout 240 "$bench/cuda_model_bench" --preset llama3.1-70b --tensor-parallel "$tp" || rc=$?
+  fi
   if [[ -n "$cluster_build" && -x "$cluster_build/tools/preft" && "${SERVE:-1}" == 1 ]]; then
     serve "$cluster_build" || rc=$?
   fi

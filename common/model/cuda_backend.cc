@@ -85,8 +85,24 @@ absl::Status CudaBackend::OnRanks(const std::function<absl::Status(int)>& fn) {
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Model& model,
                                                                  const Options& options) {
+  return Build(model.config(), options, [&](const TensorShard& shard, cuda::Collective* c) {
+    return DeviceModel::Upload(model, shard, c);
+  });
+}
+
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::CreateRandom(const ModelConfig& config,
+                                                                       uint64_t seed,
+                                                                       const Options& options) {
+  return Build(config, options, [&](const TensorShard& shard, cuda::Collective* c) {
+    return DeviceModel::Random(config, seed, shard, c);
+  });
+}
+
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Build(const ModelConfig& config,
+                                                                const Options& options,
+                                                                const MakeRank& make_rank) {
   const int tp = options.tensor_parallel;
-  PREFT_RETURN_IF_ERROR(CheckTensorParallel(model.config(), tp));
+  PREFT_RETURN_IF_ERROR(CheckTensorParallel(config, tp));
   if (tp > 1 && options.host_mirror) {
     return absl::InvalidArgumentError(
         "tensor parallelism serves colocated workers only: each GPU keeps its own KV heads, "
@@ -115,12 +131,11 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Model& mo
 
   // Weights first, then the KV pools sized from what every rank has left.
   std::vector<int64_t> fit(tp, options.kv_blocks);
-  const kv::KvCacheShape full_one{model.config().num_layers, 1, options.block_tokens,
-                                  model.config().num_kv_heads, model.config().head_dim};
+  const kv::KvCacheShape full_one{config.num_layers, 1, options.block_tokens,
+                                  config.num_kv_heads, config.head_dim};
   PREFT_RETURN_IF_ERROR(b->OnRanks([&](int r) -> absl::Status {
     Rank& rank = b->ranks_[r];
-    PREFT_ASSIGN_OR_RETURN(rank.model,
-                           DeviceModel::Upload(model, {r, tp}, rank.collective.get()));
+    PREFT_ASSIGN_OR_RETURN(rank.model, make_rank({r, tp}, rank.collective.get()));
     rank.model->UseGraphs(options.graphs);
     rank.slots = std::make_unique<DeviceAdapterSlots>(options.adapter_bytes, TensorShard{r, tp});
     if (fit[r] <= 0) {

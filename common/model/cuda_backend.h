@@ -50,6 +50,11 @@ class CudaBackend : public ForwardBackend {
   // combined with host_mirror.
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const Model& model,
                                                              const Options& options);
+  // The same over random bf16 weights in `config`'s shapes, made on the devices (benchmarks:
+  // a 70B-shaped model split over GPUs without a checkpoint).
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> CreateRandom(const ModelConfig& config,
+                                                                   uint64_t seed,
+                                                                   const Options& options);
   ~CudaBackend() override;
 
   const ModelConfig& config() const override { return ranks_[0].model->config(); }
@@ -81,7 +86,13 @@ class CudaBackend : public ForwardBackend {
     std::unique_ptr<DeviceAdapterSlots> slots;
   };
   class RankThreads;
+  // Makes rank `shard`'s DeviceModel on the calling thread's device.
+  using MakeRank = std::function<absl::StatusOr<std::unique_ptr<DeviceModel>>(
+      const TensorShard& shard, kernels::cuda::Collective* collective)>;
   CudaBackend() = default;
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Build(const ModelConfig& config,
+                                                            const Options& options,
+                                                            const MakeRank& make_rank);
   // Runs fn(rank) for every rank at once, each on its rank's thread (inline with one rank);
   // the first error, by rank.
   absl::Status OnRanks(const std::function<absl::Status(int)>& fn);

@@ -142,6 +142,15 @@ std::map<std::string, ModelConfig> Presets() {
     c.tie_word_embeddings = false;
     p["llama3.1-8b"] = c;
   }
+  {
+    // Served split over GPUs (--tensor-parallel): 64 heads, 8 KV heads, 28672 MLP width.
+    ModelConfig c = p["llama3.1-8b"];
+    c.hidden_size = 8192;
+    c.intermediate_size = 28672;
+    c.num_layers = 80;
+    c.num_heads = 64;
+    p["llama3.1-70b"] = c;
+  }
   for (auto& [name, c] : p) Name(&c);
   return p;
 }

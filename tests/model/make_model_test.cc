@@ -98,7 +98,7 @@ void ExpectLoadable(const std::string& dir, const ModelConfig& preset, DType dty
 TEST(PresetTest, NamesAndUnknownPreset) {
   EXPECT_THAT(PresetNames(), Contains("tiny"));
   for (const char* p :
-       {"tiny-qwen2", "tiny-mistral", "qwen2.5-0.5b", "llama3.2-1b", "llama3.1-8b"}) {
+       {"tiny-qwen2", "tiny-mistral", "qwen2.5-0.5b", "llama3.2-1b", "llama3.1-8b", "llama3.1-70b"}) {
     EXPECT_THAT(PresetNames(), Contains(p));
   }
   auto c = PresetConfig("gpt-5");
@@ -164,6 +164,21 @@ TEST(PresetTest, RealShapes) {
     params += n;
   }
   EXPECT_EQ(params, 8030261248);  // Llama 3.1 8B's parameter count
+
+  auto l70 = PresetConfig("llama3.1-70b");
+  ASSERT_TRUE(l70.ok());
+  EXPECT_EQ(l70->num_heads, 64);
+  EXPECT_EQ(l70->num_kv_heads, 8);
+  EXPECT_EQ(l70->head_dim, 128);
+  EXPECT_EQ(l70->num_layers, 80);
+  EXPECT_DOUBLE_EQ(l70->rope_scaling.factor, 8.0);
+  params = 0;
+  for (const auto& t : ExpectedTensors(*l70)) {
+    int64_t n = 1;
+    for (int64_t d : t.shape) n *= d;
+    params += n;
+  }
+  EXPECT_EQ(params, 70553706496);  // Llama 3.1 70B's parameter count
 }
 
 TEST(PresetTest, EveryPresetRoundTripsThroughJson) {
