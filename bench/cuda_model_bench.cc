@@ -227,6 +227,19 @@ class Lockstep {
   std::vector<float> logprobs_;
 };
 
+// A decode figure: at batch 1 the weight bytes a step reads (`step_bytes`, per GPU) against
+// the copy bandwidth, else tokens per second.
+void PrintDecodeRow(int64_t n, const char* how, double step, double step_bytes, double bw) {
+  if (n == 1) {
+    const double gbps = step_bytes / step / 1e9;
+    std::printf("| decode batch 1 (%s) | %.2f ms/step = %.0f GB/s of weights | copy %.0f GB/s | %.2f | >= 0.70 |\n",
+                how, step * 1e3, gbps, bw, gbps / bw);
+  } else {
+    std::printf("| decode %ld sequences (%s) | %.0f tok/s (%.2f ms/step) | - | - | - |\n",
+                static_cast<long>(n), how, n / step, step * 1e3);
+  }
+}
+
 // Decode of `config` split over `tp` GPUs (random weights made on each): batch 1 and 64
 // sequences with `prompt`-token prompts, through CudaBackend's ranks.
 int TensorParallelFigures(const preft::model::ModelConfig& config, int tp, int64_t prompt,
@@ -278,15 +291,8 @@ int TensorParallelFigures(const preft::model::ModelConfig& config, int tp, int64
     for (int i = 0; i < 16 && static_cast<int64_t>(seqs[0].tokens.size()) < total; ++i) {
       steps.push_back(run(false));
     }
-    const double step = preft::bench::Median(steps);
-    if (n == 1) {
-      const double gbps = rank0_bytes / step / 1e9;
-      std::printf("| decode batch 1, %d GPUs | %.2f ms/step = %.0f GB/s of rank 0's weights | copy %.0f GB/s | %.2f | >= 0.70 |\n",
-                  tp, step * 1e3, gbps, bw, gbps / bw);
-    } else {
-      std::printf("| decode %ld sequences, %d GPUs | %.0f tok/s (%.2f ms/step) | - | - | - |\n",
-                  static_cast<long>(n), tp, n / step, step * 1e3);
-    }
+    PrintDecodeRow(n, (std::to_string(tp) + " GPUs").c_str(), preft::bench::Median(steps),
+                   rank0_bytes, bw);
   }
   return 0;
 }
@@ -366,16 +372,8 @@ int main(int argc, char** argv) {
     for (int i = 0; i < (n == 1 ? 32 : 16) && static_cast<int64_t>(seqs[0].tokens.size()) < total; ++i) {
       steps.push_back(run.Step(seqs));
     }
-    const double step = preft::bench::Median(steps);
-    const char* how = dr.graphs ? "CUDA graphs" : "eager";
-    if (n == 1) {
-      const double gbps = step_bytes / step / 1e9;
-      std::printf("| decode batch 1 (%s) | %.2f ms/step = %.0f GB/s of weights | copy %.0f GB/s | %.2f | >= 0.70 |\n",
-                  how, step * 1e3, gbps, bw, gbps / bw);
-    } else {
-      std::printf("| decode %ld sequences (%s) | %.0f tok/s (%.2f ms/step) | - | - | - |\n",
-                  static_cast<long>(n), how, n / step, step * 1e3);
-    }
+    PrintDecodeRow(n, dr.graphs ? "CUDA graphs" : "eager", preft::bench::Median(steps),
+                   step_bytes, bw);
   }
   model->UseGraphs(!no_graphs);
 

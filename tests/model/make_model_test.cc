@@ -110,6 +110,17 @@ TEST(PresetTest, NamesAndUnknownPreset) {
   EXPECT_EQ(MakeModel(o).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// The parameter count of a checkpoint of `c`'s shapes.
+int64_t Parameters(const ModelConfig& c) {
+  int64_t params = 0;
+  for (const auto& t : ExpectedTensors(c)) {
+    int64_t n = 1;
+    for (int64_t d : t.shape) n *= d;
+    params += n;
+  }
+  return params;
+}
+
 TEST(PresetTest, RealShapes) {
   auto q = PresetConfig("qwen2.5-0.5b");
   ASSERT_TRUE(q.ok());
@@ -126,13 +137,7 @@ TEST(PresetTest, RealShapes) {
   EXPECT_DOUBLE_EQ(q->rope_theta, 1e6);
   EXPECT_DOUBLE_EQ(q->rms_norm_eps, 1e-6);
   EXPECT_EQ(q->max_position_embeddings, 32768);
-  int64_t params = 0;
-  for (const auto& t : ExpectedTensors(*q)) {
-    int64_t n = 1;
-    for (int64_t d : t.shape) n *= d;
-    params += n;
-  }
-  EXPECT_EQ(params, 494032768);  // Qwen2.5-0.5B's published parameter count
+  EXPECT_EQ(Parameters(*q), 494032768);  // Qwen2.5-0.5B's published parameter count
 
   auto l1 = PresetConfig("llama3.2-1b");
   ASSERT_TRUE(l1.ok());
@@ -157,13 +162,7 @@ TEST(PresetTest, RealShapes) {
   EXPECT_EQ(l8->head_dim, 128);
   EXPECT_FALSE(l8->tie_word_embeddings);
   EXPECT_DOUBLE_EQ(l8->rope_scaling.factor, 8.0);
-  params = 0;
-  for (const auto& t : ExpectedTensors(*l8)) {
-    int64_t n = 1;
-    for (int64_t d : t.shape) n *= d;
-    params += n;
-  }
-  EXPECT_EQ(params, 8030261248);  // Llama 3.1 8B's parameter count
+  EXPECT_EQ(Parameters(*l8), 8030261248);  // Llama 3.1 8B's parameter count
 
   auto l70 = PresetConfig("llama3.1-70b");
   ASSERT_TRUE(l70.ok());
@@ -172,13 +171,7 @@ TEST(PresetTest, RealShapes) {
   EXPECT_EQ(l70->head_dim, 128);
   EXPECT_EQ(l70->num_layers, 80);
   EXPECT_DOUBLE_EQ(l70->rope_scaling.factor, 8.0);
-  params = 0;
-  for (const auto& t : ExpectedTensors(*l70)) {
-    int64_t n = 1;
-    for (int64_t d : t.shape) n *= d;
-    params += n;
-  }
-  EXPECT_EQ(params, 70553706496);  // Llama 3.1 70B's parameter count
+  EXPECT_EQ(Parameters(*l70), 70553706496);  // Llama 3.1 70B's parameter count
 }
 
 TEST(PresetTest, EveryPresetRoundTripsThroughJson) {
