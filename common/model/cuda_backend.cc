@@ -103,11 +103,6 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Build(const ModelConfi
                                                                 const MakeRank& make_rank) {
   const int tp = options.tensor_parallel;
   PREFT_RETURN_IF_ERROR(CheckTensorParallel(config, tp));
-  if (tp > 1 && options.host_mirror) {
-    return absl::InvalidArgumentError(
-        "tensor parallelism serves colocated workers only: each GPU keeps its own KV heads, "
-        "and moving them between prefill and decode workers is not built");
-  }
   const int visible = cuda::DeviceCount();
   if (visible == 0) return absl::FailedPreconditionError("no CUDA device is visible");
   if (tp > 1 && !options.ranks_share_device && visible < tp) {
@@ -234,14 +229,21 @@ absl::StatusOr<bool> CudaBackend::AdapterReady(
   return std::all_of(ready.begin(), ready.end(), [](char c) { return c != 0; });
 }
 
+// Each rank moves its own KV heads, into or out of their place in the mirror (disjoint).
 absl::Status CudaBackend::KvToHost(const std::vector<int32_t>& blocks) {
   if (mirror_ == nullptr) return absl::OkStatus();
-  return ranks_[0].cache->CopyBlocksToHost(blocks, mirror_.get());
+  const int tp = tensor_parallel();
+  return OnRanks([&](int r) {
+    return ranks_[r].cache->CopyBlocksToHost(blocks, mirror_.get(), {r, tp});
+  });
 }
 
 absl::Status CudaBackend::KvFromHost(const std::vector<int32_t>& blocks) {
   if (mirror_ == nullptr) return absl::OkStatus();
-  return ranks_[0].cache->CopyBlocksFromHost(*mirror_, blocks);
+  const int tp = tensor_parallel();
+  return OnRanks([&](int r) {
+    return ranks_[r].cache->CopyBlocksFromHost(*mirror_, blocks, {r, tp});
+  });
 }
 
 }  // namespace preft::model

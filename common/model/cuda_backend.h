@@ -12,9 +12,10 @@
 //
 // With tensor_parallel N > 1 the model is split over N GPUs (common/model/tensor_parallel.h):
 // one DeviceModel, KV cache (its KV heads) and adapter slots per rank, each rank driven by a
-// thread of its own on its device, NCCL summing the row-parallel outputs. Such a backend
-// serves colocated workers: its KV stays split over the GPUs and is not handed to other
-// workers (no host mirror, no device_cache()).
+// thread of its own on its device, NCCL summing the row-parallel outputs. Its host mirror
+// holds every head, each rank copying its own in or out, so the KV transport sees the layout
+// of an unsplit worker and tiers split differently (or not at all) hand KV to each other.
+// There is no single device pool to map (device_cache() is empty: no CUDA IPC transport).
 
 #include <cstdint>
 #include <functional>
@@ -46,8 +47,7 @@ class CudaBackend : public ForwardBackend {
     bool ranks_share_device = false;
   };
   // FailedPrecondition without a CUDA device, or with fewer GPUs than tensor_parallel;
-  // InvalidArgument when tensor_parallel does not divide the model's heads and MLP, or is
-  // combined with host_mirror.
+  // InvalidArgument when tensor_parallel does not divide the model's heads and MLP.
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const Model& model,
                                                              const Options& options);
   // The same over random bf16 weights in `config`'s shapes, made on the devices (benchmarks:

@@ -212,12 +212,13 @@ absl::Status DeviceKvCache::CopyToHost(std::vector<float>* host) const {
 
 namespace {
 
-// InvalidArgument unless `host` has `device`'s shape and every block is in range.
+// InvalidArgument unless `host` has `device`'s shape (with every rank's KV heads) and every
+// block is in range.
 absl::Status CheckBlockCopy(const kv::KvCacheShape& device, const kv::KvCacheShape& host,
-                            const std::vector<int32_t>& blocks) {
+                            const std::vector<int32_t>& blocks, const TensorShard& shard) {
   if (host.num_layers != device.num_layers || host.num_blocks != device.num_blocks ||
-      host.block_tokens != device.block_tokens || host.num_kv_heads != device.num_kv_heads ||
-      host.head_dim != device.head_dim) {
+      host.block_tokens != device.block_tokens ||
+      host.num_kv_heads != device.num_kv_heads * shard.ranks || host.head_dim != device.head_dim) {
     return absl::InvalidArgumentError("the host KV cache's shape differs from the device's");
   }
   for (int32_t b : blocks) {
@@ -229,46 +230,46 @@ absl::Status CheckBlockCopy(const kv::KvCacheShape& device, const kv::KvCacheSha
   return absl::OkStatus();
 }
 
-// Calls copy(first block, count) for each run of consecutive ids in `blocks`.
-template <class Fn>
-absl::Status ForEachRun(const std::vector<int32_t>& blocks, Fn&& copy) {
-  for (size_t i = 0; i < blocks.size();) {
-    size_t j = i + 1;
-    while (j < blocks.size() && blocks[j] == blocks[j - 1] + 1) ++j;
-    PREFT_RETURN_IF_ERROR(copy(blocks[i], static_cast<int64_t>(j - i)));
-    i = j;
+// Runs KvHeadCopies between a device cache and a host cache of `full`'s shape (both given by
+// layer 0, block 0): with one rank each is one contiguous piece, a plain copy; else the rank's
+// heads of each block's K and V in their place among every head's.
+absl::Status CopyKvHeads(float* device, float* host, const kv::KvCacheShape& full,
+                         const TensorShard& shard, const std::vector<int32_t>& blocks,
+                         bool to_host) {
+  constexpr size_t f = sizeof(float);
+  for (const StridedCopy& c : KvHeadCopies(full, shard, blocks)) {
+    float* d = device + c.src_offset;
+    float* h = host + c.dst_offset;
+    int e = 0;
+    if (c.width == c.src_pitch && c.width == c.dst_pitch) {
+      const size_t bytes = c.width * c.rows * f;
+      e = to_host ? cuda::CopyToHost(h, d, bytes, nullptr) : cuda::CopyToDevice(d, h, bytes, nullptr);
+    } else {
+      e = to_host ? cuda::Copy2DToHost(h, c.dst_pitch * f, d, c.src_pitch * f, c.width * f,
+                                       c.rows, nullptr)
+                  : cuda::Copy2DToDevice(d, c.src_pitch * f, h, c.dst_pitch * f, c.width * f,
+                                         c.rows, nullptr);
+    }
+    PREFT_RETURN_IF_ERROR(Cuda(e, to_host ? "KV copy to host" : "KV copy to the device"));
   }
-  return absl::OkStatus();
+  return Cuda(cuda::StreamSynchronize(nullptr), "synchronize");
 }
 
 }  // namespace
 
 absl::Status DeviceKvCache::CopyBlocksToHost(const std::vector<int32_t>& blocks,
-                                             kv::KvCache* host) const {
-  PREFT_RETURN_IF_ERROR(CheckBlockCopy(shape_, host->shape(), blocks));
-  const int64_t bf = shape_.block_floats();
-  for (int64_t l = 0; l < shape_.num_layers; ++l) {
-    PREFT_RETURN_IF_ERROR(ForEachRun(blocks, [&](int32_t first, int64_t count) {
-      return Cuda(cuda::CopyToHost(host->layer_base(l) + first * bf, layer_base(l) + first * bf,
-                                   count * bf * sizeof(float), nullptr),
-                  "KV copy to host");
-    }));
-  }
-  return Cuda(cuda::StreamSynchronize(nullptr), "synchronize");
+                                             kv::KvCache* host, const TensorShard& shard) const {
+  PREFT_RETURN_IF_ERROR(CheckBlockCopy(shape_, host->shape(), blocks, shard));
+  return CopyKvHeads(const_cast<float*>(layer_base(0)), host->layer_base(0), host->shape(), shard,
+                     blocks, /*to_host=*/true);
 }
 
 absl::Status DeviceKvCache::CopyBlocksFromHost(const kv::KvCache& host,
-                                               const std::vector<int32_t>& blocks) {
-  PREFT_RETURN_IF_ERROR(CheckBlockCopy(shape_, host.shape(), blocks));
-  const int64_t bf = shape_.block_floats();
-  for (int64_t l = 0; l < shape_.num_layers; ++l) {
-    PREFT_RETURN_IF_ERROR(ForEachRun(blocks, [&](int32_t first, int64_t count) {
-      return Cuda(cuda::CopyToDevice(layer_base(l) + first * bf, host.layer_base(l) + first * bf,
-                                     count * bf * sizeof(float), nullptr),
-                  "KV copy to the device");
-    }));
-  }
-  return Cuda(cuda::StreamSynchronize(nullptr), "synchronize");
+                                               const std::vector<int32_t>& blocks,
+                                               const TensorShard& shard) {
+  PREFT_RETURN_IF_ERROR(CheckBlockCopy(shape_, host.shape(), blocks, shard));
+  return CopyKvHeads(layer_base(0), const_cast<float*>(host.layer_base(0)), host.shape(), shard,
+                     blocks, /*to_host=*/false);
 }
 
 absl::Status DeviceKvCache::PoisonForTesting() {

@@ -77,9 +77,13 @@ class DeviceKvCache {
   // Copies the whole cache to `host` (resized): tests compare it with the CPU cache.
   absl::Status CopyToHost(std::vector<float>* host) const;
   // Copies `blocks` (every layer) to or from a host cache of the same shape (a host mirror the
-  // KV transport reads and writes). InvalidArgument for another shape or a block out of range.
-  absl::Status CopyBlocksToHost(const std::vector<int32_t>& blocks, kv::KvCache* host) const;
-  absl::Status CopyBlocksFromHost(const kv::KvCache& host, const std::vector<int32_t>& blocks);
+  // KV transport reads and writes); for tensor-parallel rank `shard`, whose cache holds its KV
+  // heads only, into or out of its heads' place in a host cache of every head.
+  // InvalidArgument for another shape or a block out of range.
+  absl::Status CopyBlocksToHost(const std::vector<int32_t>& blocks, kv::KvCache* host,
+                                const TensorShard& shard = {}) const;
+  absl::Status CopyBlocksFromHost(const kv::KvCache& host, const std::vector<int32_t>& blocks,
+                                  const TensorShard& shard = {});
   // Sets every byte to 0xff (NaN), so a test sees any value the forward should have written.
   absl::Status PoisonForTesting();
 

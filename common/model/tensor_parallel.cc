@@ -67,4 +67,28 @@ LowRankSlice SliceOfLowRank(const LowRank& lr, Projection p, const TensorShard& 
   return {RangeOf(lr.shrink.cols, s), expand_all, s.rank == 0};
 }
 
+std::vector<StridedCopy> KvHeadCopies(const kv::KvCacheShape& full, const TensorShard& s,
+                                      const std::vector<int32_t>& blocks) {
+  // A block is K [heads][head_dim][tokens] then V [heads][tokens][head_dim]: with `heads`
+  // heads, 2 pieces of heads x per_head floats, so piece i of a run (block i / 2, K or V) is
+  // at i x heads x per_head from the run's start on either side.
+  const int64_t per_head = full.head_dim * full.block_tokens;
+  const int64_t local_heads = full.num_kv_heads / s.ranks;
+  const int64_t local_half = local_heads * per_head, full_half = full.num_kv_heads * per_head;
+  const int64_t head0 = RangeOf(full.num_kv_heads, s).begin;
+  std::vector<StridedCopy> copies;
+  for (int64_t l = 0; l < full.num_layers; ++l) {
+    for (size_t i = 0; i < blocks.size();) {
+      size_t j = i + 1;
+      while (j < blocks.size() && blocks[j] == blocks[j - 1] + 1) ++j;
+      const int64_t first = blocks[i], count = static_cast<int64_t>(j - i);
+      copies.push_back({(l * full.num_blocks + first) * 2 * local_half,
+                        (l * full.num_blocks + first) * 2 * full_half + head0 * per_head,
+                        local_half, 2 * count, local_half, full_half});
+      i = j;
+    }
+  }
+  return copies;
+}
+
 }  // namespace preft::model

@@ -13,12 +13,18 @@
 // z is partial and z B adds into the partial output before the same all-reduce (the sum is
 // linear). A shrink bias (none for LoRA) is added by rank 0 alone there.
 //
+// A rank's KV cache holds its KV heads only. For the KV transport the ranks meet in one host
+// cache of every head (the layout a worker without tensor parallelism has), each copying its
+// heads in or out (KvHeadCopies), so tiers of different splits hand KV to each other.
+//
 // This file is host-only: what each rank holds. The GPU forward (DeviceModel) runs it.
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "common/kernels/matrix.h"
+#include "common/kv/kv_cache.h"
 #include "common/model/adapter_weights.h"
 #include "common/model/config.h"
 
@@ -66,5 +72,19 @@ struct LowRankSlice {
   bool bias = true;
 };
 LowRankSlice SliceOfLowRank(const LowRank& lr, Projection p, const TensorShard& s);
+
+// `rows` rows of `width` floats, rows `src_pitch` and `dst_pitch` floats apart; offsets in
+// floats from each cache's layer 0, block 0.
+struct StridedCopy {
+  int64_t src_offset = 0, dst_offset = 0;
+  int64_t width = 0, rows = 0;
+  int64_t src_pitch = 0, dst_pitch = 0;
+};
+// The copies that move rank s's KV heads of `blocks` (every layer) from its own cache (`full`
+// with full.num_kv_heads / s.ranks heads) into a cache of `full`'s shape; swap source and
+// destination (offsets and pitches) to move them back. One copy per layer and run of
+// consecutive blocks: a block's K heads, then its V heads, are each one piece on both sides.
+std::vector<StridedCopy> KvHeadCopies(const kv::KvCacheShape& full, const TensorShard& s,
+                                      const std::vector<int32_t>& blocks);
 
 }  // namespace preft::model

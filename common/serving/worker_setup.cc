@@ -140,7 +140,7 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f) {
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--tensor-parallel", f->tensor_parallel,
                  "split the model over this many GPUs (with --device cuda; NCCL between them; "
-                 "colocated workers only)")
+                 "KV to other workers through host memory, not cuda_ipc)")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
   app.add_option("--transport", f->transport.kind,
@@ -210,6 +210,11 @@ absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& f, bool kv_tran
     w.metrics = *std::move(m);
     w.engine_metrics = std::make_unique<metrics::EngineMetrics>(w.metrics->registry());
   }
+  if (f.tensor_parallel > 1 && kv_transport && f.transport.kind == "cuda_ipc") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--transport cuda_ipc maps one GPU's KV pool; with --tensor-parallel ", f.tensor_parallel,
+        " the KV is split over GPUs and moves through host memory: use --transport ucx"));
+  }
   PREFT_ASSIGN_OR_RETURN(w.model, LoadModel(f.model));
   engine::EngineOptions o;
   // Unset: 1 GiB on the CPU; on a GPU (0) a share of its free memory.
@@ -231,17 +236,9 @@ absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(model::Model* model,
                                                            const engine::EngineOptions& options,
                                                            bool kv_transport,
                                                            int tensor_parallel) {
-  if (tensor_parallel != 1) {
-    if (device != "cuda") {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--tensor-parallel ", tensor_parallel, " splits the model over GPUs: use --device cuda"));
-    }
-    if (kv_transport) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--tensor-parallel ", tensor_parallel,
-          " serves colocated workers only: each GPU keeps its own KV heads, and handing them "
-          "to another worker (prefill and decode tiers) is not built"));
-    }
+  if (tensor_parallel != 1 && device != "cuda") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--tensor-parallel ", tensor_parallel, " splits the model over GPUs: use --device cuda"));
   }
   if (device == "cpu") return engine::Engine::Create(model, tokenizer, options);
 #ifdef PREFT_HAVE_CUDA

@@ -69,8 +69,8 @@ struct WorkerFlags {
   // host-memory transport stages it through a host mirror of that size, 8 GiB unless set;
   // --transport cuda_ipc moves the device blocks themselves).
   std::string device = "cpu";
-  // With "cuda": the model split over this many GPUs (0 .. N-1) by tensor parallelism;
-  // colocated workers only (their KV stays split over the GPUs).
+  // With "cuda": the model split over this many GPUs (0 .. N-1) by tensor parallelism; its
+  // KV moves between tiers through host memory (not --transport cuda_ipc).
   int tensor_parallel = 1;
   TransportFlags transport;
   double drain_timeout_s = 30;
@@ -111,7 +111,7 @@ absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& flags, bool kv_
 // An engine over `model` on `device`: "cpu" (the model's own forward, `options` as given) or
 // "cuda" (a CudaBackend over `tensor_parallel` GPUs whose KV cache holds options.kv_blocks
 // blocks, else kv_bytes when positive, else a share of the free device memory).
-// tensor_parallel > 1 needs "cuda" and no kv_transport (InvalidArgument otherwise). With `kv_transport` (its KV moves to or
+// tensor_parallel > 1 needs "cuda" (InvalidArgument otherwise). With `kv_transport` (its KV moves to or
 // from other workers through host memory) a device cache keeps a host mirror for the
 // transport, and its size
 // defaults to kMirroredKvBytes rather than the device's free memory. Errors start with

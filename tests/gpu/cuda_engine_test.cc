@@ -180,17 +180,13 @@ TEST(CudaEngineTest, TensorParallelRanksGenerateAsOneGpu) {
               absl::StatusCode::kFailedPrecondition);
     GTEST_SKIP() << "no CUDA device visible";
   }
-  // Splits the model cannot take, and KV that would have to leave the GPUs, are refused.
+  // Splits the model cannot take, and more GPUs than there are, are refused.
   model::CudaBackend::Options bad = tp;
   bad.tensor_parallel = 3;
   const absl::Status heads = model::CudaBackend::Create(*model, bad).status();
   EXPECT_EQ(heads.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(heads.message().find("num_attention_heads (4) is not a multiple of 3"),
             std::string::npos) << heads;
-  bad = tp;
-  bad.host_mirror = true;
-  EXPECT_EQ(model::CudaBackend::Create(*model, bad).status().code(),
-            absl::StatusCode::kInvalidArgument);
   bad = tp;
   bad.tensor_parallel = devices * 2;
   bad.ranks_share_device = false;
@@ -331,6 +327,101 @@ TEST(CudaEngineTest, PromptBlocksReachAnotherGpuEngineThroughHostMirrors) {
   }
   EXPECT_EQ(finished, 3);
   EXPECT_EQ((*decode)->allocator().num_free(), 64);  // every imported sequence finished
+}
+
+// Tiers split differently hand KV through their host mirrors, which hold every KV head (each
+// rank copies its own in or out): prompts prefilled on two ranks decode on one GPU, and
+// prompts prefilled on one GPU decode on two ranks. Both generate the tokens one engine alone
+// does (near ties aside), and what the decode tier imported is on its ranks' devices: read
+// back through its mirror, bit for bit.
+TEST(CudaEngineTest, TensorParallelTiersHandKvThroughHostMirrors) {
+  uint64_t seed = 0;
+  std::unique_ptr<model::Model> model = FreshTinyModel("tp_split_model", &seed, "tiny-qwen2");
+  ASSERT_NE(model, nullptr);
+  const int devices = kernels::cuda::DeviceCount();
+  if (devices == 0) GTEST_SKIP() << "no CUDA device visible";
+  EngineOptions o;
+  o.kv_blocks = 64;
+  auto engine = [&](int tp, bool mirror) -> std::unique_ptr<Engine> {
+    model::CudaBackend::Options bo;
+    bo.kv_blocks = 64;
+    bo.host_mirror = mirror;
+    bo.tensor_parallel = tp;
+    bo.ranks_share_device = devices < tp;
+    auto b = model::CudaBackend::Create(*model, bo);
+    EXPECT_TRUE(b.ok()) << b.status();
+    if (!b.ok()) return nullptr;
+    auto e = Engine::Create(*std::move(b), nullptr, o);
+    EXPECT_TRUE(e.ok()) << e.status();
+    return e.ok() ? *std::move(e) : nullptr;
+  };
+  std::unique_ptr<Engine> alone = engine(1, false);
+  ASSERT_NE(alone, nullptr);
+  std::vector<Request> reference = SplitRequests(seed);
+  for (Request& r : reference) r.sampling.logprobs = 2;  // margins, for near ties
+  auto want = alone->Generate(reference);
+  ASSERT_TRUE(want.ok()) << want.status();
+
+  for (const auto& [prefill_tp, decode_tp] : {std::pair{2, 1}, std::pair{1, 2}}) {
+    SCOPED_TRACE("prefill on " + std::to_string(prefill_tp) + " ranks, decode on " +
+                 std::to_string(decode_tp));
+    std::unique_ptr<Engine> prefill = engine(prefill_tp, true), decode = engine(decode_tp, true);
+    ASSERT_TRUE(prefill != nullptr && decode != nullptr);
+    const std::vector<Request> reqs = SplitRequests(seed);
+    std::vector<PrefilledPrompt> handed;
+    for (Request r : reqs) {
+      r.on_prefilled = [&](const PrefilledPrompt& p) { handed.push_back(p); };
+      ASSERT_TRUE(prefill->Add(std::move(r)).ok());
+    }
+    while (prefill->HasWork()) ASSERT_TRUE(prefill->Step().ok());
+    ASSERT_EQ(handed.size(), reqs.size());
+    kv::KvCache* from = prefill->cache();
+    kv::KvCache* to = decode->cache();
+    ASSERT_TRUE(from != nullptr && to != nullptr);
+    ASSERT_EQ(from->shape().num_kv_heads, model->config().num_kv_heads);  // every head
+    const int64_t bf = from->shape().block_floats();
+    std::map<std::string, std::vector<int32_t>> tokens;
+    std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>> moved;  // (src, dst)
+    for (const PrefilledPrompt& p : handed) {
+      auto blocks = decode->ReserveBlocks((p.num_tokens + 8 + 15) / 16);
+      ASSERT_TRUE(blocks.ok()) << blocks.status();
+      for (int64_t l = 0; l < from->shape().num_layers; ++l) {
+        for (size_t b = 0; b < p.blocks.size(); ++b) {
+          std::memcpy(to->layer_base(l) + (*blocks)[b] * bf,
+                      from->layer_base(l) + p.blocks[b] * bf, bf * sizeof(float));
+        }
+      }
+      moved.emplace_back(p.blocks,
+                         std::vector<int32_t>(blocks->begin(), blocks->begin() + p.blocks.size()));
+      Request r = RequestWithId(reqs, p.request_id);
+      r.sampling.seed = p.seed;
+      r.imported = ImportedPrompt{*blocks, p.first_token, p.first_logprob};
+      r.on_token = [&](const TokenEvent& e) {
+        if (e.token_id >= 0) tokens[e.request_id].push_back(e.token_id);
+      };
+      ASSERT_TRUE(decode->Add(std::move(r)).ok());  // each rank copies its heads in
+    }
+    for (int64_t l = 0; l < to->shape().num_layers; ++l) {
+      std::memset(to->layer_base(l), 0xff, to->shape().num_blocks * bf * sizeof(float));
+    }
+    for (const auto& [src, dst] : moved) {
+      ASSERT_TRUE(decode->backend().KvToHost(dst).ok());
+      for (int64_t l = 0; l < from->shape().num_layers; ++l) {
+        for (size_t b = 0; b < src.size(); ++b) {
+          ASSERT_EQ(std::memcmp(to->layer_base(l) + dst[b] * bf,
+                                from->layer_base(l) + src[b] * bf, bf * sizeof(float)),
+                    0)
+              << "layer " << l << " block " << dst[b];
+        }
+      }
+    }
+    while (decode->HasWork()) ASSERT_TRUE(decode->Step().ok());
+    for (const PrefilledPrompt& p : handed) ASSERT_TRUE(prefill->ReleasePrefilled(p.request_id).ok());
+    std::vector<GenerationResult> got(reqs.size());
+    for (size_t i = 0; i < reqs.size(); ++i) got[i].token_ids = tokens[reqs[i].id];
+    ExpectSameUpToNearTies(*want, got);
+    EXPECT_EQ(decode->allocator().num_free(), 64);
+  }
 }
 
 // The same split with no host mirror: the prefill engine's prompt blocks reach the decode

@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 #include <vector>
 
@@ -181,6 +182,68 @@ TEST(TensorParallelTest, RankSlicesAssembleTheWholeProjection) {
         }
         for (size_t i = 0; i < want.size(); ++i) {
           ASSERT_NEAR(got[i], want[i], 1e-9 * (1 + std::abs(want[i]))) << "ranks " << ranks << " at " << i;
+        }
+      }
+    }
+  }
+}
+
+// Runs `copies` from src to dst (forward) or back (swapped), as the GPU's 2-D copies do.
+void RunCopies(const std::vector<StridedCopy>& copies, bool back, const float* src, float* dst) {
+  for (const StridedCopy& c : copies) {
+    for (int64_t r = 0; r < c.rows; ++r) {
+      const int64_t from = back ? c.dst_offset + r * c.dst_pitch : c.src_offset + r * c.src_pitch;
+      const int64_t to = back ? c.src_offset + r * c.src_pitch : c.dst_offset + r * c.dst_pitch;
+      std::copy(src + from, src + from + c.width, dst + to);
+    }
+  }
+}
+
+// A rank's KV heads go into and out of a cache of every head: in its own cache, block b's K
+// (and V) of local head j is the whole cache's of head first + j, in every layer; blocks not
+// named are untouched; and the ranks' caches together rebuild the whole one.
+TEST(TensorParallelTest, RanksMoveTheirKvHeadsThroughACacheOfEveryHead) {
+  const kv::KvCacheShape full{2, 5, 4, 4, 3};  // layers, blocks, block tokens, KV heads, head dim
+  const int64_t per_head = full.head_dim * full.block_tokens;
+  const int64_t total = full.num_layers * full.num_blocks * full.block_floats();
+  std::vector<float> whole(total);
+  for (int64_t i = 0; i < total; ++i) whole[i] = static_cast<float>(i);
+  const std::vector<int32_t> blocks = {3, 0, 1};  // runs [3] and [0, 1]
+  auto named = [&](int64_t b) { return std::find(blocks.begin(), blocks.end(), b) != blocks.end(); };
+  for (int ranks : {1, 2, 4}) {
+    std::vector<float> rebuilt(total, -1.f);
+    for (int rank = 0; rank < ranks; ++rank) {
+      const TensorShard s{rank, ranks};
+      const int64_t heads = full.num_kv_heads / ranks, first = RangeOf(full.num_kv_heads, s).begin;
+      const auto copies = KvHeadCopies(full, s, blocks);
+      std::vector<float> local(total / ranks, -1.f);
+      RunCopies(copies, /*back=*/true, whole.data(), local.data());
+      for (int64_t l = 0; l < full.num_layers; ++l) {
+        for (int64_t b = 0; b < full.num_blocks; ++b) {
+          for (int64_t kv = 0; kv < 2; ++kv) {  // K, then V
+            for (int64_t j = 0; j < heads; ++j) {
+              for (int64_t e = 0; e < per_head; ++e) {
+                const float got =
+                    local[((l * full.num_blocks + b) * 2 + kv) * heads * per_head + j * per_head + e];
+                const float want = named(b) ? whole[((l * full.num_blocks + b) * 2 + kv) *
+                                                        full.num_kv_heads * per_head +
+                                                    (first + j) * per_head + e]
+                                            : -1.f;
+                ASSERT_EQ(got, want) << "ranks " << ranks << " rank " << rank << " layer " << l
+                                     << " block " << b << (kv ? " V" : " K") << " head " << j;
+              }
+            }
+          }
+        }
+      }
+      RunCopies(copies, /*back=*/false, local.data(), rebuilt.data());
+    }
+    for (int64_t l = 0; l < full.num_layers; ++l) {
+      for (int64_t b = 0; b < full.num_blocks; ++b) {
+        const int64_t at = (l * full.num_blocks + b) * full.block_floats();
+        for (int64_t i = 0; i < full.block_floats(); ++i) {
+          ASSERT_EQ(rebuilt[at + i], named(b) ? whole[at + i] : -1.f)
+              << "ranks " << ranks << " layer " << l << " block " << b << " float " << i;
         }
       }
     }

@@ -73,10 +73,9 @@ TEST(WorkerSetupTest, CudaIpcNeedsADeviceCacheAndIsCheckedAtReadiness) {
   EXPECT_FALSE(CheckTransport("inproc", f).ok());
 }
 
-// --tensor-parallel splits a model over GPUs, for colocated workers: asked of the CPU, or of a
-// worker that hands its KV to others, it is refused before anything is built; the flag takes
-// 1 to 64.
-TEST(WorkerSetupTest, TensorParallelNeedsGpusAndAColocatedWorker) {
+// --tensor-parallel splits a model over GPUs: asked of the CPU, or with the transport that maps
+// one GPU's pool, it is refused before anything is built; the flag takes 1 to 64.
+TEST(WorkerSetupTest, TensorParallelNeedsGpusAndAHostMemoryTransport) {
   auto m = LoadModel(testing::TinyLlamaFixture());
   ASSERT_TRUE(m.ok()) << m.status();
   engine::EngineOptions o;
@@ -85,12 +84,16 @@ TEST(WorkerSetupTest, TensorParallelNeedsGpusAndAColocatedWorker) {
       MakeEngine(m->model.get(), m->tokenizer.get(), "cpu", o, false, 2).status();
   EXPECT_EQ(cpu.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(cpu.message(), "--tensor-parallel 2 splits the model over GPUs: use --device cuda");
-  const absl::Status split =
-      MakeEngine(m->model.get(), m->tokenizer.get(), "cuda", o, /*kv_transport=*/true, 4).status();
+  WorkerFlags ipc;
+  ipc.model = testing::TinyLlamaFixture();
+  ipc.device = "cuda";
+  ipc.tensor_parallel = 4;
+  ipc.transport.kind = "cuda_ipc";
+  const absl::Status split = MakeWorkerEngine(ipc, /*kv_transport=*/true).status();
   EXPECT_EQ(split.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(split.message().find("--tensor-parallel 4 serves colocated workers only"),
-            std::string::npos)
-      << split;
+  EXPECT_EQ(split.message(),
+            "--transport cuda_ipc maps one GPU's KV pool; with --tensor-parallel 4 the KV is "
+            "split over GPUs and moves through host memory: use --transport ucx");
   EXPECT_TRUE(MakeEngine(m->model.get(), m->tokenizer.get(), "cpu", o, false, 1).ok());
 
   for (const char* bad : {"0", "65", "two"}) {

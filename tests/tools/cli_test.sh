@@ -88,12 +88,13 @@ if ! nvidia-smi > /dev/null 2>&1; then  # with a GPU these would start serving
   expect 1 "device cuda: " -- serve --model "$work/m" --colocated --device cuda --listen 127.0.0.1:0
   expect 1 "device cuda: " -- serve --model "$work/m" --device cuda --listen 127.0.0.1:0
 fi
-# --tensor-parallel splits a model over GPUs, for colocated workers only: refused before any
-# GPU is looked for.
+# --tensor-parallel splits a model over GPUs, moving KV between tiers through host memory:
+# refused on the CPU and with cuda_ipc before any GPU is looked for.
 expect 1 "--tensor-parallel 2 splits the model over GPUs: use --device cuda" -- generate --model "$work/m" --prompt-ids 1 --tensor-parallel 2
 expect 2 "--tensor-parallel: Value 0 not in range" -- generate --model "$work/m" --prompt-ids 1 --tensor-parallel 0
-expect_of "$prefill" 1 "--tensor-parallel 2 serves colocated workers only" -- --model "$work/m" --device cuda --tensor-parallel 2
-expect_of "$decode" 1 "--tensor-parallel 4 serves colocated workers only" -- --model "$work/m" --device cuda --tensor-parallel 4
+expect_of "$prefill" 1 "--transport cuda_ipc maps one GPU's KV pool; with --tensor-parallel 2" -- --model "$work/m" --device cuda --tensor-parallel 2 --transport cuda_ipc
+expect_of "$decode" 1 "with --tensor-parallel 4 the KV is split over GPUs" -- --model "$work/m" --device cuda --tensor-parallel 4 --transport cuda_ipc
+expect_of "$prefill" 1 "--tensor-parallel 2 splits the model over GPUs" -- --model "$work/m" --tensor-parallel 2
 expect_of "$decode" 1 "--tensor-parallel 2 splits the model over GPUs" -- --model "$work/m" --colocated --adapter-root "$work" --tensor-parallel 2
 # Same seed, same tokens.
 a=$("$preft" generate --model "$work/m" --prompt-ids 5,6,7 --temperature 1 --seed 9 --max-tokens 8 --json)

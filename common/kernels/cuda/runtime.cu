@@ -36,6 +36,16 @@ int CopyToHost(void* dst, const void* src, size_t bytes, void* stream) {
 int CopyOnDevice(void* dst, const void* src, size_t bytes, void* stream) {
   return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, AsStream(stream));
 }
+int Copy2DToHost(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+                 size_t rows, void* stream) {
+  return cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, cudaMemcpyDeviceToHost,
+                           AsStream(stream));
+}
+int Copy2DToDevice(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+                   size_t rows, void* stream) {
+  return cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, cudaMemcpyHostToDevice,
+                           AsStream(stream));
+}
 int StreamCreate(void** stream) {
   cudaStream_t s = nullptr;
   const cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);

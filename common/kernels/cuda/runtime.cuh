@@ -28,6 +28,11 @@ int Memset(void* ptr, int value, size_t bytes, void* stream);
 int CopyToDevice(void* dst, const void* src, size_t bytes, void* stream);
 int CopyToHost(void* dst, const void* src, size_t bytes, void* stream);
 int CopyOnDevice(void* dst, const void* src, size_t bytes, void* stream);
+// `rows` rows of `width` bytes, `src_pitch` and `dst_pitch` bytes apart.
+int Copy2DToHost(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+                 size_t rows, void* stream);
+int Copy2DToDevice(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width,
+                   size_t rows, void* stream);
 int StreamCreate(void** stream);
 int StreamDestroy(void* stream);
 int StreamSynchronize(void* stream);
