@@ -104,6 +104,10 @@ function localFlags(p, ctx, notes) {
       notes.add(`--device ${v} -> cpu (no GPU here)`);
       return "cpu";
     }
+    if (flag === "--tensor-parallel" && v !== "1" && !kHasGpu) {
+      notes.add(`--tensor-parallel ${v} -> 1 (no GPU here)`);
+      return "1";
+    }
     const port = addressPort(v);
     if (port !== undefined && containerPort(p.container, port) !== undefined) return `127.0.0.1:${ctx.ports.get(p.name).get(port)}`;
     return (v.startsWith("/") && localPath(p, v, ctx.volumesDir)) || v;

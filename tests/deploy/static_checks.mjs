@@ -94,6 +94,9 @@ function checkPod(p, check) {
   const gpus = Number(c.resources?.limits?.["nvidia.com/gpu"] ?? 0);
   const device = flagValue(p.flags, "--device") ?? "cpu";
   check((gpus > 0) === (device === "cuda"), `${p.name}: --device ${device} with ${gpus} nvidia.com/gpu`);
+  // A model split over N GPUs (ranks on devices 0 .. N-1) needs the pod to hold N of them.
+  const tp = Number(flagValue(p.flags, "--tensor-parallel") ?? 1);
+  check(device !== "cuda" || tp === gpus, `${p.name}: --tensor-parallel ${tp} with ${gpus} nvidia.com/gpu`);
   check(p.spec.securityContext?.runAsNonRoot || c.securityContext?.runAsNonRoot, `${p.name}: not runAsNonRoot`);
   check(c.securityContext?.allowPrivilegeEscalation === false, `${p.name}: allowPrivilegeEscalation is not false`);
 }
