@@ -178,6 +178,11 @@ CudaBackend::~CudaBackend() {
   }).IgnoreError();
 }
 
+std::string CudaBackend::description() const {
+  if (ranks_.size() == 1) return name();
+  return absl::StrCat(name(), " x", ranks_.size(), " (", collective_kind(), ")");
+}
+
 const char* CudaBackend::collective_kind() const {
   return ranks_[0].collective != nullptr ? ranks_[0].collective->kind() : "";
 }

@@ -73,6 +73,7 @@ class CudaBackend : public ForwardBackend {
   absl::Status KvToHost(const std::vector<int32_t>& blocks) override;
   absl::Status KvFromHost(const std::vector<int32_t>& blocks) override;
   const char* name() const override { return "cuda"; }
+  std::string description() const override;
   int tensor_parallel() const { return static_cast<int>(ranks_.size()); }
   // "nccl" or "shared-device" with several ranks, "" with one.
   const char* collective_kind() const;

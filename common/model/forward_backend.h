@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -78,6 +79,9 @@ class ForwardBackend {
   virtual absl::Status KvToHost(const std::vector<int32_t>& blocks) { return absl::OkStatus(); }
   virtual absl::Status KvFromHost(const std::vector<int32_t>& blocks) { return absl::OkStatus(); }
   virtual const char* name() const = 0;  // "cpu", "cuda"
+  // Where the forward runs, for a worker's startup line: name(), or with tensor parallelism
+  // "cuda x4 (nccl)".
+  virtual std::string description() const { return name(); }
 };
 
 // Model::Forward over a KvCache of its own.

@@ -1,7 +1,8 @@
 // preft-decode: the decode tier as its own process (DESIGN.md §4), or with --colocated a
 // worker that runs whole requests (prompt and decode in one engine). Prints
-// "preft-decode listening on ADDR transport=NAME" once it serves; SIGTERM/SIGINT drain it
-// (Reserve refused, started streams finish, up to --drain-timeout-s) and exit 0.
+// "preft-decode listening on ADDR transport=NAME device=DEVICE" once it serves;
+// SIGTERM/SIGINT drain it (Reserve refused, started streams finish, up to
+// --drain-timeout-s) and exit 0.
 
 #include <algorithm>
 #include <cstdio>
@@ -57,6 +58,7 @@ int Run(const Flags& f) {
   so.colocated = f.colocated;
   so.adapter_root = f.adapters.root;
   so.store = preft::serving::StoreOptions(f.adapters, loaded.model->weight_dtype());
+  const std::string device = engine->backend().description();
   auto service =
       preft::decode::DecodeService::Create(std::move(engine), std::move(*transport), layout, so);
   if (!service.ok()) return Fail(std::string(service.status().message()));
@@ -84,8 +86,9 @@ int Run(const Flags& f) {
     (*server)->SetServing("", false);
   }
   (*server)->SetServing(kServiceName, transport_ok.ok());
-  std::printf("preft-decode listening on %s transport=%s\n", (*server)->address().c_str(),
-              (*service)->endpoint().transport().c_str());
+  std::printf("preft-decode listening on %s transport=%s device=%s\n",
+              (*server)->address().c_str(), (*service)->endpoint().transport().c_str(),
+              device.c_str());
   std::fflush(stdout);
 
   const int sig = preft::serving::WaitForTerminationSignal();

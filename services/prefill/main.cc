@@ -1,6 +1,7 @@
 // preft-prefill: one prefill worker (DESIGN.md §4) serving preft.worker.v1.PrefillWorker.
 //
-// Prints `preft-prefill listening on ADDR transport=NAME` once ready (scripts wait for it).
+// Prints `preft-prefill listening on ADDR transport=NAME device=DEVICE` once ready (scripts
+// wait for it).
 // SIGTERM/SIGINT drain: new prompts are refused, health turns NOT_SERVING, prompts in flight
 // finish (up to --drain-timeout-s), then the server shuts down. Exit codes: 0 after a drain,
 // 2 for bad flags, 1 when the model, transport or server cannot start.
@@ -53,6 +54,7 @@ int Run(const Flags& f) {
   options.adapter_root = f.adapters.root;
   options.store = serving::StoreOptions(f.adapters, worker->model.model->weight_dtype());
   if (worker->metrics != nullptr) options.metrics = &worker->metrics->registry();
+  const std::string device = engine->backend().description();
   absl::StatusOr<std::unique_ptr<prefill::PrefillService>> service =
       prefill::PrefillService::Create(std::move(engine), std::move(transport).value(),
                                       layout, options);
@@ -77,8 +79,9 @@ int Run(const Flags& f) {
   }
   (*server)->SetServing(service_name, transport_ok.ok());
 
-  std::printf("preft-prefill listening on %s transport=%s\n", (*server)->address().c_str(),
-              (*service)->endpoint().transport().c_str());
+  std::printf("preft-prefill listening on %s transport=%s device=%s\n",
+              (*server)->address().c_str(), (*service)->endpoint().transport().c_str(),
+              device.c_str());
   std::fflush(stdout);
 
   const int sig = serving::WaitForTerminationSignal();
