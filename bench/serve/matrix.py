@@ -110,6 +110,8 @@ class Cluster:
         worker = ["--model", args.model, "--metrics-listen", "127.0.0.1:0",
                   "--threads", str(args.threads), "--max-batch-tokens", str(args.max_batch_tokens),
                   "--device", args.device]
+        if args.tensor_parallel > 1:
+            worker += ["--tensor-parallel", str(args.tensor_parallel)]
         store = ["--adapter-root", adapter_root,
                  "--adapter-host-bytes", str(store_mib[0] << 20),
                  "--adapter-compute-bytes", str(store_mib[1] << 20),
@@ -588,7 +590,12 @@ def main():
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where every worker runs its forward (cuda: the first GPU; prefill "
                         "and disaggregated decode workers stage KV through host memory)")
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="with --device cuda: every worker splits the model over GPUs 0..N-1 "
+                        "(workers of both tiers share them)")
     args = p.parse_args()
+    if args.tensor_parallel > 1 and (args.device != "cuda" or args.transport == "cuda_ipc"):
+        sys.exit("matrix: --tensor-parallel needs --device cuda and a host-memory transport")
     args.adapter_dir = args.adapter_dir or args.model.rstrip("/") + "-adapters"
     sys.path.insert(0, os.path.join(args.build, "clients", "python"))
     modes = args.modes.split(",")
