@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status_macros.h"
+#include "common/base/status_rendezvous.h"
 #include "common/kernels/cuda/runtime.cuh"
 #include "common/kernels/cuda/sampling.cuh"
 
@@ -122,6 +123,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Build(const ModelConfi
     }
     for (int r = 0; r < tp; ++r) b->ranks_[r].collective = std::move(collectives[r]);
     b->threads_ = std::make_unique<RankThreads>(devices);
+    b->agreement_ = std::make_unique<base::StatusRendezvous>(tp, "tensor-parallel rank");
   }
 
   // Weights first, then the KV pools sized from what every rank has left.
@@ -132,6 +134,10 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Build(const ModelConfi
     Rank& rank = b->ranks_[r];
     PREFT_ASSIGN_OR_RETURN(rank.model, make_rank({r, tp}, rank.collective.get()));
     rank.model->UseGraphs(options.graphs);
+    if (b->agreement_ != nullptr) {
+      rank.model->SetStepAgreement(
+          [agreement = b->agreement_.get(), r](const absl::Status& s) { return agreement->Post(r, s); });
+    }
     rank.slots = std::make_unique<DeviceAdapterSlots>(options.adapter_bytes, TensorShard{r, tp});
     if (fit[r] <= 0) {
       PREFT_ASSIGN_OR_RETURN(
@@ -203,6 +209,12 @@ absl::Status CudaBackend::Forward(const ForwardBatch& batch, base::AlignedVector
 absl::Status CudaBackend::ForwardSample(const ForwardBatch& batch,
                                         const std::vector<RowSampling>& rows,
                                         std::vector<int32_t>* tokens) {
+  // Checked here, where every rank sees it, not by rank 0 alone (whose refusal would leave the
+  // others waiting for it).
+  if (rows.size() != batch.logit_rows.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(rows.size(), " sampling specs for ",
+                                                   batch.logit_rows.size(), " logit rows"));
+  }
   std::vector<cuda::SampleSpec> specs(rows.size());
   for (size_t r = 0; r < rows.size(); ++r) {
     specs[r] = {rows[r].temperature, rows[r].top_p, rows[r].min_p,

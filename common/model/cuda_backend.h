@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/base/status_rendezvous.h"
 #include "common/model/device_model.h"
 #include "common/model/forward_backend.h"
 
@@ -99,7 +100,8 @@ class CudaBackend : public ForwardBackend {
   absl::Status OnRanks(const std::function<absl::Status(int)>& fn);
 
   std::vector<Rank> ranks_;
-  std::unique_ptr<RankThreads> threads_;  // several ranks only
+  std::unique_ptr<RankThreads> threads_;        // several ranks only
+  std::unique_ptr<base::StatusRendezvous> agreement_;  // several ranks: once per step
   kv::KvCacheShape shape_;
   std::unique_ptr<kv::KvCache> mirror_;  // host_mirror only
 };

@@ -871,6 +871,19 @@ absl::Status DeviceModel::EnsureScratch(int64_t tokens, int64_t rows) {
 
 absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
                               DeviceAdapterSlots* adapters) {
+  bool agreed = false;
+  auto agree = [&](absl::Status mine) {
+    agreed = true;
+    return agree_ ? agree_(mine) : mine;
+  };
+  absl::Status ran = RunStep(batch, cache, adapters, agree);
+  if (!agreed) agree(ran).IgnoreError();  // the other ranks learn of this rank's failure
+  return ran;
+}
+
+absl::Status DeviceModel::RunStep(const ForwardBatch& batch, DeviceKvCache* cache,
+                                  DeviceAdapterSlots* adapters,
+                                  const std::function<absl::Status(absl::Status)>& agree) {
   const ModelConfig& c = config_;
   const kv::KvCacheShape& cs = cache->shape();
   PREFT_RETURN_IF_ERROR(CheckBatchFits(c, cs, batch));
@@ -986,7 +999,14 @@ absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
       &attention_parts_,
       cuda::AttentionWorkspaceFloats(S, max_new, geometry, c.num_heads) * sizeof(float)));
   const bool capturable = collective_ == nullptr || collective_->capturable();
-  if (!use_graphs_ || !capturable || max_new != 1) return Launch(step, cache, lora, direft);
+  const bool graph = use_graphs_ && capturable && max_new == 1;
+  // Nothing inside a capture may allocate: size the GEMM input copy for this shape first.
+  if (graph) {
+    PREFT_RETURN_IF_ERROR(Cuda(blas_->Reserve(std::max(T, R) * std::max({d, q_out, inter})),
+                               "reserve"));
+  }
+  PREFT_RETURN_IF_ERROR(agree(absl::OkStatus()));
+  if (!graph) return Launch(step, cache, lora, direft);
 
   // Decode steps replay a graph recorded for their shape (the kernels' arguments are fixed
   // by the shape, the cache and the buffers, all in the key; the data is in meta_).
@@ -996,9 +1016,6 @@ absl::Status DeviceModel::Run(const ForwardBatch& batch, DeviceKvCache* cache,
                               reinterpret_cast<int64_t>(attention_parts_.get())};
   lora.AppendShape(&key);
   direft.AppendShape(&key);
-  // Nothing inside a capture may allocate: size the GEMM input copy for this shape first.
-  PREFT_RETURN_IF_ERROR(Cuda(blas_->Reserve(std::max(T, R) * std::max({d, q_out, inter})),
-                             "reserve"));
   if (blas_->generation() != graphs_blas_generation_) {  // that copy moved: every graph is stale
     ClearGraphs();
     graphs_blas_generation_ = blas_->generation();

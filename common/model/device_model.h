@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -309,6 +310,13 @@ class DeviceModel {
   // A step on a rank other than 0: its share of the layers (no LM head), nothing returned.
   absl::Status ForwardRank(const ForwardBatch& batch, DeviceKvCache* cache,
                            DeviceAdapterSlots* adapters);
+  // Tensor-parallel ranks: every step, once this rank has prepared it (or failed to) and
+  // before any collective, `agree` is given that status and returns the step's: an error if
+  // any rank failed. So a rank that cannot run a step (no device memory for an adapter) fails
+  // it on every rank instead of leaving the others waiting in an all-reduce.
+  void SetStepAgreement(std::function<absl::Status(const absl::Status&)> agree) {
+    agree_ = std::move(agree);
+  }
 
   // Decode steps (one new token per sequence) record a CUDA graph per shape and replay it,
   // one launch instead of ~13 per layer (not with a collective that cannot be captured).
@@ -348,8 +356,15 @@ class DeviceModel {
   // Sums a row-parallel layer's partial output over the ranks (nothing with one rank).
   absl::Status AllReduce(float* y, int64_t n);
   // Runs the layers and the LM head; leaves [rows, vocab] logits in logits_ on the device.
+  // Takes part in the step's agreement exactly once, whether or not the step was prepared.
   absl::Status Run(const ForwardBatch& batch, DeviceKvCache* cache,
                    DeviceAdapterSlots* adapters);
+  // Run's work: `agree` is called with OK once the step is prepared (every fallible host-side
+  // check, adapter copy and allocation done), before its first kernel; a step that fails
+  // before then returns without calling it.
+  absl::Status RunStep(const ForwardBatch& batch, DeviceKvCache* cache,
+                       DeviceAdapterSlots* adapters,
+                       const std::function<absl::Status(absl::Status)>& agree);
   // Queues the kernels of one planned step on the stream (or into a graph being captured).
   absl::Status Launch(const Step& step, DeviceKvCache* cache, const LowRankWork& lora,
                       const LowRankWork& direft);
@@ -362,6 +377,7 @@ class DeviceModel {
   ModelConfig config_;  // this rank's slice (ShardConfig): what the kernels run
   TensorShard shard_;
   kernels::cuda::Collective* collective_ = nullptr;  // borrowed; null with one rank
+  std::function<absl::Status(const absl::Status&)> agree_;  // tensor-parallel ranks only
   void* stream_ = nullptr;
   kernels::cuda::Blas* blas_ = nullptr;
   DeviceBuffer weights_;  // every matrix (bf16), then norms, biases and inv_freq (f32)
