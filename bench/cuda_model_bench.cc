@@ -257,7 +257,8 @@ int TensorParallelFigures(const preft::model::ModelConfig& config, int tp, int64
     linear += static_cast<double>(d.in) * d.out;
   }
   const double rank0_bytes =
-      2.0 * (config.num_layers * linear / tp + static_cast<double>(config.vocab_size) * config.hidden_size);
+      2.0 * (config.num_layers * linear / tp +
+             static_cast<double>(config.vocab_size) * config.hidden_size);
   std::printf("tensor parallelism over %d GPUs (%s): %.1f GB read per decode step by rank 0\n\n",
               tp, backend->collective_kind(), rank0_bytes / 1e9);
   std::printf("| figure | value | reference (same run) | ratio | target |\n|---|---|---|---|---|\n");
@@ -266,7 +267,9 @@ int TensorParallelFigures(const preft::model::ModelConfig& config, int tp, int64
     std::vector<preft::model::RowSampling> greedy(n);
     uint64_t rng = 12345;
     for (int64_t i = 0; i < n; ++i) {
-      for (int64_t b = 0; b < per_seq; ++b) seqs[i].blocks.push_back(static_cast<int32_t>(i * per_seq + b));
+      for (int64_t b = 0; b < per_seq; ++b) {
+        seqs[i].blocks.push_back(static_cast<int32_t>(i * per_seq + b));
+      }
       for (int64_t t = 0; t < prompt; ++t) {
         rng = rng * 6364136223846793005ull + 1442695040888963407ull;
         seqs[i].tokens.push_back(static_cast<int32_t>((rng >> 33) % config.vocab_size));

@@ -113,7 +113,9 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Build(const ModelConfi
   std::unique_ptr<CudaBackend> b(new CudaBackend());
   b->ranks_.resize(tp);
   std::vector<int> devices(tp);
-  for (int r = 0; r < tp; ++r) devices[r] = b->ranks_[r].device = options.ranks_share_device ? 0 : r;
+  for (int r = 0; r < tp; ++r) {
+    devices[r] = b->ranks_[r].device = options.ranks_share_device ? 0 : r;
+  }
   if (tp > 1) {
     std::vector<std::unique_ptr<cuda::Collective>> collectives;
     const std::string error = cuda::MakeCollectives(devices, &collectives);
@@ -135,8 +137,9 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Build(const ModelConfi
     PREFT_ASSIGN_OR_RETURN(rank.model, make_rank({r, tp}, rank.collective.get()));
     rank.model->UseGraphs(options.graphs);
     if (b->agreement_ != nullptr) {
-      rank.model->SetStepAgreement(
-          [agreement = b->agreement_.get(), r](const absl::Status& s) { return agreement->Post(r, s); });
+      rank.model->SetStepAgreement([agreement = b->agreement_.get(), r](const absl::Status& s) {
+        return agreement->Post(r, s);
+      });
     }
     rank.slots = std::make_unique<DeviceAdapterSlots>(options.adapter_bytes, TensorShard{r, tp});
     if (fit[r] <= 0) {
@@ -151,12 +154,13 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Build(const ModelConfi
   if (options.kv_blocks <= 0 && options.ranks_share_device) blocks /= tp;
   if (blocks <= 0) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "no KV block (", full_one.bytes_per_block_all_layers() / tp, " bytes per GPU) fits in device memory"));
+        "no KV block (", full_one.bytes_per_block_all_layers() / tp,
+        " bytes per GPU) fits in device memory"));
   }
   PREFT_RETURN_IF_ERROR(b->OnRanks([&](int r) -> absl::Status {
     Rank& rank = b->ranks_[r];
-    PREFT_ASSIGN_OR_RETURN(rank.cache,
-                           DeviceKvCache::Create(rank.model->CacheShape(blocks, options.block_tokens)));
+    PREFT_ASSIGN_OR_RETURN(
+        rank.cache, DeviceKvCache::Create(rank.model->CacheShape(blocks, options.block_tokens)));
     return absl::OkStatus();
   }));
   b->shape_ = full_one;

@@ -243,7 +243,8 @@ absl::Status CopyKvHeads(float* device, float* host, const kv::KvCacheShape& ful
     int e = 0;
     if (c.width == c.src_pitch && c.width == c.dst_pitch) {
       const size_t bytes = c.width * c.rows * f;
-      e = to_host ? cuda::CopyToHost(h, d, bytes, nullptr) : cuda::CopyToDevice(d, h, bytes, nullptr);
+      e = to_host ? cuda::CopyToHost(h, d, bytes, nullptr)
+                  : cuda::CopyToDevice(d, h, bytes, nullptr);
     } else {
       e = to_host ? cuda::Copy2DToHost(h, c.dst_pitch * f, d, c.src_pitch * f, c.width * f,
                                        c.rows, nullptr)
@@ -375,7 +376,9 @@ absl::StatusOr<std::unique_ptr<DeviceAdapter>> DeviceAdapter::Allocate(const Ada
       const size_t es = kernels::DTypeSize(lr->shrink.dtype);
       p.shrink = plan.Place(lr->rank() * p.slice.shrink_cols.size() * es);
       p.expand = plan.Place(lr->rank() * p.slice.expand_cols.size() * es);
-      if (lr->shrink_bias != nullptr && p.slice.bias) p.bias = plan.Place(lr->rank() * sizeof(float));
+      if (lr->shrink_bias != nullptr && p.slice.bias) {
+        p.bias = plan.Place(lr->rank() * sizeof(float));
+      }
     }
   }
   out->table_at_ = plan.Place(out->placed_.size() * sizeof(cuda::LowRankPair));

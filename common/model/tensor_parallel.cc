@@ -14,7 +14,8 @@ ShardSplit SplitOf(Projection p) {
 
 absl::Status CheckTensorParallel(const ModelConfig& c, int ranks) {
   if (ranks < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor parallelism needs at least one rank, got ", ranks));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor parallelism needs at least one rank, got ", ranks));
   }
   const std::pair<const char*, int64_t> split[] = {{"num_attention_heads", c.num_heads},
                                                    {"num_key_value_heads", c.num_kv_heads},

@@ -111,11 +111,10 @@ absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& flags, bool kv_
 // An engine over `model` on `device`: "cpu" (the model's own forward, `options` as given) or
 // "cuda" (a CudaBackend over `tensor_parallel` GPUs whose KV cache holds options.kv_blocks
 // blocks, else kv_bytes when positive, else a share of the free device memory).
-// tensor_parallel > 1 needs "cuda" (InvalidArgument otherwise). With `kv_transport` (its KV moves to or
-// from other workers through host memory) a device cache keeps a host mirror for the
-// transport, and its size
-// defaults to kMirroredKvBytes rather than the device's free memory. Errors start with
-// "--device DEVICE: ".
+// tensor_parallel > 1 needs "cuda" (InvalidArgument otherwise). With `kv_transport` (its KV
+// moves to or from other workers through host memory) a device cache keeps a host mirror for
+// the transport, and its size defaults to kMirroredKvBytes rather than the device's free
+// memory. Errors start with "--device DEVICE: ".
 inline constexpr int64_t kMirroredKvBytes = int64_t{8} << 30;
 absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(model::Model* model,
                                                            const model::Tokenizer* tokenizer,

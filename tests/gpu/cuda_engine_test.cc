@@ -418,7 +418,9 @@ TEST(CudaEngineTest, TensorParallelTiersHandKvThroughHostMirrors) {
       }
     }
     while (decode->HasWork()) ASSERT_TRUE(decode->Step().ok());
-    for (const PrefilledPrompt& p : handed) ASSERT_TRUE(prefill->ReleasePrefilled(p.request_id).ok());
+    for (const PrefilledPrompt& p : handed) {
+      ASSERT_TRUE(prefill->ReleasePrefilled(p.request_id).ok());
+    }
     std::vector<GenerationResult> got(reqs.size());
     for (size_t i = 0; i < reqs.size(); ++i) got[i].token_ids = tokens[reqs[i].id];
     ExpectSameUpToNearTies(*want, got);

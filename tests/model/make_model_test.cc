@@ -98,7 +98,8 @@ void ExpectLoadable(const std::string& dir, const ModelConfig& preset, DType dty
 TEST(PresetTest, NamesAndUnknownPreset) {
   EXPECT_THAT(PresetNames(), Contains("tiny"));
   for (const char* p :
-       {"tiny-qwen2", "tiny-mistral", "qwen2.5-0.5b", "llama3.2-1b", "llama3.1-8b", "llama3.1-70b"}) {
+       {"tiny-qwen2", "tiny-mistral", "qwen2.5-0.5b", "llama3.2-1b", "llama3.1-8b",
+        "llama3.1-70b"}) {
     EXPECT_THAT(PresetNames(), Contains(p));
   }
   auto c = PresetConfig("gpt-5");

@@ -70,8 +70,9 @@ std::vector<double> Project(const std::vector<float>& x, int64_t n, const Matrix
              kernels::LoadAsF32(lr->shrink.data, lr->shrink.dtype, k * lr->shrink.cols + i);
       }
       for (int64_t o = 0; o < w.rows; ++o) {
-        y[t * w.rows + o] += lr->scale * z *
-                             kernels::LoadAsF32(lr->expand.data, lr->expand.dtype, k * lr->expand.cols + o);
+        const float e =
+            kernels::LoadAsF32(lr->expand.data, lr->expand.dtype, k * lr->expand.cols + o);
+        y[t * w.rows + o] += lr->scale * z * e;
       }
     }
   }
@@ -181,7 +182,8 @@ TEST(TensorParallelTest, RankSlicesAssembleTheWholeProjection) {
           }
         }
         for (size_t i = 0; i < want.size(); ++i) {
-          ASSERT_NEAR(got[i], want[i], 1e-9 * (1 + std::abs(want[i]))) << "ranks " << ranks << " at " << i;
+          ASSERT_NEAR(got[i], want[i], 1e-9 * (1 + std::abs(want[i])))
+              << "ranks " << ranks << " at " << i;
         }
       }
     }
@@ -209,7 +211,9 @@ TEST(TensorParallelTest, RanksMoveTheirKvHeadsThroughACacheOfEveryHead) {
   std::vector<float> whole(total);
   for (int64_t i = 0; i < total; ++i) whole[i] = static_cast<float>(i);
   const std::vector<int32_t> blocks = {3, 0, 1};  // runs [3] and [0, 1]
-  auto named = [&](int64_t b) { return std::find(blocks.begin(), blocks.end(), b) != blocks.end(); };
+  auto named = [&](int64_t b) {
+    return std::find(blocks.begin(), blocks.end(), b) != blocks.end();
+  };
   for (int ranks : {1, 2, 4}) {
     std::vector<float> rebuilt(total, -1.f);
     for (int rank = 0; rank < ranks; ++rank) {
