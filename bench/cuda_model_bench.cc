@@ -155,6 +155,23 @@ struct Seq {
   bool prompt_only = false;
 };
 
+// `count` sequences of `prompt` random tokens (the same in every run), each with its own
+// blocks of `block_tokens`, room for `total` tokens.
+std::vector<Seq> MakeSeqs(int64_t count, int64_t prompt, int64_t total, int64_t block_tokens,
+                          int64_t vocab) {
+  const int64_t per = (total + block_tokens - 1) / block_tokens;
+  std::vector<Seq> seqs(count);
+  uint64_t rng = 12345;
+  for (int64_t i = 0; i < count; ++i) {
+    for (int64_t b = 0; b < per; ++b) seqs[i].blocks.push_back(static_cast<int32_t>(i * per + b));
+    for (int64_t t = 0; t < prompt; ++t) {
+      rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+      seqs[i].tokens.push_back(static_cast<int32_t>((rng >> 33) % vocab));
+    }
+  }
+  return seqs;
+}
+
 // Sequences in lockstep over one cache: prompts first (in chunks), then decode steps.
 class Lockstep {
  public:
@@ -163,17 +180,8 @@ class Lockstep {
 
   // `count` sequences of `prompt` random tokens and room for `total` tokens each.
   std::vector<Seq> Make(int64_t count, int64_t prompt, int64_t total) {
-    const int64_t bt = cache_->shape().block_tokens, per = (total + bt - 1) / bt;
-    std::vector<Seq> seqs(count);
-    uint64_t rng = 12345;
-    for (int64_t i = 0; i < count; ++i) {
-      for (int64_t b = 0; b < per; ++b) seqs[i].blocks.push_back(static_cast<int32_t>(i * per + b));
-      for (int64_t t = 0; t < prompt; ++t) {
-        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
-        seqs[i].tokens.push_back(static_cast<int32_t>((rng >> 33) % model_->config().vocab_size));
-      }
-    }
-    return seqs;
+    return MakeSeqs(count, prompt, total, cache_->shape().block_tokens,
+                    model_->config().vocab_size);
   }
 
   // Runs every prompt (whole prompts, up to `chunk` tokens per forward); each sequence gets
@@ -263,18 +271,8 @@ int TensorParallelFigures(const preft::model::ModelConfig& config, int tp, int64
               tp, backend->collective_kind(), rank0_bytes / 1e9);
   std::printf("| figure | value | reference (same run) | ratio | target |\n|---|---|---|---|---|\n");
   for (int64_t n : {int64_t{1}, int64_t{64}}) {
-    std::vector<Seq> seqs(n);
+    std::vector<Seq> seqs = MakeSeqs(n, prompt, total, o.block_tokens, config.vocab_size);
     std::vector<preft::model::RowSampling> greedy(n);
-    uint64_t rng = 12345;
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t b = 0; b < per_seq; ++b) {
-        seqs[i].blocks.push_back(static_cast<int32_t>(i * per_seq + b));
-      }
-      for (int64_t t = 0; t < prompt; ++t) {
-        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
-        seqs[i].tokens.push_back(static_cast<int32_t>((rng >> 33) % config.vocab_size));
-      }
-    }
     std::vector<int32_t> picks;
     auto run = [&](bool prefill) {
       ForwardBatch batch;

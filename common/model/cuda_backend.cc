@@ -113,9 +113,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Build(const ModelConfi
   std::unique_ptr<CudaBackend> b(new CudaBackend());
   b->ranks_.resize(tp);
   std::vector<int> devices(tp);
-  for (int r = 0; r < tp; ++r) {
-    devices[r] = b->ranks_[r].device = options.ranks_share_device ? 0 : r;
-  }
+  for (int r = 0; r < tp; ++r) devices[r] = options.ranks_share_device ? 0 : r;
   if (tp > 1) {
     std::vector<std::unique_ptr<cuda::Collective>> collectives;
     const std::string error = cuda::MakeCollectives(devices, &collectives);
@@ -213,12 +211,6 @@ absl::Status CudaBackend::Forward(const ForwardBatch& batch, base::AlignedVector
 absl::Status CudaBackend::ForwardSample(const ForwardBatch& batch,
                                         const std::vector<RowSampling>& rows,
                                         std::vector<int32_t>* tokens) {
-  // Checked here, where every rank sees it, not by rank 0 alone (whose refusal would leave the
-  // others waiting for it).
-  if (rows.size() != batch.logit_rows.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(rows.size(), " sampling specs for ",
-                                                   batch.logit_rows.size(), " logit rows"));
-  }
   std::vector<cuda::SampleSpec> specs(rows.size());
   for (size_t r = 0; r < rows.size(); ++r) {
     specs[r] = {rows[r].temperature, rows[r].top_p, rows[r].min_p,

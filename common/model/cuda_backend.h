@@ -81,7 +81,6 @@ class CudaBackend : public ForwardBackend {
 
  private:
   struct Rank {
-    int device = 0;
     std::unique_ptr<kernels::cuda::Collective> collective;
     std::unique_ptr<DeviceModel> model;
     std::unique_ptr<DeviceKvCache> cache;

@@ -1192,8 +1192,11 @@ absl::Status DeviceModel::ForwardSample(const ForwardBatch& batch, DeviceKvCache
                                         std::vector<int32_t>* tokens) {
   const int64_t R = static_cast<int64_t>(batch.logit_rows.size());
   if (static_cast<int64_t>(specs.size()) != R) {
-    return absl::InvalidArgumentError(absl::StrCat(specs.size(), " sampling specs for ", R,
-                                                   " logit rows"));
+    const absl::Status refused = absl::InvalidArgumentError(
+        absl::StrCat(specs.size(), " sampling specs for ", R, " logit rows"));
+    // The other ranks run this step all the same: they learn of the refusal at its agreement.
+    if (agree_) agree_(refused).IgnoreError();
+    return refused;
   }
   PREFT_RETURN_IF_ERROR(Run(batch, cache, adapters));
   const size_t specs_bytes = AlignUp(R * sizeof(cuda::SampleSpec));

@@ -257,6 +257,70 @@ Request RequestWithId(const std::vector<Request>& reqs, const std::string& id) {
   return {};
 }
 
+// Disaggregated serving by hand: `reqs` are prefilled on `prefill`, each prompt's blocks are
+// copied from its host mirror into blocks reserved in `decode`'s (the KV transport's memcpy),
+// and the requests continue on `decode` as imported prompts (their tokens into `tokens`, when
+// given) until it has no work left. On the way, what the import put on `decode`'s device is
+// read back through its poisoned mirror: the prefill engine's blocks, bit for bit.
+// *handed counts the prompts handed over.
+void HandOverThroughMirrors(Engine* prefill, Engine* decode, const std::vector<Request>& reqs,
+                            std::map<std::string, std::vector<int32_t>>* tokens,
+                            size_t* handed_count) {
+  std::vector<PrefilledPrompt> handed;
+  for (Request r : reqs) {
+    r.on_prefilled = [&](const PrefilledPrompt& p) { handed.push_back(p); };
+    ASSERT_TRUE(prefill->Add(std::move(r)).ok());
+  }
+  while (prefill->HasWork()) ASSERT_TRUE(prefill->Step().ok());
+  ASSERT_EQ(handed.size(), reqs.size());
+  kv::KvCache* from = prefill->cache();
+  kv::KvCache* to = decode->cache();
+  ASSERT_TRUE(from != nullptr && to != nullptr);
+  const int64_t bf = from->shape().block_floats();
+  std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>> moved;  // (src, dst)
+  for (const PrefilledPrompt& p : handed) {
+    auto blocks = decode->ReserveBlocks((p.num_tokens + 8 + 15) / 16);
+    ASSERT_TRUE(blocks.ok()) << blocks.status();
+    for (int64_t l = 0; l < from->shape().num_layers; ++l) {
+      for (size_t b = 0; b < p.blocks.size(); ++b) {
+        std::memcpy(to->layer_base(l) + (*blocks)[b] * bf, from->layer_base(l) + p.blocks[b] * bf,
+                    bf * sizeof(float));
+      }
+    }
+    moved.emplace_back(p.blocks,
+                       std::vector<int32_t>(blocks->begin(), blocks->begin() + p.blocks.size()));
+    Request r = RequestWithId(reqs, p.request_id);
+    r.sampling.seed = p.seed;
+    r.imported = ImportedPrompt{*blocks, p.first_token, p.first_logprob};
+    if (tokens != nullptr) {
+      r.on_token = [tokens](const TokenEvent& e) {
+        if (e.token_id >= 0) (*tokens)[e.request_id].push_back(e.token_id);
+      };
+    }
+    ASSERT_TRUE(decode->Add(std::move(r)).ok());  // copies the blocks to the device
+  }
+  // Poison the decode mirror, then read the device blocks back into it.
+  for (int64_t l = 0; l < to->shape().num_layers; ++l) {
+    std::memset(to->layer_base(l), 0xff, to->shape().num_blocks * bf * sizeof(float));
+  }
+  for (const auto& [src, dst] : moved) {
+    ASSERT_TRUE(decode->backend().KvToHost(dst).ok());
+    for (int64_t l = 0; l < from->shape().num_layers; ++l) {
+      for (size_t b = 0; b < src.size(); ++b) {
+        ASSERT_EQ(std::memcmp(to->layer_base(l) + dst[b] * bf, from->layer_base(l) + src[b] * bf,
+                              bf * sizeof(float)),
+                  0)
+            << "layer " << l << " block " << dst[b];
+      }
+    }
+  }
+  while (decode->HasWork()) ASSERT_TRUE(decode->Step().ok());
+  for (const PrefilledPrompt& p : handed) {
+    ASSERT_TRUE(prefill->ReleasePrefilled(p.request_id).ok());
+  }
+  *handed_count = handed.size();
+}
+
 // Disaggregated serving on GPUs: a prefill engine's prompt blocks reach a decode engine's
 // device cache through the two host mirrors (the KV transport's memcpy done here by hand),
 // bit for bit, and the decode engine generates from them.
@@ -277,57 +341,10 @@ TEST(CudaEngineTest, PromptBlocksReachAnotherGpuEngineThroughHostMirrors) {
   auto decode = Engine::Create(*std::move(decode_backend), nullptr, o);
   ASSERT_TRUE(prefill.ok() && decode.ok());
   ASSERT_NE((*prefill)->cache(), nullptr);  // the mirror
-
-  const std::vector<Request> reqs = SplitRequests(seed);
-  std::vector<PrefilledPrompt> handed;
-  for (Request r : reqs) {
-    r.on_prefilled = [&](const PrefilledPrompt& p) { handed.push_back(p); };
-    ASSERT_TRUE((*prefill)->Add(std::move(r)).ok());
-  }
-  while ((*prefill)->HasWork()) ASSERT_TRUE((*prefill)->Step().ok());
-  ASSERT_EQ(handed.size(), reqs.size());
-  kv::KvCache* from = (*prefill)->cache();
-  kv::KvCache* to = (*decode)->cache();
-  const int64_t bf = from->shape().block_floats();
-  std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>> moved;  // (src, dst)
-  for (const PrefilledPrompt& p : handed) {
-    auto blocks = (*decode)->ReserveBlocks((p.num_tokens + 8 + 15) / 16);
-    ASSERT_TRUE(blocks.ok()) << blocks.status();
-    for (int64_t l = 0; l < from->shape().num_layers; ++l) {
-      for (size_t b = 0; b < p.blocks.size(); ++b) {
-        std::memcpy(to->layer_base(l) + (*blocks)[b] * bf, from->layer_base(l) + p.blocks[b] * bf,
-                    bf * sizeof(float));
-      }
-    }
-    moved.emplace_back(p.blocks, std::vector<int32_t>(blocks->begin(), blocks->begin() + p.blocks.size()));
-    Request r = RequestWithId(reqs, p.request_id);
-    r.sampling.seed = p.seed;
-    r.imported = ImportedPrompt{*blocks, p.first_token, p.first_logprob};
-    ASSERT_TRUE((*decode)->Add(std::move(r)).ok());  // copies the blocks to the device
-  }
-  // Poison the decode mirror, then read the device blocks back into it: what the import put
-  // on the device must be the prefill engine's blocks, bit for bit.
-  for (int64_t l = 0; l < to->shape().num_layers; ++l) {
-    std::memset(to->layer_base(l), 0xff, to->shape().num_blocks * bf * sizeof(float));
-  }
-  for (const auto& [src, dst] : moved) {
-    ASSERT_TRUE((*decode)->backend().KvToHost(dst).ok());
-    for (int64_t l = 0; l < from->shape().num_layers; ++l) {
-      for (size_t b = 0; b < src.size(); ++b) {
-        ASSERT_EQ(std::memcmp(to->layer_base(l) + dst[b] * bf, from->layer_base(l) + src[b] * bf,
-                              bf * sizeof(float)),
-                  0)
-            << "layer " << l << " block " << dst[b];
-      }
-    }
-  }
-  int finished = 0;
-  while ((*decode)->HasWork()) ASSERT_TRUE((*decode)->Step().ok());
-  for (const PrefilledPrompt& p : handed) {
-    ASSERT_TRUE((*prefill)->ReleasePrefilled(p.request_id).ok());
-    ++finished;
-  }
-  EXPECT_EQ(finished, 3);
+  size_t handed = 0;
+  ASSERT_NO_FATAL_FAILURE(
+      HandOverThroughMirrors(prefill->get(), decode->get(), SplitRequests(seed), nullptr, &handed));
+  EXPECT_EQ(handed, 3u);
   EXPECT_EQ((*decode)->allocator().num_free(), 64);  // every imported sequence finished
 }
 
@@ -369,58 +386,14 @@ TEST(CudaEngineTest, TensorParallelTiersHandKvThroughHostMirrors) {
                  std::to_string(decode_tp));
     std::unique_ptr<Engine> prefill = engine(prefill_tp, true), decode = engine(decode_tp, true);
     ASSERT_TRUE(prefill != nullptr && decode != nullptr);
+    ASSERT_NE(prefill->cache(), nullptr);
+    ASSERT_EQ(prefill->cache()->shape().num_kv_heads, model->config().num_kv_heads);  // all
     const std::vector<Request> reqs = SplitRequests(seed);
-    std::vector<PrefilledPrompt> handed;
-    for (Request r : reqs) {
-      r.on_prefilled = [&](const PrefilledPrompt& p) { handed.push_back(p); };
-      ASSERT_TRUE(prefill->Add(std::move(r)).ok());
-    }
-    while (prefill->HasWork()) ASSERT_TRUE(prefill->Step().ok());
-    ASSERT_EQ(handed.size(), reqs.size());
-    kv::KvCache* from = prefill->cache();
-    kv::KvCache* to = decode->cache();
-    ASSERT_TRUE(from != nullptr && to != nullptr);
-    ASSERT_EQ(from->shape().num_kv_heads, model->config().num_kv_heads);  // every head
-    const int64_t bf = from->shape().block_floats();
     std::map<std::string, std::vector<int32_t>> tokens;
-    std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>> moved;  // (src, dst)
-    for (const PrefilledPrompt& p : handed) {
-      auto blocks = decode->ReserveBlocks((p.num_tokens + 8 + 15) / 16);
-      ASSERT_TRUE(blocks.ok()) << blocks.status();
-      for (int64_t l = 0; l < from->shape().num_layers; ++l) {
-        for (size_t b = 0; b < p.blocks.size(); ++b) {
-          std::memcpy(to->layer_base(l) + (*blocks)[b] * bf,
-                      from->layer_base(l) + p.blocks[b] * bf, bf * sizeof(float));
-        }
-      }
-      moved.emplace_back(p.blocks,
-                         std::vector<int32_t>(blocks->begin(), blocks->begin() + p.blocks.size()));
-      Request r = RequestWithId(reqs, p.request_id);
-      r.sampling.seed = p.seed;
-      r.imported = ImportedPrompt{*blocks, p.first_token, p.first_logprob};
-      r.on_token = [&](const TokenEvent& e) {
-        if (e.token_id >= 0) tokens[e.request_id].push_back(e.token_id);
-      };
-      ASSERT_TRUE(decode->Add(std::move(r)).ok());  // each rank copies its heads in
-    }
-    for (int64_t l = 0; l < to->shape().num_layers; ++l) {
-      std::memset(to->layer_base(l), 0xff, to->shape().num_blocks * bf * sizeof(float));
-    }
-    for (const auto& [src, dst] : moved) {
-      ASSERT_TRUE(decode->backend().KvToHost(dst).ok());
-      for (int64_t l = 0; l < from->shape().num_layers; ++l) {
-        for (size_t b = 0; b < src.size(); ++b) {
-          ASSERT_EQ(std::memcmp(to->layer_base(l) + dst[b] * bf,
-                                from->layer_base(l) + src[b] * bf, bf * sizeof(float)),
-                    0)
-              << "layer " << l << " block " << dst[b];
-        }
-      }
-    }
-    while (decode->HasWork()) ASSERT_TRUE(decode->Step().ok());
-    for (const PrefilledPrompt& p : handed) {
-      ASSERT_TRUE(prefill->ReleasePrefilled(p.request_id).ok());
-    }
+    size_t handed = 0;
+    ASSERT_NO_FATAL_FAILURE(
+        HandOverThroughMirrors(prefill.get(), decode.get(), reqs, &tokens, &handed));
+    ASSERT_EQ(handed, reqs.size());
     std::vector<GenerationResult> got(reqs.size());
     for (size_t i = 0; i < reqs.size(); ++i) got[i].token_ids = tokens[reqs[i].id];
     ExpectSameUpToNearTies(*want, got);
