@@ -393,21 +393,26 @@ TEST_F(AdapterEngineTest, TokensAreIdenticalAloneAndAmong32Adapters) {
 }
 
 // Adapters loaded in the CPU kernels' chunked layout (what a CPU worker's store does) generate
-// exactly what the row-major ones do: tokens and logprobs, prompt and decode rows, LoRA and
-// DiReFT, prompt-only and all positions, in one mixed batch.
-TEST_F(AdapterEngineTest, CpuLayoutAdaptersGenerateExactlyTheRowMajorOnes) {
+// what the row-major ones do: tokens and logprobs, prompt and decode rows, LoRA and DiReFT,
+// prompt-only and all positions, in one mixed batch. Exactly for ranks 4 and 8; rank 16's
+// shrinks are stored by column pairs and sum in another order (kernels::ColumnPaired), so
+// their logprobs agree to rounding.
+TEST_F(AdapterEngineTest, CpuLayoutAdaptersGenerateTheRowMajorOnes) {
   const std::string dir = TempDir("cpu_layout");
   const std::unique_ptr<Model> m = MakeTinyModel(dir, kernels::DType::kBF16, 5);
   ASSERT_TRUE(m);
   const model::ModelConfig& c = m->config();
   std::vector<Request> row_major, chunked;
+  std::vector<int64_t> ranks;
   bool any_chunked = false;
   for (int i = 0; i < 10; ++i) {
     adapters::RandomAdapterSpec spec;
     spec.seed = 300 + i;
     spec.dtype = kernels::DType::kBF16;
     spec.kind = i % 3 == 2 ? model::AdapterKind::kDireft : model::AdapterKind::kLora;
-    spec.rank = spec.kind == model::AdapterKind::kDireft ? 4 : 4 << (i % 3);
+    // LoRA of ranks 4, 8 and 16 in turn.
+    spec.rank = spec.kind == model::AdapterKind::kDireft ? 4 : 4 << ((i / 3 + i % 3) % 3);
+    ranks.push_back(spec.rank);
     const std::string adir = dir + "/adapter" + std::to_string(i);
     ASSERT_TRUE(adapters::WriteRandomAdapter(c, spec, adir).ok());
     adapters::LoadOptions lo;
@@ -436,7 +441,9 @@ TEST_F(AdapterEngineTest, CpuLayoutAdaptersGenerateExactlyTheRowMajorOnes) {
   const auto want = RunAll(a.get(), row_major);
   const auto got = RunAll(b.get(), chunked);
   ASSERT_EQ(want.size(), got.size());
-  for (size_t i = 0; i < want.size(); ++i) ExpectSameGeneration(got[i], want[i], 0.0, row_major[i].id);
+  for (size_t i = 0; i < want.size(); ++i) {
+    ExpectSameGeneration(got[i], want[i], ranks[i] % 16 == 0 ? 2e-3 : 0.0, row_major[i].id);
+  }
 }
 
 // Batch invariance, bit for bit: a request generates the same tokens and logprobs alone and

@@ -482,9 +482,9 @@ inline void PackPairsBf16(const float* z, int64_t rank, uint32_t* zp) {
 // The sums of ShrinkRowsDotBf16 and ExpandPass, term for term and in the same order, so a row's
 // result does not depend on how many rows its group has; without their four-row passes. On
 // chunked matrices of rank <= 16 one pass over S takes all rank rows (a 1 KB run of S per 32
-// inputs: one sequential stream), and two rows of neighbouring groups can run in lockstep: two
-// streams of adapter bytes per thread keep more of the memory's bandwidth busy than one
-// (NOTES step 18).
+// inputs: one sequential stream), and rows of neighbouring groups can run in lockstep (two,
+// or four on shrinks stored by column pairs): more streams of adapter bytes per thread keep
+// more of the memory's bandwidth busy than one (NOTES steps 18, 23).
 
 // acc[n][j] += xb[n] . S_n[k0 + j] over [c0, c1) for j < K and N rows of chunked S (the other
 // accumulators stay zero); each 32 inputs' K rank rows are K consecutive 64-byte lines.
@@ -536,28 +536,112 @@ PREFT_AVX512BF16 void ShrinkChunkedRows(const uint16_t* const* xb, const uint16_
   }
 }
 
+// Shrinks stored by column pairs (chunked, rank a multiple of 16: [in / 2][rank][2]): the rank
+// runs along the lanes, so a line of S is 16 rank rows' products with one broadcast pair of x,
+// and a row needs four accumulators per 16 ranks, not one per rank row (then Sum16). So up to
+// four decode rows stream their adapters in lockstep (NOTES step 23). z[k] sums the input
+// pairs p = j (mod 4) into accumulator j in increasing p, then (a0 + a1) + (a2 + a3), then the
+// bias: the same for any number of rows per pass, decode rows and prompt rows alike (not the
+// row-major layout's order: the two layouts' bits differ in the last places).
+
+// z_n[16 v0 .. 16 (v0 + VB)) = xb_n . S_n[k] (+ b_n[k]) for N rows (S_n of one rank and width).
+template <int N, int VB>
+PREFT_AVX512BF16 void ShrinkColumnPairsPass(const uint16_t* const* xb, const uint16_t* const* s,
+                                            const float* const* bias, int64_t rank, int64_t in,
+                                            int64_t v0, float* const* z) {
+  __m512 acc[N][VB][4];
+  for (auto& row : acc)
+    for (auto& v : row)
+      for (__m512& a : v) a = _mm512_setzero_ps();
+  for (int64_t p = 0; p < in / 2; p += 4) {  // in is a multiple of 32 (LowRankChunkable)
+#pragma GCC unroll 4
+    for (int n = 0; n < N; ++n) {
+      const uint16_t* line = s[n] + (p * rank + 16 * v0) * 2;
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        int32_t pair;
+        std::memcpy(&pair, xb[n] + 2 * (p + j), sizeof(pair));
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+        for (int v = 0; v < VB; ++v) {
+          acc[n][v][j] = _mm512_dpbf16_ps(
+              acc[n][v][j], (__m512bh)_mm512_loadu_si512(line + j * rank * 2 + 32 * v), xv);
+        }
+      }
+    }
+  }
+  for (int n = 0; n < N; ++n) {
+    for (int v = 0; v < VB; ++v) {
+      __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[n][v][0], acc[n][v][1]),
+                                 _mm512_add_ps(acc[n][v][2], acc[n][v][3]));
+      const int64_t k = 16 * (v0 + v);
+      if (bias[n] != nullptr) sum = _mm512_add_ps(sum, _mm512_loadu_ps(bias[n] + k));
+      _mm512_storeu_ps(z[n] + k, sum);
+    }
+  }
+}
+
+// Rows in lockstep through a shrink by column pairs of this rank: four accumulators per 16
+// ranks and row, at most 16 in all.
+int64_t ColumnPairRows(int64_t rank) { return std::max<int64_t>(1, 4 / (rank / 16)); }
+
+// ShrinkColumnPairsPass over every rank for N <= ColumnPairRows(rank) rows.
+template <int N>
+PREFT_AVX512BF16 void ShrinkColumnPairs(const uint16_t* const* xb, const uint16_t* const* s,
+                                        const float* const* bias, int64_t rank, int64_t in,
+                                        float* const* z) {
+  const int64_t vecs = rank / 16;
+  int64_t v0 = 0;
+  if constexpr (N == 1) {
+    for (; v0 + 4 <= vecs; v0 += 4) ShrinkColumnPairsPass<1, 4>(xb, s, bias, rank, in, v0, z);
+    for (; v0 + 2 <= vecs; v0 += 2) ShrinkColumnPairsPass<1, 2>(xb, s, bias, rank, in, v0, z);
+  }
+  if constexpr (N == 2) {
+    for (; v0 + 2 <= vecs; v0 += 2) ShrinkColumnPairsPass<2, 2>(xb, s, bias, rank, in, v0, z);
+  }
+  for (; v0 < vecs; ++v0) ShrinkColumnPairsPass<N, 1>(xb, s, bias, rank, in, v0, z);
+}
+
+// The same for a runtime count of rows, 1 .. 4.
+PREFT_AVX512BF16 void ShrinkColumnPairsRows(int n, const uint16_t* const* xb,
+                                            const uint16_t* const* s, const float* const* bias,
+                                            int64_t rank, int64_t in, float* const* z) {
+  switch (n) {
+    case 4: ShrinkColumnPairs<4>(xb, s, bias, rank, in, z); return;
+    case 3: ShrinkColumnPairs<3>(xb, s, bias, rank, in, z); return;
+    case 2: ShrinkColumnPairs<2>(xb, s, bias, rank, in, z); return;
+    default: ShrinkColumnPairs<1>(xb, s, bias, rank, in, z); return;
+  }
+}
+
 // y_n[o0 .. o1) += scale_n * z_n E_n for N rows of chunked, paired E_n, rank 2 NP (at most
-// 16); the rank pairs' broadcasts of z held in registers.
+// 16); the rank pairs' broadcasts of z held in registers for up to two rows, loaded as used
+// beyond (four rows' would crowd out the sums).
 template <int NP, int N>
 PREFT_AVX512BF16 void ExpandChunkedRows(const uint32_t* const* zp, const uint16_t* const* e,
                                         const float* scale, float* const* y, int64_t o0,
                                         int64_t o1) {
+  constexpr bool kHoist = N <= 2;
   __m512bh zb[N][NP];
   __m512 sc[N];
   for (int n = 0; n < N; ++n) {
     sc[n] = _mm512_set1_ps(scale[n]);
-    for (int p = 0; p < NP; ++p) zb[n][p] = (__m512bh)_mm512_set1_epi32(static_cast<int>(zp[n][p]));
+    if constexpr (kHoist) {
+      for (int p = 0; p < NP; ++p) zb[n][p] = (__m512bh)_mm512_set1_epi32(static_cast<int>(zp[n][p]));
+    }
   }
   for (int64_t o = o0; o < o1; o += kChunkCols) {
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int n = 0; n < N; ++n) {
       const uint16_t* at = e[n] + o * (2 * NP);
       __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
 #pragma GCC unroll 8
       for (int p = 0; p < NP; ++p) {
         const uint16_t* pair = at + 2 * p * kChunkCols;
-        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(pair), zb[n][p]);
-        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(pair + kChunkCols), zb[n][p]);
+        const __m512bh zv =
+            kHoist ? zb[n][p] : (__m512bh)_mm512_set1_epi32(static_cast<int>(zp[n][p]));
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(pair), zv);
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(pair + kChunkCols), zv);
       }
       AddSums(a0, a1, sc[n], y[n] + o, ~__mmask32{0});
     }
@@ -590,20 +674,28 @@ PREFT_AVX512BF16 void ExpandChunkedRowsAnyRank(int64_t rank, const uint32_t* con
     case 12: ExpandChunkedRows<6, N>(zp, e, scale, y, o0, o1); return;
     case 8: ExpandChunkedRows<4, N>(zp, e, scale, y, o0, o1); return;
     case 4: ExpandChunkedRows<2, N>(zp, e, scale, y, o0, o1); return;
-    default:  // wider: one row at a time (rows of such ranks are not paired)
+    default:  // wider: one row at a time
       for (int n = 0; n < N; ++n) ExpandChunkedRowWide(rank, zp[n], e[n], scale[n], y[n], o0, o1);
       return;
   }
 }
 
-// Whether two decode rows' groups can run in lockstep: chunked, the same rank (at most 16: the
-// pair's shrink accumulators fill the registers) and the same input width.
-bool Pairable(const LowRankGroup& a, const LowRankGroup& b) {
-  return a.shrink.chunked && b.shrink.chunked && a.shrink.rows == b.shrink.rows &&
-         a.shrink.rows <= 16 && a.shrink.cols == b.shrink.cols;
+// Decode rows (one row per group) that run in lockstep with g's: two for chunked shrinks of
+// rank <= 16 (the pair's shrink accumulators fill the registers), ColumnPairRows for those
+// stored by column pairs, else one.
+int64_t LockstepRows(const LowRankGroup& g) {
+  if (!g.shrink.chunked || g.num_rows != 1) return 1;
+  if (ColumnPaired(g.shrink.rows, false)) return ColumnPairRows(g.shrink.rows);
+  return g.shrink.rows <= 16 ? 2 : 1;
 }
 
-// One decode row of each of N chunked groups (N = 2: Pairable).
+// Whether b's decode row can join a's lockstep: both chunked, of one rank and input width.
+bool InLockstep(const LowRankGroup& a, const LowRankGroup& b) {
+  return b.num_rows == 1 && b.shrink.chunked && b.shrink.rows == a.shrink.rows &&
+         b.shrink.cols == a.shrink.cols;
+}
+
+// One decode row of each of N chunked groups (N <= LockstepRows, InLockstep).
 template <int N>
 PREFT_AVX512BF16 void RunChunkedDecodeRows(const float* x, int64_t x_stride, float* y,
                                            int64_t y_stride, const LowRankGroup* const* g) {
@@ -613,10 +705,9 @@ PREFT_AVX512BF16 void RunChunkedDecodeRows(const float* x, int64_t x_stride, flo
   const uint16_t *xb[N], *s[N], *e[N];
   const float* bias[N];
   float scale[N], *yr[N], *zr[N];
-  const uint32_t* zpr[N];
   alignas(64) float z[N][kMaxRank];
   alignas(64) uint32_t zp[N][kMaxRank / 2];
-  // Both rows are read in full before either is written (x may be y: DiReFT in place).
+  // Every row is read in full before any is written (x may be y: DiReFT in place).
   for (int n = 0; n < N; ++n) {
     const LowRankGroup& gn = *g[n];
     PackRowsBf16(x, x_stride, gn.rows, 1, in, in, packed + n * in);
@@ -627,19 +718,40 @@ PREFT_AVX512BF16 void RunChunkedDecodeRows(const float* x, int64_t x_stride, flo
     scale[n] = gn.scale;
     yr[n] = (gn.y != nullptr ? gn.y : y) + gn.rows[0] * (gn.y != nullptr ? gn.y_stride : y_stride);
     zr[n] = z[n];
-    zpr[n] = zp[n];
   }
-  ShrinkChunkedRows<N>(xb, s, bias, rank, in, zr);
+  if (ColumnPaired(rank, false)) {
+    ShrinkColumnPairs<N>(xb, s, bias, rank, in, zr);
+  } else if constexpr (N <= 2) {
+    ShrinkChunkedRows<N>(xb, s, bias, rank, in, zr);
+  }
   for (int n = 0; n < N; ++n) PackPairsBf16(z[n], rank, zp[n]);
-  // In lockstep over the outputs both rows have, then the wider one alone.
-  int64_t common = g[0]->expand.cols;
-  for (int n = 1; n < N; ++n) common = std::min(common, g[n]->expand.cols);
-  ExpandChunkedRowsAnyRank<N>(rank, zpr, e, scale, yr, 0, common);
-  for (int n = 0; n < N; ++n) {
-    if (g[n]->expand.cols > common) {
-      ExpandChunkedRowsAnyRank<1>(rank, &zpr[n], &e[n], &scale[n], &yr[n], common,
-                                  g[n]->expand.cols);
+  // In lockstep over the outputs every row still has, dropping each row at its width (q, k
+  // and v side by side: 128 outputs four wide, then q's rest two wide).
+  int live[N], m = N;
+  for (int n = 0; n < N; ++n) live[n] = n;
+  for (int64_t o0 = 0; m > 0;) {
+    int64_t o1 = g[live[0]]->expand.cols;
+    for (int i = 1; i < m; ++i) o1 = std::min(o1, g[live[i]]->expand.cols);
+    const uint32_t* lz[N];
+    const uint16_t* le[N];
+    float ls[N], *ly[N];
+    for (int i = 0; i < m; ++i) {
+      lz[i] = zp[live[i]];
+      le[i] = e[live[i]];
+      ls[i] = scale[live[i]];
+      ly[i] = yr[live[i]];
     }
+    switch (m) {
+      case 4: ExpandChunkedRowsAnyRank<4>(rank, lz, le, ls, ly, o0, o1); break;
+      case 3: ExpandChunkedRowsAnyRank<3>(rank, lz, le, ls, ly, o0, o1); break;
+      case 2: ExpandChunkedRowsAnyRank<2>(rank, lz, le, ls, ly, o0, o1); break;
+      default: ExpandChunkedRowsAnyRank<1>(rank, lz, le, ls, ly, o0, o1); break;
+    }
+    int kept = 0;
+    for (int i = 0; i < m; ++i)
+      if (g[live[i]]->expand.cols > o1) live[kept++] = live[i];
+    m = kept;
+    o0 = o1;
   }
 }
 
@@ -686,10 +798,28 @@ PREFT_AVX512BF16 void RunItemDotBf16(const float* x, int64_t x_stride, float* y,
   const int64_t ld = RoundUp(in, kDotElems);
   auto* xb = static_cast<uint16_t*>(ThreadScratch(kLowRankScratchSlot, n * ld * sizeof(uint16_t)));
   PackRowsBf16(x, x_stride, rows, n, in, ld, xb);
-  // A lone row (a decode row of a row-major matrix) in passes of one row, not four copies.
-  (n == 1 ? ShrinkRowsDotBf16<1> : ShrinkRowsDotBf16<4>)(
-      xb, ld, n, static_cast<const uint16_t*>(g.shrink.data), RowStep(g.shrink),
-      ColScale(g.shrink), rank, in, g.shrink_bias, z);
+  if (g.shrink.chunked && ColumnPaired(rank, false)) {
+    // The decode rows' kernel, as many rows per pass as it takes.
+    const auto* s = static_cast<const uint16_t*>(g.shrink.data);
+    const uint16_t* ss[4] = {s, s, s, s};
+    const float* bs[4] = {g.shrink_bias, g.shrink_bias, g.shrink_bias, g.shrink_bias};
+    const int64_t width = ColumnPairRows(rank);
+    for (int64_t r0 = 0; r0 < n; r0 += width) {
+      const int m = static_cast<int>(std::min(width, n - r0));
+      const uint16_t* xs[4];
+      float* zs[4];
+      for (int i = 0; i < m; ++i) {
+        xs[i] = xb + (r0 + i) * ld;
+        zs[i] = z + (r0 + i) * rank;
+      }
+      ShrinkColumnPairsRows(m, xs, ss, bs, rank, in, zs);
+    }
+  } else {
+    // A lone row (a decode row of a row-major matrix) in passes of one row, not four copies.
+    (n == 1 ? ShrinkRowsDotBf16<1> : ShrinkRowsDotBf16<4>)(
+        xb, ld, n, static_cast<const uint16_t*>(g.shrink.data), RowStep(g.shrink),
+        ColScale(g.shrink), rank, in, g.shrink_bias, z);
+  }
   // z in bf16 pairs, zero past the rank.
   const int64_t pairs = CeilDiv(rank, 2);
   alignas(64) uint32_t zp[kRowsPerItem * (kMaxRank / 2)];
@@ -956,15 +1086,21 @@ void LowRankAdd(const float* x, int64_t x_stride, float* y, int64_t y_stride,
         return std::lower_bound(cost.begin(), cost.end(), cost.back() * k / nt) - cost.begin();
       };
       const int64_t end = std::min<int64_t>(at(t + 1), num_items);
-      for (int64_t i = at(t); i < end; ++i) {
-        const LowRankGroup* pair[2] = {&groups[items[i].group], nullptr};
-        if (i + 1 < end) pair[1] = &groups[items[i + 1].group];
-        if (pair[1] != nullptr && Pairable(*pair[0], *pair[1])) {
-          RunChunkedDecodeRows<2>(x, x_stride, y, y_stride, pair);
-          ++i;
-          continue;
+      for (int64_t i = at(t); i < end;) {
+        const LowRankGroup* lock[4] = {&groups[items[i].group]};
+        const int64_t width = std::min<int64_t>(LockstepRows(*lock[0]), end - i);
+        int n = 1;
+        while (n < width && InLockstep(*lock[0], groups[items[i + n].group])) {
+          lock[n] = &groups[items[i + n].group];
+          ++n;
         }
-        run(i, z);
+        switch (n) {
+          case 4: RunChunkedDecodeRows<4>(x, x_stride, y, y_stride, lock); break;
+          case 3: RunChunkedDecodeRows<3>(x, x_stride, y, y_stride, lock); break;
+          case 2: RunChunkedDecodeRows<2>(x, x_stride, y, y_stride, lock); break;
+          default: run(i, z); break;
+        }
+        i += n;
       }
     }
     return;
@@ -984,6 +1120,13 @@ bool LowRankChunkable(const MatrixView& m) {
 }
 
 void ChunkColumns(const uint16_t* src, int64_t rows, int64_t cols, bool paired, uint16_t* dst) {
+  if (ColumnPaired(rows, paired)) {  // a transpose of [rows][cols / 2] column pairs
+    for (int64_t p = 0; p < cols / 2; ++p) {
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(dst + (p * rows + r) * 2, src + r * cols + 2 * p, 2 * sizeof(uint16_t));
+    }
+    return;
+  }
   for (int64_t c = 0; c < cols; c += kChunkCols) {
     if (!paired) {
       for (int64_t k = 0; k < rows; ++k) {

@@ -42,9 +42,12 @@ void LowRankAdd(const float* x, int64_t x_stride, float* y, int64_t y_stride,
 // bound by streaming them). A group's shrink and expand are chunked together or not at all,
 // the expand with its rows paired (MatrixView::paired, the shrink not), and only matrices for
 // which LowRankChunkable holds: bf16, rows a multiple of 4, cols of 32, on a CPU with
-// AVX-512-BF16. Results are bit-identical to the row-major layout's.
+// AVX-512-BF16. Results are bit-identical to the row-major layout's, except for shrinks of
+// rank 16, 32, ... (stored by column pairs, kernels::ColumnPaired), whose sums run in an order
+// of their own (the same for every row and group size): equal to rounding.
 bool LowRankChunkable(const MatrixView& m);
-// dst = src [rows, cols] row-major, chunked (rows paired if `paired`). cols a multiple of 32.
+// dst = src [rows, cols] row-major, chunked (rows paired if `paired`; by column pairs where
+// ColumnPaired). cols a multiple of 32.
 void ChunkColumns(const uint16_t* src, int64_t rows, int64_t cols, bool paired, uint16_t* dst);
 
 }  // namespace preft::kernels::cpu
