@@ -7,6 +7,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "common/base/check.h"
@@ -602,15 +603,15 @@ PREFT_AVX512BF16 void ShrinkColumnPairs(const uint16_t* const* xb, const uint16_
   for (; v0 < vecs; ++v0) ShrinkColumnPairsPass<N, 1>(xb, s, bias, rank, in, v0, z);
 }
 
-// The same for a runtime count of rows, 1 .. 4.
-PREFT_AVX512BF16 void ShrinkColumnPairsRows(int n, const uint16_t* const* xb,
-                                            const uint16_t* const* s, const float* const* bias,
-                                            int64_t rank, int64_t in, float* const* z) {
+// f(std::integral_constant<int, n>()) for a runtime count n of 1 .. 4: the kernels take the
+// rows they run in lockstep as a template argument.
+template <typename F>
+void WithRows(int n, F&& f) {
   switch (n) {
-    case 4: ShrinkColumnPairs<4>(xb, s, bias, rank, in, z); return;
-    case 3: ShrinkColumnPairs<3>(xb, s, bias, rank, in, z); return;
-    case 2: ShrinkColumnPairs<2>(xb, s, bias, rank, in, z); return;
-    default: ShrinkColumnPairs<1>(xb, s, bias, rank, in, z); return;
+    case 4: f(std::integral_constant<int, 4>()); return;
+    case 3: f(std::integral_constant<int, 3>()); return;
+    case 2: f(std::integral_constant<int, 2>()); return;
+    default: f(std::integral_constant<int, 1>()); return;
   }
 }
 
@@ -741,12 +742,9 @@ PREFT_AVX512BF16 void RunChunkedDecodeRows(const float* x, int64_t x_stride, flo
       ls[i] = scale[live[i]];
       ly[i] = yr[live[i]];
     }
-    switch (m) {
-      case 4: ExpandChunkedRowsAnyRank<4>(rank, lz, le, ls, ly, o0, o1); break;
-      case 3: ExpandChunkedRowsAnyRank<3>(rank, lz, le, ls, ly, o0, o1); break;
-      case 2: ExpandChunkedRowsAnyRank<2>(rank, lz, le, ls, ly, o0, o1); break;
-      default: ExpandChunkedRowsAnyRank<1>(rank, lz, le, ls, ly, o0, o1); break;
-    }
+    WithRows(m, [&](auto rows) {
+      ExpandChunkedRowsAnyRank<decltype(rows)::value>(rank, lz, le, ls, ly, o0, o1);
+    });
     int kept = 0;
     for (int i = 0; i < m; ++i)
       if (g[live[i]]->expand.cols > o1) live[kept++] = live[i];
@@ -812,7 +810,9 @@ PREFT_AVX512BF16 void RunItemDotBf16(const float* x, int64_t x_stride, float* y,
         xs[i] = xb + (r0 + i) * ld;
         zs[i] = z + (r0 + i) * rank;
       }
-      ShrinkColumnPairsRows(m, xs, ss, bs, rank, in, zs);
+      WithRows(m, [&](auto rows) {
+        ShrinkColumnPairs<decltype(rows)::value>(xs, ss, bs, rank, in, zs);
+      });
     }
   } else {
     // A lone row (a decode row of a row-major matrix) in passes of one row, not four copies.
@@ -1094,11 +1094,12 @@ void LowRankAdd(const float* x, int64_t x_stride, float* y, int64_t y_stride,
           lock[n] = &groups[items[i + n].group];
           ++n;
         }
-        switch (n) {
-          case 4: RunChunkedDecodeRows<4>(x, x_stride, y, y_stride, lock); break;
-          case 3: RunChunkedDecodeRows<3>(x, x_stride, y, y_stride, lock); break;
-          case 2: RunChunkedDecodeRows<2>(x, x_stride, y, y_stride, lock); break;
-          default: run(i, z); break;
+        if (n == 1) {
+          run(i, z);
+        } else {
+          WithRows(n, [&](auto rows) {
+            RunChunkedDecodeRows<decltype(rows)::value>(x, x_stride, y, y_stride, lock);
+          });
         }
         i += n;
       }
