@@ -12,7 +12,10 @@
 // --repeat R runs the whole lockstep set R times (fresh engines each round) and reports each
 // figure's median round; the bandwidth is measured before and after every round and the
 // highest reading makes the byte bound (the tightest, so the overhead ratio errs high); the
-// BGMV's ratio is also printed round by round against that round's own bracketing readings.
+// BGMV's ratio is also printed round by round against that round's own bracketing readings,
+// and step by step against a plain read of the same adapter bytes timed right after each
+// multi-LoRA decode step (the reference closest in time: the host's bandwidth swings +-25%
+// within minutes).
 // Adapters are written into --adapters (bf16, PEFT LoRA on all seven projections and DiReFT
 // on every layer) when absent.
 
@@ -46,6 +49,13 @@ struct RunResult {
   double e2e_tokens_per_s = 0;  // generated tokens / the engine's summed step time
   double decode_step_s = 0;     // median time of full decode-only steps
   double decode_adapter_s = 0;  // median time of those steps' low-rank products (the BGMV)
+  // Multi-LoRA only, step by step against a plain read of the step's adapter bytes timed right
+  // after it: the medians over those steps of the BGMV / the read and of (the step - the base
+  // engine's step of the same index, a few steps earlier in the same lockstep cycle) / the
+  // read; the read's median time.
+  double bgmv_over_read = 0;
+  double overhead_over_read = 0;
+  double decode_read_s = 0;
   int64_t decode_steps = 0;
 };
 
@@ -61,8 +71,8 @@ class Run {
  public:
   Run(preft::model::Model* model,
       const std::vector<std::shared_ptr<const AdapterWeights>>& adapters, const Mode& mode,
-      int requests, int prompt_len, int new_tokens)
-      : requests_(requests), model_(model) {
+      int requests, int prompt_len, int new_tokens, std::vector<preft::bench::ByteSpan> probe = {})
+      : requests_(requests), model_(model), probe_(std::move(probe)) {
     preft::engine::EngineOptions o;
     o.kv_blocks = requests * ((prompt_len + new_tokens) / 16 + 2);
     o.scheduler.max_batch_tokens = 512;
@@ -96,15 +106,33 @@ class Run {
     if (engine_->stats().prompt_tokens == p0 && engine_->num_running() == requests_) {
       decode_steps_.push_back(s);  // full decode batches only: comparable across modes
       decode_adapter_.push_back(model_->adapter_seconds() - a0);
+      if (!probe_.empty()) {
+        const auto r0 = Clock::now();
+        preft::bench::PlainRead(probe_);
+        decode_read_.push_back(Seconds(r0, Clock::now()));
+      }
     }
   }
 
-  RunResult Result() {
+  // `base`: the base-only engine of the same round (same requests, so its steps pair with
+  // these one to one), for the overhead against the read.
+  RunResult Result(const Run* base = nullptr) {
     RunResult r;
     r.e2e_tokens_per_s = engine_->stats().generated_tokens / busy_s_;
     r.decode_steps = static_cast<int64_t>(decode_steps_.size());
     r.decode_step_s = Median(decode_steps_);  // 0 when no step had the full batch
     r.decode_adapter_s = Median(decode_adapter_);
+    std::vector<double> ratio;
+    for (size_t i = 0; i < decode_read_.size(); ++i)
+      ratio.push_back(decode_adapter_[i] / decode_read_[i]);
+    r.bgmv_over_read = Median(ratio);
+    ratio.clear();
+    const size_t paired =
+        base == nullptr ? 0 : std::min(decode_read_.size(), base->decode_steps_.size());
+    for (size_t i = 0; i < paired; ++i)
+      ratio.push_back((decode_steps_[i] - base->decode_steps_[i]) / decode_read_[i]);
+    r.overhead_over_read = Median(ratio);
+    r.decode_read_s = Median(decode_read_);
     return r;
   }
 
@@ -113,8 +141,45 @@ class Run {
   preft::model::Model* model_;
   std::unique_ptr<preft::engine::Engine> engine_;
   double busy_s_ = 0;
-  std::vector<double> decode_steps_, decode_adapter_;
+  std::vector<double> decode_steps_, decode_adapter_, decode_read_;
+  std::vector<preft::bench::ByteSpan> probe_;  // adapter bytes to read after each decode step
 };
+
+// The storage of `adapters`' matrices as spans, neighbouring matrices merged (a compute slot
+// is one mapping, so each adapter is about one span).
+std::vector<preft::bench::ByteSpan> MatrixSpans(
+    const std::vector<std::shared_ptr<const AdapterWeights>>& adapters) {
+  std::vector<std::pair<const uint8_t*, const uint8_t*>> pieces;
+  auto add = [&](const preft::kernels::MatrixView& m) {
+    const auto* p = static_cast<const uint8_t*>(m.data);
+    pieces.emplace_back(p, p + m.rows * m.cols * preft::kernels::DTypeSize(m.dtype));
+  };
+  for (const auto& a : adapters) {
+    for (int64_t l = 0; l < a->num_layers(); ++l) {
+      for (int p = 0; p < preft::model::kNumProjections; ++p) {
+        const preft::model::LowRank& lr = a->lora(l, static_cast<preft::model::Projection>(p));
+        if (lr.empty()) continue;
+        add(lr.shrink);
+        add(lr.expand);
+      }
+    }
+  }
+  std::sort(pieces.begin(), pieces.end());
+  std::vector<preft::bench::ByteSpan> spans;
+  const uint8_t* begin = nullptr;
+  const uint8_t* end = nullptr;
+  for (const auto& [b, e] : pieces) {
+    if (begin != nullptr && b <= end + 64) {  // pieces start on cache lines
+      end = std::max(end, e);
+      continue;
+    }
+    if (begin != nullptr) spans.push_back({begin, static_cast<size_t>(end - begin)});
+    begin = b;
+    end = e;
+  }
+  if (begin != nullptr) spans.push_back({begin, static_cast<size_t>(end - begin)});
+  return spans;
+}
 
 std::vector<std::shared_ptr<const AdapterWeights>> LoadAdapters(const preft::model::Model& model,
                                                                 const std::string& root,
@@ -215,7 +280,11 @@ int main(int argc, char** argv) {
       const auto& pool = m->kind == K::kLora ? lora : direft;
       std::vector<std::shared_ptr<const AdapterWeights>> set;
       if (m->adapter) set.assign(pool.begin(), pool.begin() + n);
-      runs.push_back(std::make_unique<Run>(model, set, *m, requests, prompt_len, new_tokens));
+      const bool multi_lora =
+          m->adapter && m->kind == K::kLora && m->positions == AdapterPositions::kAll;
+      runs.push_back(std::make_unique<Run>(
+          model, set, *m, requests, prompt_len, new_tokens,
+          multi_lora ? MatrixSpans(set) : std::vector<preft::bench::ByteSpan>{}));
     }
     for (bool work = true; work;) {
       work = false;
@@ -225,7 +294,7 @@ int main(int argc, char** argv) {
         work = true;
       }
     }
-    for (size_t i = 0; i < runs.size(); ++i) rounds[i].push_back(runs[i]->Result());
+    for (size_t i = 0; i < runs.size(); ++i) rounds[i].push_back(runs[i]->Result(runs[0].get()));
     triads.push_back(preft::bench::TriadGBps());
   }
   auto median_result = [&](const std::vector<RunResult>& rs) {
@@ -286,8 +355,7 @@ int main(int argc, char** argv) {
   // above sets every round against the run's single best reading.
   std::printf("\nBGMV / byte bound round by round (each against its own bracketing triads):\n");
   for (size_t i = 1; i < keys.size(); ++i) {
-    if (keys[i].second->positions != AdapterPositions::kAll ||
-        keys[i].second->kind != K::kLora) {
+    if (keys[i].second->positions != AdapterPositions::kAll || keys[i].second->kind != K::kLora) {
       continue;
     }
     std::vector<double> ratio;
@@ -299,6 +367,31 @@ int main(int argc, char** argv) {
                   rounds[i][round].decode_adapter_s * 1e3, gbps);
     }
     std::printf(" median %.2f |\n", Median(ratio));
+  }
+  std::printf(
+      "\nStep by step, the byte bound at the bandwidth of a plain read of the same adapter "
+      "bytes right after each step (median of the steps, round by round): BGMV / bound, "
+      "overhead (the step - the base step of its cycle) / bound:\n");
+  for (size_t i = 1; i < keys.size(); ++i) {
+    if (keys[i].second->positions != AdapterPositions::kAll || keys[i].second->kind != K::kLora) {
+      continue;
+    }
+    const auto set = std::vector<std::shared_ptr<const AdapterWeights>>(
+        lora.begin(), lora.begin() + keys[i].first);
+    size_t span_bytes = 0;
+    for (const auto& s : MatrixSpans(set)) span_bytes += s.bytes;
+    // The read covers span_bytes; the bound counts bytes() per adapter (padding included).
+    const double bytes_ratio = std::min(keys[i].first, requests) * lora_mb * 1e6 / span_bytes;
+    std::vector<double> ratio, overhead;
+    std::printf("| N = %d |", keys[i].first);
+    for (int round = 0; round < repeat; ++round) {
+      const RunResult& r = rounds[i][round];
+      ratio.push_back(r.bgmv_over_read / bytes_ratio);
+      overhead.push_back(r.overhead_over_read / bytes_ratio);
+      std::printf(" %.2f, %.2f (read %.1f ms = %.1f GB/s) |", ratio.back(), overhead.back(),
+                  r.decode_read_s * 1e3, span_bytes / r.decode_read_s / 1e9);
+    }
+    std::printf(" median %.2f, %.2f |\n", Median(ratio), Median(overhead));
   }
   std::printf(
       "\ntargets: LoRAP and DiReFTP >= 0.95 x base at N = 64; multi-LoRA overhead <= 1.5 x "

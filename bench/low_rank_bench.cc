@@ -9,7 +9,6 @@
 // streamed theirs; the calls' own time, and the step's time less the linears' alone.
 //   low_rank_bench [adapters 64] [rows per adapter 1]
 
-#include <immintrin.h>
 #include <omp.h>
 #include <sys/mman.h>
 
@@ -57,8 +56,8 @@ int main(int argc, char** argv) {
       preft::kernels::cpu::LowRankChunkable(MatrixView{nullptr, DType::kBF16, rank, 896});
   for (int chunked = 0; chunked < 2; ++chunked) {
     for (int a = 0; a < adapters; ++a) {
-      void* region = mmap(nullptr, per_adapter, PROT_READ | PROT_WRITE,
-                          MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      void* region =
+          mmap(nullptr, per_adapter, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       if (region == MAP_FAILED) return 1;
       if (chunked) regions.push_back(static_cast<const uint64_t*>(region));
       madvise(region, per_adapter, MADV_HUGEPAGE);
@@ -100,32 +99,18 @@ int main(int argc, char** argv) {
     for (int64_t l = 0; l < layers; ++l) {
       for (const std::vector<int>& call : calls) {
         set_call_groups(chunked, l, call, ys);
-        preft::kernels::cpu::LowRankAdd(x.data(), projs[call[0]].in, nullptr, 0,
-                                        call_groups.data(),
+        preft::kernels::cpu::LowRankAdd(x.data(), projs[call[0]].in, nullptr, 0, call_groups.data(),
                                         static_cast<int64_t>(call_groups.size()));
       }
     }
   };
   step(0);
   step(1);
-  // The same bytes read plainly (32-byte loads, xor-folded), each thread a contiguous half of
-  // the adapters: what streaming them costs this hour without any arithmetic, a reference
-  // steadier than the triad on a host whose bandwidth swings.
+  // The same bytes read plainly, each thread a contiguous half of the adapters.
+  std::vector<preft::bench::ByteSpan> spans;
+  for (const uint64_t* r : regions) spans.push_back({r, per_adapter});
   uint64_t fold = 0;
-  auto plain_read = [&] {
-    uint64_t f = 0;
-#pragma omp parallel for schedule(static) reduction(^ : f)
-    for (size_t a = 0; a < regions.size(); ++a) {
-      __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
-      const auto* p = reinterpret_cast<const __m256i*>(regions[a]);
-      for (size_t i = 0; i < per_adapter / 32; i += 2) {
-        acc0 = _mm256_xor_si256(acc0, _mm256_load_si256(p + i));
-        acc1 = _mm256_xor_si256(acc1, _mm256_load_si256(p + i + 1));
-      }
-      f ^= static_cast<uint64_t>(_mm256_extract_epi64(_mm256_xor_si256(acc0, acc1), 0));
-    }
-    fold ^= f;
-  };
+  auto plain_read = [&] { fold ^= preft::bench::PlainRead(spans); };
   double best[3] = {1e9, 1e9, 1e9};
   for (int rep = 0; rep < 5; ++rep) {
     for (int v = 0; v < 3; ++v) {
@@ -144,7 +129,9 @@ int main(int argc, char** argv) {
         "%d threads, %d adapters x %d rows, %s: %.1f MB of adapters per step in %.2f ms "
         "= %.1f GB/s; triad %.1f GB/s; time / byte bound = %.2f\n",
         omp_get_max_threads(), adapters, rows_per_adapter,
-        !chunked ? "row-major" : chunkable ? "chunked" : "chunked (not on this CPU: row-major)",
+        !chunked    ? "row-major"
+        : chunkable ? "chunked"
+                    : "chunked (not on this CPU: row-major)",
         bytes / 1e6, best[chunked] * 1e3, bytes / best[chunked] / 1e9, triad,
         best[chunked] / (bytes / (triad * 1e9)));
   }
@@ -155,8 +142,8 @@ int main(int argc, char** argv) {
     for (const Proj& p : projs) n += static_cast<size_t>(p.in) * p.out;
     return n * layers;
   }();
-  auto* base = static_cast<uint16_t*>(mmap(nullptr, base_elems * 2, PROT_READ | PROT_WRITE,
-                                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  auto* base = static_cast<uint16_t*>(
+      mmap(nullptr, base_elems * 2, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
   if (base == MAP_FAILED) return 1;
   madvise(base, base_elems * 2, MADV_HUGEPAGE);
   std::fill(base, base + base_elems, preft::kernels::F32ToBf16(0.02f));
@@ -179,8 +166,8 @@ int main(int argc, char** argv) {
                                       outs[call[0]].data());
         } else if (call.size() == 2) {
           preft::kernels::cpu::LinearShared(
-              x.data(), m, {{weights[l][4], nullptr, outs[4].data()},
-                            {weights[l][5], nullptr, outs[5].data()}});
+              x.data(), m,
+              {{weights[l][4], nullptr, outs[4].data()}, {weights[l][5], nullptr, outs[5].data()}});
         } else {
           preft::kernels::cpu::LinearShared(x.data(), m,
                                             {{weights[l][0], nullptr, outs[0].data()},
@@ -190,8 +177,7 @@ int main(int argc, char** argv) {
         if (!with_adapters) continue;
         set_call_groups(1, l, call, outs);
         const auto t0 = preft::bench::Clock::now();
-        preft::kernels::cpu::LowRankAdd(x.data(), projs[call[0]].in, nullptr, 0,
-                                        call_groups.data(),
+        preft::kernels::cpu::LowRankAdd(x.data(), projs[call[0]].in, nullptr, 0, call_groups.data(),
                                         static_cast<int64_t>(call_groups.size()));
         in_calls += preft::bench::Seconds(t0, preft::bench::Clock::now());
       }
@@ -212,11 +198,12 @@ int main(int argc, char** argv) {
   const double bound = bytes / (triad * 1e9);
   const double step_alone = preft::bench::Median(alone), step_with = preft::bench::Median(with);
   const double call_med = preft::bench::Median(calls_time);
-  std::printf("chunked in a step of %d rows (medians of 7): linears alone %.1f ms, with the "
-              "adapters %.1f ms; the calls %.2f ms = %.2f x the bound; step overhead %.2f ms = "
-              "%.2f x the bound\n",
-              static_cast<int>(m), step_alone * 1e3, step_with * 1e3, call_med * 1e3,
-              call_med / bound, (step_with - step_alone) * 1e3, (step_with - step_alone) / bound);
+  std::printf(
+      "chunked in a step of %d rows (medians of 7): linears alone %.1f ms, with the "
+      "adapters %.1f ms; the calls %.2f ms = %.2f x the bound; step overhead %.2f ms = "
+      "%.2f x the bound\n",
+      static_cast<int>(m), step_alone * 1e3, step_with * 1e3, call_med * 1e3, call_med / bound,
+      (step_with - step_alone) * 1e3, (step_with - step_alone) / bound);
   std::printf("plain read of the same bytes: %.2f ms = %.1f GB/s (fold %llx)\n", best[2] * 1e3,
               bytes / best[2] / 1e9, static_cast<unsigned long long>(fold & 0xff));
   std::printf("chunked / row-major time: %.2f; each / the plain read: %.2f, %.2f\n",
