@@ -62,6 +62,7 @@ inline uint64_t PlainRead(const std::vector<ByteSpan>& spans) {
   std::vector<size_t> first_line = {0};  // of each span, counted across the spans
   for (const ByteSpan& s : spans) first_line.push_back(first_line.back() + s.bytes / 64);
   uint64_t fold = 0;
+  if (first_line.back() == 0) return fold;
 #pragma omp parallel reduction(^ : fold)
   {
     const size_t lines = first_line.back(), t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -80,7 +81,7 @@ inline uint64_t PlainRead(const std::vector<ByteSpan>& spans) {
     for (size_t i = 0; i < per; ++i) {
 #pragma GCC unroll 4
       for (int q = 0; q < kStreams; ++q) {
-        if (at[q] == end[q]) {  // on into the next span
+        while (at[q] == end[q]) {  // on into the next span (past any under 64 bytes)
           ++span[q];
           at[q] = static_cast<const uint8_t*>(spans[span[q]].data);
           end[q] = at[q] + spans[span[q]].bytes / 64 * 64;

@@ -724,6 +724,8 @@ PREFT_AVX512BF16 void RunChunkedDecodeRows(const float* x, int64_t x_stride, flo
     ShrinkColumnPairs<N>(xb, s, bias, rank, in, zr);
   } else if constexpr (N <= 2) {
     ShrinkChunkedRows<N>(xb, s, bias, rank, in, zr);
+  } else {
+    PREFT_CHECK(N <= LockstepRows(*g[0]));  // other shrinks hold two rows' sums at most
   }
   for (int n = 0; n < N; ++n) PackPairsBf16(z[n], rank, zp[n]);
   // In lockstep over the outputs every row still has, dropping each row at its width (q, k
