@@ -52,10 +52,11 @@ struct RunResult {
   // Multi-LoRA only, step by step against a plain read of the step's adapter bytes timed right
   // after it: the medians over those steps of the BGMV / the read and of (the step - the base
   // engine's step of the same index, a few steps earlier in the same lockstep cycle) / the
-  // read; the read's median time.
+  // read; the read's median time and its bytes.
   double bgmv_over_read = 0;
   double overhead_over_read = 0;
   double decode_read_s = 0;
+  size_t decode_read_bytes = 0;
   int64_t decode_steps = 0;
 };
 
@@ -73,6 +74,7 @@ class Run {
       const std::vector<std::shared_ptr<const AdapterWeights>>& adapters, const Mode& mode,
       int requests, int prompt_len, int new_tokens, std::vector<preft::bench::ByteSpan> probe = {})
       : requests_(requests), model_(model), probe_(std::move(probe)) {
+    for (const preft::bench::ByteSpan& s : probe_) probe_bytes_ += s.bytes;
     preft::engine::EngineOptions o;
     o.kv_blocks = requests * ((prompt_len + new_tokens) / 16 + 2);
     o.scheduler.max_batch_tokens = 512;
@@ -133,6 +135,7 @@ class Run {
       ratio.push_back((decode_steps_[i] - base->decode_steps_[i]) / decode_read_[i]);
     r.overhead_over_read = Median(ratio);
     r.decode_read_s = Median(decode_read_);
+    r.decode_read_bytes = probe_bytes_;
     return r;
   }
 
@@ -143,6 +146,7 @@ class Run {
   double busy_s_ = 0;
   std::vector<double> decode_steps_, decode_adapter_, decode_read_;
   std::vector<preft::bench::ByteSpan> probe_;  // adapter bytes to read after each decode step
+  size_t probe_bytes_ = 0;
 };
 
 // The storage of `adapters`' matrices as spans, neighbouring matrices merged (a compute slot
@@ -376,16 +380,13 @@ int main(int argc, char** argv) {
     if (keys[i].second->positions != AdapterPositions::kAll || keys[i].second->kind != K::kLora) {
       continue;
     }
-    const auto set = std::vector<std::shared_ptr<const AdapterWeights>>(
-        lora.begin(), lora.begin() + keys[i].first);
-    size_t span_bytes = 0;
-    for (const auto& s : MatrixSpans(set)) span_bytes += s.bytes;
-    // The read covers span_bytes; the bound counts bytes() per adapter (padding included).
-    const double bytes_ratio = std::min(keys[i].first, requests) * lora_mb * 1e6 / span_bytes;
     std::vector<double> ratio, overhead;
     std::printf("| N = %d |", keys[i].first);
     for (int round = 0; round < repeat; ++round) {
       const RunResult& r = rounds[i][round];
+      // The read covers its spans; the bound counts bytes() per adapter (padding included).
+      const double span_bytes = r.decode_read_bytes;
+      const double bytes_ratio = std::min(keys[i].first, requests) * lora_mb * 1e6 / span_bytes;
       ratio.push_back(r.bgmv_over_read / bytes_ratio);
       overhead.push_back(r.overhead_over_read / bytes_ratio);
       std::printf(" %.2f, %.2f (read %.1f ms = %.1f GB/s) |", ratio.back(), overhead.back(),

@@ -51,7 +51,7 @@ int main(int argc, char** argv) {
   size_t per_adapter = 0;  // bytes of one adapter, all layers
   for (const Proj& p : projs) per_adapter += 2 * rank * (p.in + p.out) * layers;
   const size_t bytes = per_adapter * adapters;
-  std::vector<const uint64_t*> regions;  // the chunked copy's, for the plain read below
+  std::vector<preft::bench::ByteSpan> spans;  // the chunked copy's, for the plain read below
   const bool chunkable =
       preft::kernels::cpu::LowRankChunkable(MatrixView{nullptr, DType::kBF16, rank, 896});
   for (int chunked = 0; chunked < 2; ++chunked) {
@@ -59,7 +59,7 @@ int main(int argc, char** argv) {
       void* region =
           mmap(nullptr, per_adapter, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       if (region == MAP_FAILED) return 1;
-      if (chunked) regions.push_back(static_cast<const uint64_t*>(region));
+      if (chunked) spans.push_back({region, per_adapter});
       madvise(region, per_adapter, MADV_HUGEPAGE);
       auto* w = static_cast<uint16_t*>(region);
       std::fill(w, w + per_adapter / 2, preft::kernels::F32ToBf16(0.01f));
@@ -107,8 +107,6 @@ int main(int argc, char** argv) {
   step(0);
   step(1);
   // The same bytes read plainly, each thread a contiguous half of the adapters.
-  std::vector<preft::bench::ByteSpan> spans;
-  for (const uint64_t* r : regions) spans.push_back({r, per_adapter});
   uint64_t fold = 0;
   auto plain_read = [&] { fold ^= preft::bench::PlainRead(spans); };
   double best[3] = {1e9, 1e9, 1e9};

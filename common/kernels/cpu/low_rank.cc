@@ -700,6 +700,7 @@ bool InLockstep(const LowRankGroup& a, const LowRankGroup& b) {
 template <int N>
 PREFT_AVX512BF16 void RunChunkedDecodeRows(const float* x, int64_t x_stride, float* y,
                                            int64_t y_stride, const LowRankGroup* const* g) {
+  PREFT_CHECK(N <= LockstepRows(*g[0]));  // the shrink's sums of N rows fit in the registers
   const int64_t rank = g[0]->shrink.rows, in = g[0]->shrink.cols;
   auto* packed =
       static_cast<uint16_t*>(ThreadScratch(kLowRankScratchSlot, N * in * sizeof(uint16_t)));
@@ -722,10 +723,8 @@ PREFT_AVX512BF16 void RunChunkedDecodeRows(const float* x, int64_t x_stride, flo
   }
   if (ColumnPaired(rank, false)) {
     ShrinkColumnPairs<N>(xb, s, bias, rank, in, zr);
-  } else if constexpr (N <= 2) {
+  } else if constexpr (N <= 2) {  // other shrinks hold two rows' sums at most
     ShrinkChunkedRows<N>(xb, s, bias, rank, in, zr);
-  } else {
-    PREFT_CHECK(N <= LockstepRows(*g[0]));  // other shrinks hold two rows' sums at most
   }
   for (int n = 0; n < N; ++n) PackPairsBf16(z[n], rank, zp[n]);
   // In lockstep over the outputs every row still has, dropping each row at its width (q, k
