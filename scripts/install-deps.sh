@@ -38,9 +38,11 @@ DEV_PACKAGES=(
   clang libclang-rt-14-dev
   python3 python3-numpy python3-grpcio python3-grpc-tools python3-jinja2 gnuplot-nox
 )
-# The Python oracle (torch) is large; PREFT_SKIP_TORCH=1 leaves it out (its tests then skip).
+# torch is large: the Python oracle (python3-torch) and the trainer's libtorch (libtorch-dev, the
+# same libtorch1.13). PREFT_SKIP_TORCH=1 leaves both out: the oracle's tests skip and the
+# trainer is not built (PREFT_ENABLE_TRAIN=AUTO).
 if [[ "${PREFT_SKIP_TORCH:-0}" != "1" ]]; then
-  DEV_PACKAGES+=(python3-torch)
+  DEV_PACKAGES+=(python3-torch libtorch-dev)
 fi
 
 if [[ $runtime -eq 1 ]]; then

@@ -10,32 +10,14 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "common/kernels/dtype.h"
+#include "common/adapters/adapter_writer.h"
 #include "common/model/adapter_weights.h"
 #include "common/model/config.h"
 
 namespace preft::adapters {
 
-struct RandomAdapterSpec {
-  model::AdapterKind kind = model::AdapterKind::kLora;
-  int64_t rank = 8;
-  // LoRA
-  double alpha = 16;
-  bool use_rslora = false;
-  std::vector<model::Projection> targets = {model::Projection::kQ,    model::Projection::kK,
-                                            model::Projection::kV,    model::Projection::kO,
-                                            model::Projection::kGate, model::Projection::kUp,
-                                            model::Projection::kDown};
-  // Layers adapted; empty: every layer. LoRA writes them as "layers_to_transform".
-  std::vector<int64_t> layers;
-  // DiReFT
-  std::string prompt_positions = "all";  // or pyreft's "fN+lM"
-  // Written as "preft_positions" when set.
-  std::optional<model::AdapterPositions> preft_positions;
-  kernels::DType dtype = kernels::DType::kF32;
+struct RandomAdapterSpec : AdapterSpec {
   uint64_t seed = 0;
-  // Written as "base_model_name_or_path"; empty: the base config's model_type.
-  std::string base_model_name_or_path;
 };
 
 // Creates `out_dir` if needed and writes adapter_config.json + adapter_model.safetensors.

@@ -1,7 +1,24 @@
 // preft: one binary, one flag style. `preft --help` lists the subcommands.
 
+#include <cstdio>
+
 #include "CLI/CLI.hpp"
 #include "tools/preft/commands.h"
+
+#ifndef PREFT_HAVE_TRAIN
+namespace preft::tools {
+void RegisterTrainCommand(CLI::App& app, int* exit_code) {
+  auto* train = app.add_subcommand("train", "Train adapters (this build has no libtorch)");
+  train->allow_extras();
+  train->callback([exit_code] {
+    std::fprintf(stderr,
+                 "preft train: this preft was built without the trainer (libtorch not found; "
+                 "install libtorch-dev and rebuild, or PREFT_ENABLE_TRAIN=ON)\n");
+    *exit_code = 1;
+  });
+}
+}  // namespace preft::tools
+#endif
 
 int main(int argc, char** argv) {
   CLI::App app{"preft: serving prefill-only adapters (PreFT) and their baselines"};
@@ -14,6 +31,7 @@ int main(int argc, char** argv) {
   preft::tools::RegisterClientCommand(app, &exit_code);
   preft::tools::RegisterAdaptersCommand(app, &exit_code);
   preft::tools::RegisterBenchCommand(app, &exit_code);
+  preft::tools::RegisterTrainCommand(app, &exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,192 @@
+#include "train/sft_data.h"
+
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/status_macros.h"
+#include "nlohmann/json.hpp"
+
+namespace preft::train {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+// Errors of one line: "path:line: what".
+class LineContext {
+ public:
+  LineContext(const std::string& path, int64_t line) : where_(absl::StrCat(path, ":", line)) {}
+  const std::string& where() const { return where_; }
+  absl::Status Invalid(absl::string_view what) const {
+    return absl::InvalidArgumentError(absl::StrCat(where_, ": ", what));
+  }
+
+ private:
+  std::string where_;
+};
+
+absl::Status CheckMessages(const LineContext& at, const Json& messages, const char* field) {
+  if (!messages.is_array() || messages.empty()) {
+    return at.Invalid(absl::StrCat("\"", field, "\" must be a non-empty list of messages"));
+  }
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const Json& m = messages[i];
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string() ||
+        !m.contains("content") || !m["content"].is_string()) {
+      return at.Invalid(absl::StrCat("\"", field, "\"[", i,
+                                     "] must be an object with string \"role\" and \"content\""));
+    }
+    const std::string role = m["role"].get<std::string>();
+    if (role != "system" && role != "user" && role != "assistant" && role != "tool") {
+      return at.Invalid(absl::StrCat("\"", field, "\"[", i, "] has role \"", role,
+                                     "\"; expected system, user, assistant or tool"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+class Reader {
+ public:
+  Reader(const model::Tokenizer& tokenizer, const model::ChatTemplate* chat,
+         const SftDataOptions& options, std::vector<Example>* out)
+      : tokenizer_(tokenizer), chat_(chat), options_(options), out_(out) {}
+
+  absl::Status Line(const LineContext& at, const std::string& text) {
+    const Json j = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded()) return at.Invalid("malformed JSON");
+    if (!j.is_object()) return at.Invalid("expected a JSON object");
+    if (j.contains("messages")) {
+      if (j.contains("prompt") || j.contains("completion")) {
+        return at.Invalid("give \"messages\", or \"prompt\" and \"completion\", not both");
+      }
+      PREFT_RETURN_IF_ERROR(CheckMessages(at, j["messages"], "messages"));
+      return Conversation(at, j["messages"], 0);
+    }
+    if (!j.contains("prompt") || !j.contains("completion")) {
+      return at.Invalid("needs \"prompt\" and \"completion\", or \"messages\"");
+    }
+    const Json& prompt = j["prompt"];
+    const Json& completion = j["completion"];
+    if (prompt.is_array() && completion.is_array()) {  // TRL's conversational prompt-completion
+      PREFT_RETURN_IF_ERROR(CheckMessages(at, prompt, "prompt"));
+      PREFT_RETURN_IF_ERROR(CheckMessages(at, completion, "completion"));
+      for (const Json& m : completion) {
+        if (m["role"] != "assistant") {
+          return at.Invalid("\"completion\" messages must all be assistant messages");
+        }
+      }
+      Json all = prompt;
+      for (const Json& m : completion) all.push_back(m);
+      return Conversation(at, all, prompt.size());
+    }
+    if (!prompt.is_string() || !completion.is_string()) {
+      return at.Invalid("\"prompt\" and \"completion\" must both be strings (or both lists of "
+                        "messages)");
+    }
+    if (completion.get<std::string>().empty()) return at.Invalid("the completion is empty");
+    Example e;
+    e.source = at.where();
+    PREFT_ASSIGN_OR_RETURN(e.prompt_ids, Encode(at, prompt.get<std::string>(), true, "prompt"));
+    PREFT_ASSIGN_OR_RETURN(e.completion_ids,
+                           Encode(at, completion.get<std::string>(), false, "completion"));
+    if (options_.append_eos && tokenizer_.eos_token_id() >= 0) {
+      e.completion_ids.push_back(tokenizer_.eos_token_id());
+    }
+    return Add(at, std::move(e));
+  }
+
+ private:
+  absl::StatusOr<std::vector<int32_t>> Encode(const LineContext& at, const std::string& text,
+                                              bool special, const char* what) {
+    auto ids = tokenizer_.Encode(text, special);
+    if (!ids.ok()) return at.Invalid(absl::StrCat(what, ": ", ids.status().message()));
+    return *std::move(ids);
+  }
+
+  // One example per assistant turn at index >= first.
+  absl::Status Conversation(const LineContext& at, const Json& messages, size_t first) {
+    if (chat_ == nullptr) {
+      return at.Invalid("chat messages need the model's chat template, and it has none");
+    }
+    int64_t turns = 0;
+    for (size_t k = first; k < messages.size(); ++k) {
+      if (messages[k]["role"] != "assistant") continue;
+      ++turns;
+      if (messages[k]["content"].get<std::string>().empty()) {
+        return at.Invalid(absl::StrCat("assistant turn ", turns, " (message ", k, ") is empty"));
+      }
+      Json before = Json::array(), through = Json::array();
+      for (size_t i = 0; i < k; ++i) before.push_back(messages[i]);
+      through = before;
+      through.push_back(messages[k]);
+      auto prompt = chat_->Render(before, /*add_generation_prompt=*/true);
+      if (!prompt.ok()) return at.Invalid(prompt.status().message());
+      auto full = chat_->Render(through, /*add_generation_prompt=*/false);
+      if (!full.ok()) return at.Invalid(full.status().message());
+      if (full->size() <= prompt->size() || full->compare(0, prompt->size(), *prompt) != 0) {
+        return at.Invalid(absl::StrCat(
+            "the chat template's rendering of the conversation through message ", k,
+            " does not start with its rendering of the messages before it: cannot tell the "
+            "assistant turn's tokens apart"));
+      }
+      Example e;
+      e.source = absl::StrCat(at.where(), " (assistant turn ", turns, ")");
+      PREFT_ASSIGN_OR_RETURN(e.prompt_ids, Encode(at, *prompt, false, "prompt"));
+      PREFT_ASSIGN_OR_RETURN(e.completion_ids,
+                             Encode(at, full->substr(prompt->size()), false, "completion"));
+      PREFT_RETURN_IF_ERROR(Add(at, std::move(e)));
+    }
+    if (turns == 0) return at.Invalid("the conversation has no assistant turn to train on");
+    return absl::OkStatus();
+  }
+
+  absl::Status Add(const LineContext& at, Example e) {
+    if (e.prompt_ids.empty()) return at.Invalid("the prompt encodes to no tokens");
+    if (e.completion_ids.empty()) return at.Invalid("the completion encodes to no tokens");
+    if (e.num_tokens() > options_.max_length) {
+      return at.Invalid(absl::StrCat("the example is ", e.num_tokens(), " tokens (prompt ",
+                                     e.prompt_ids.size(), " + completion ",
+                                     e.completion_ids.size(), "), over --max-length ",
+                                     options_.max_length));
+    }
+    if (options_.vocab_size > 0) {
+      for (const auto* ids : {&e.prompt_ids, &e.completion_ids}) {
+        for (int32_t id : *ids) {
+          if (id < 0 || id >= options_.vocab_size) {
+            return at.Invalid(absl::StrCat("token id ", id, " is outside the model's vocabulary (",
+                                           options_.vocab_size, ")"));
+          }
+        }
+      }
+    }
+    out_->push_back(std::move(e));
+    return absl::OkStatus();
+  }
+
+  const model::Tokenizer& tokenizer_;
+  const model::ChatTemplate* chat_;
+  const SftDataOptions& options_;
+  std::vector<Example>* out_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::vector<Example>> ReadSftData(const std::string& path,
+                                                 const model::Tokenizer& tokenizer,
+                                                 const model::ChatTemplate* chat,
+                                                 const SftDataOptions& options) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  std::vector<Example> out;
+  Reader reader(tokenizer, chat, options, &out);
+  std::string text;
+  int64_t line = 0;
+  while (std::getline(in, text)) {
+    ++line;
+    if (text.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank
+    PREFT_RETURN_IF_ERROR(reader.Line(LineContext(path, line), text));
+  }
+  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": no examples"));
+  return out;
+}
+
+}  // namespace preft::train
