@@ -223,17 +223,34 @@ ADAPTER_MODES = {"lora": ("lora", "all"), "lorap": ("lora", "prompt"),
                  "direft": ("direft", "all"), "direftp": ("direft", "prompt")}
 
 
+def train_data(path):
+    """A small SFT set for `preft train sft` (--train-adapters)."""
+    with open(path, "w") as f:
+        for i in range(6):
+            f.write(json.dumps({"prompt": f"Question {i}: what is {i} plus {i}?",
+                                "completion": f"It is {2 * i}, I think."}) + "\n")
+    return path
+
+
 def compare_adapters(args, mdir, seed, rng, v):
-    """Random adapters made by `preft make-adapter` (LoRA rank 8 on all projections; DiReFT
-    rank 4 intervening on the first 2 and last 3 prompt tokens), run by preft and the oracle."""
+    """Adapters run by preft and the oracle: random ones made by `preft make-adapter` (LoRA
+    rank 8 on all projections; DiReFT rank 4 intervening on the first 2 and last 3 prompt
+    tokens), or with --train-adapters the same shapes trained by `preft train sft` (the files
+    the trainer writes, read by the oracle as PEFT / pyreft-converted folders)."""
     import numpy as np
     import reference
     adirs = {}
     for kind, extra in (("lora", ["--rank", "8", "--alpha", "16"]),
                         ("direft", ["--rank", "4", "--prompt-positions", "f2+l3"])):
         adirs[kind] = os.path.join(args.workdir, f"{args.preset}-seed{seed}-{kind}")
-        run([args.preft, "make-adapter", "--model", mdir, "--kind", kind, "--seed", str(seed)]
-            + extra + ["--out", adirs[kind]])
+        if args.train_adapters:
+            data = train_data(os.path.join(args.workdir, "train.jsonl"))
+            run([args.preft, "train", "sft", "--model", mdir, "--data", data, "--kind", kind,
+                 "--seed", str(seed), "--steps", "30", "--lr", "2e-2", "--schedule", "constant",
+                 "--threads", "2"] + extra + ["--out", adirs[kind]])
+        else:
+            run([args.preft, "make-adapter", "--model", mdir, "--kind", kind, "--seed",
+                 str(seed)] + extra + ["--out", adirs[kind]])
     oracles = {}
     vocab = None
     for mode in args.adapter_modes.split(","):
@@ -320,6 +337,8 @@ def main(argv=None):
     ap.add_argument("--seeds", default="1,2")
     ap.add_argument("--adapter-modes", default="",
                     help="with --preset: also compare these of lora,lorap,direft,direftp")
+    ap.add_argument("--train-adapters", action="store_true",
+                    help="adapters trained by `preft train sft` instead of random ones")
     ap.add_argument("--workdir", default="compare-work")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--logprobs", type=int, default=5)
