@@ -51,6 +51,7 @@ absl::StatusOr<Generation> Client::Generate(
   s->set_top_k(p.top_k);
   if (p.seed) s->set_seed(*p.seed);
   if (p.logprobs) s->set_logprobs(*p.logprobs);
+  s->set_logprobs_mode(p.logprobs_mode);
   for (const std::string& stop : p.stop) s->add_stop(stop);
   s->set_ignore_eos(p.ignore_eos);
 
@@ -121,7 +122,8 @@ absl::Status Client::UnloadAdapter(const std::string& name, bool unregister) {
 
 absl::StatusOr<v1::UpdateAdapterResponse> Client::UpdateAdapter(
     const std::string& name, const std::string& dir,
-    const std::function<void(int64_t, int64_t)>& progress) {
+    const std::function<void(int64_t, int64_t)>& progress,
+    std::optional<int64_t> expected_version) {
   // Read first: a missing file is the caller's error, not a half-sent update.
   std::vector<std::pair<std::string, std::string>> files;
   for (const char* file : {"adapter_config.json", "adapter_model.safetensors"}) {
@@ -135,6 +137,7 @@ absl::StatusOr<v1::UpdateAdapterResponse> Client::UpdateAdapter(
   auto writer = stub_->UpdateAdapter(&ctx, &out);
   v1::UpdateAdapterRequest header;
   header.mutable_header()->set_name(name);
+  if (expected_version) header.mutable_header()->set_expected_version(*expected_version);
   bool open = writer->Write(header);
   constexpr size_t kChunk = 1 << 20;  // well under the server's message limit
   int64_t total = 0, sent = 0;

@@ -50,6 +50,8 @@ struct GenerateParams {
   std::vector<std::string> stop;
   bool ignore_eos = false;
   std::optional<int32_t> logprobs;  // alternatives per token
+  // RAW (the model's softmax) or PROCESSED (the distribution sampled from: what RL needs).
+  v1::LogprobsMode logprobs_mode = v1::LOGPROBS_MODE_UNSPECIFIED;
   std::string request_id;           // for Abort; the router picks one when empty
 };
 
@@ -84,9 +86,12 @@ class Client {
   // Streams adapter_config.json and adapter_model.safetensors from `dir` as the adapter's next
   // version (RL weight sync). NotFound naming a file it cannot read. `progress` (optional)
   // hears the bytes sent so far and in all after each chunk.
+  // With `expected_version`, the update is refused (FailedPrecondition) unless the adapter's
+  // current version is that one.
   absl::StatusOr<v1::UpdateAdapterResponse> UpdateAdapter(
       const std::string& name, const std::string& dir,
-      const std::function<void(int64_t sent, int64_t total)>& progress = nullptr);
+      const std::function<void(int64_t sent, int64_t total)>& progress = nullptr,
+      std::optional<int64_t> expected_version = std::nullopt);
   // grpc.health.v1 Check of `service` ("" = the server): true only when SERVING.
   absl::StatusOr<bool> Healthy(const std::string& service = "");
 

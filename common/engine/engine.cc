@@ -253,7 +253,8 @@ void Engine::HandOverPrefilled(std::unique_ptr<Sequence>& seq, int32_t token,
   p.request_id = seq->request.id;
   p.first_token = token;
   if (sp.logprobs) {
-    p.first_logprob = ComputeLogprobs(logits, backend_->config().vocab_size, token, *sp.logprobs);
+    p.first_logprob =
+        LogprobsFor(logits, backend_->config().vocab_size, sp, token, &sample_scratch_);
   }
   p.num_tokens = seq->num_prompt;
   p.seed = seq->seed;
@@ -379,7 +380,7 @@ FinishReason Engine::AppendToken(Sequence& seq, int32_t token, const float* logi
   const TokenLogprob* lp = nullptr;
   if (sp.logprobs) {
     seq.logprobs.push_back(logprob ? *logprob
-                                   : ComputeLogprobs(logits, c.vocab_size, token, *sp.logprobs));
+                                   : LogprobsFor(logits, c.vocab_size, sp, token, &sample_scratch_));
     lp = &seq.logprobs.back();
   }
   FinishReason finish = FinishReason::kNone;

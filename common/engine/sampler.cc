@@ -41,13 +41,19 @@ double UniformFromCounter(uint64_t seed, uint64_t step) {
   return static_cast<double>(bits >> 11) * 0x1.0p-53;
 }
 
-int32_t SampleToken(const float* logits, int64_t vocab, const SamplingParams& params,
-                    uint64_t seed, uint64_t step,
-                    std::vector<std::pair<float, int32_t>>* scratch) {
-  if (params.temperature <= kGreedyEpsilon) {
-    return static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
-  }
-  // Candidates as (scaled logit, id), best first when a filter needs the order.
+namespace {
+
+// The distribution SampleToken draws from: candidates (scaled logit, id), best first when a
+// filter needed the order; unnormalised weights (0 for tokens min-p drops); the first `keep`
+// candidates survive top-p; `total` is the kept weight.
+struct Distribution {
+  std::vector<double> weights;
+  size_t keep = 0;
+  double total = 0;
+};
+
+void BuildDistribution(const float* logits, int64_t vocab, const SamplingParams& params,
+                       std::vector<std::pair<float, int32_t>>* scratch, Distribution* d) {
   auto& cand = *scratch;
   cand.clear();
   const float inv_t = 1.f / params.temperature;
@@ -64,7 +70,8 @@ int32_t SampleToken(const float* logits, int64_t vocab, const SamplingParams& pa
   }
   float max_logit = -INFINITY;
   for (const auto& c : cand) max_logit = std::max(max_logit, c.first);
-  std::vector<double> probs(cand.size());
+  std::vector<double>& probs = d->weights;
+  probs.resize(cand.size());
   double sum = 0.0;
   for (size_t i = 0; i < cand.size(); ++i) sum += probs[i] = std::exp(static_cast<double>(cand[i].first - max_logit));
   size_t keep = cand.size();
@@ -85,15 +92,68 @@ int32_t SampleToken(const float* logits, int64_t vocab, const SamplingParams& pa
     if (probs[i] < min_weight) probs[i] = 0.0;
     total += probs[i];
   }
-  double target = UniformFromCounter(seed, step) * total;
-  for (size_t i = 0; i < keep; ++i) {
+  d->keep = keep;
+  d->total = total;
+}
+
+}  // namespace
+
+int32_t SampleToken(const float* logits, int64_t vocab, const SamplingParams& params,
+                    uint64_t seed, uint64_t step,
+                    std::vector<std::pair<float, int32_t>>* scratch) {
+  if (params.temperature <= kGreedyEpsilon) {
+    return static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
+  }
+  Distribution d;
+  BuildDistribution(logits, vocab, params, scratch, &d);
+  const auto& cand = *scratch;
+  const std::vector<double>& probs = d.weights;
+  double target = UniformFromCounter(seed, step) * d.total;
+  for (size_t i = 0; i < d.keep; ++i) {
     if (probs[i] == 0.0) continue;
     target -= probs[i];
     if (target < 0.0) return cand[i].second;
   }
-  for (size_t i = keep; i-- > 0;)  // rounding left a sliver: last non-zero candidate
+  for (size_t i = d.keep; i-- > 0;)  // rounding left a sliver: last non-zero candidate
     if (probs[i] > 0.0) return cand[i].second;
   return cand[0].second;
+}
+
+TokenLogprob ComputeProcessedLogprobs(const float* logits, int64_t vocab,
+                                      const SamplingParams& params, int32_t token, int32_t top_n,
+                                      std::vector<std::pair<float, int32_t>>* scratch) {
+  if (params.temperature <= kGreedyEpsilon) return ComputeLogprobs(logits, vocab, token, top_n);
+  Distribution d;
+  BuildDistribution(logits, vocab, params, scratch, &d);
+  const auto& cand = *scratch;
+  const double log_total = std::log(d.total);
+  TokenLogprob out;
+  out.token_id = token;
+  out.logprob = -INFINITY;
+  // Kept candidates with their logprob, most likely first (ties: lower id).
+  std::vector<std::pair<double, int32_t>> kept;
+  for (size_t i = 0; i < d.keep; ++i) {
+    if (d.weights[i] == 0.0) continue;
+    const double lp = std::log(d.weights[i]) - log_total;
+    if (cand[i].second == token) out.logprob = lp;
+    kept.emplace_back(lp, cand[i].second);
+  }
+  if (top_n > 0) {
+    const size_t n = std::min<size_t>(top_n, kept.size());
+    std::partial_sort(kept.begin(), kept.begin() + n, kept.end(), [](const auto& a, const auto& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    });
+    for (size_t i = 0; i < n; ++i) out.top.emplace_back(kept[i].second, kept[i].first);
+  }
+  return out;
+}
+
+TokenLogprob LogprobsFor(const float* logits, int64_t vocab, const SamplingParams& params,
+                         int32_t token, std::vector<std::pair<float, int32_t>>* scratch) {
+  const int32_t top_n = params.logprobs.value_or(0);
+  return params.logprobs_mode == LogprobsMode::kProcessed
+             ? ComputeProcessedLogprobs(logits, vocab, params, token, top_n, scratch)
+             : ComputeLogprobs(logits, vocab, token, top_n);
 }
 
 TokenLogprob ComputeLogprobs(const float* logits, int64_t vocab, int32_t token, int32_t top_n) {

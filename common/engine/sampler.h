@@ -21,4 +21,15 @@ int32_t SampleToken(const float* logits, int64_t vocab, const SamplingParams& pa
 // log-softmax of `token` and the `top_n` most likely tokens, computed in double.
 TokenLogprob ComputeLogprobs(const float* logits, int64_t vocab, int32_t token, int32_t top_n);
 
+// The logprobs of the distribution SampleToken draws from for `params` (temperature, top-k,
+// top-p, min-p; renormalised over the tokens it keeps): `token` and the `top_n` most likely
+// kept tokens. A token that could not be drawn gets -infinity. Greedy: ComputeLogprobs.
+TokenLogprob ComputeProcessedLogprobs(const float* logits, int64_t vocab,
+                                      const SamplingParams& params, int32_t token, int32_t top_n,
+                                      std::vector<std::pair<float, int32_t>>* scratch);
+
+// The token's logprobs in the request's logprobs_mode (params.logprobs alternatives).
+TokenLogprob LogprobsFor(const float* logits, int64_t vocab, const SamplingParams& params,
+                         int32_t token, std::vector<std::pair<float, int32_t>>* scratch);
+
 }  // namespace preft::engine

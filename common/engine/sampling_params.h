@@ -12,6 +12,12 @@
 
 namespace preft::engine {
 
+// Which distribution reported logprobs describe (vLLM's logprobs_mode): the model's full
+// softmax, or the one the token was actually drawn from (after temperature, top-k, top-p and
+// min-p, renormalised; greedy requests report the full softmax). RL trainers need the latter
+// for importance ratios against the behaviour policy.
+enum class LogprobsMode { kRaw, kProcessed };
+
 struct SamplingParams {
   float temperature = 0.f;  // <= 1e-5 means greedy
   float top_p = 1.f;        // (0, 1]
@@ -26,13 +32,14 @@ struct SamplingParams {
   bool ignore_eos = false;
   // Report the sampled token's logprob and this many top alternatives (nullopt: none).
   std::optional<int32_t> logprobs;
+  LogprobsMode logprobs_mode = LogprobsMode::kRaw;
 
   // InvalidArgument naming the field and the value.
   absl::Status Validate(int64_t vocab_size) const;
 };
 
-// One generated token's log-probability under the model's full softmax (no temperature),
-// with the top alternatives.
+// One generated token's log-probability (under the distribution SamplingParams::logprobs_mode
+// names), with the top alternatives.
 struct TokenLogprob {
   int32_t token_id = 0;
   double logprob = 0.0;

@@ -165,6 +165,11 @@ absl::Status GenerateCall::Admit(std::vector<int32_t>* prompt,
     PREFT_ASSIGN_OR_RETURN(RegisteredAdapter a, router_->registry->Get(request_.model()));
     *adapter = std::move(a);
   }
+  if (!v1::LogprobsMode_IsValid(request_.sampling().logprobs_mode())) {
+    return absl::InvalidArgumentError(absl::StrCat("sampling.logprobs_mode ",
+                                                   request_.sampling().logprobs_mode(),
+                                                   " is not a LogprobsMode"));
+  }
   *sampling = wire::FromProto(request_.sampling());
   if (!request_.sampling().has_max_tokens())
     sampling->max_tokens = router_->options.default_max_tokens;

@@ -16,6 +16,9 @@ engine::SamplingParams FromProto(const v1::SamplingParams& p) {
   s.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
   s.ignore_eos = p.ignore_eos();
   if (p.has_logprobs()) s.logprobs = p.logprobs();
+  s.logprobs_mode = p.logprobs_mode() == v1::LOGPROBS_MODE_PROCESSED
+                        ? engine::LogprobsMode::kProcessed
+                        : engine::LogprobsMode::kRaw;
   return s;
 }
 
@@ -31,6 +34,9 @@ v1::SamplingParams ToProto(const engine::SamplingParams& s) {
   for (int32_t id : s.stop_token_ids) p.add_stop_token_ids(id);
   p.set_ignore_eos(s.ignore_eos);
   if (s.logprobs) p.set_logprobs(*s.logprobs);
+  p.set_logprobs_mode(s.logprobs_mode == engine::LogprobsMode::kProcessed
+                          ? v1::LOGPROBS_MODE_PROCESSED
+                          : v1::LOGPROBS_MODE_RAW);
   return p;
 }
 

@@ -78,6 +78,52 @@ TEST(SamplerTest, LogprobsAreTheFullLogSoftmax) {
   EXPECT_EQ(lp.top[2].first, 2);
 }
 
+// Processed logprobs describe the distribution SampleToken draws from: a proper distribution
+// over the kept tokens (-inf elsewhere), whose draws' frequencies they predict.
+TEST(SamplerTest, ProcessedLogprobsAreTheDistributionSampledFrom) {
+  const std::vector<float> l = {1.0f, 2.5f, 0.3f, 2.0f, -1.0f, 1.7f};
+  std::vector<std::pair<float, int32_t>> scratch;
+  SamplingParams p;
+  p.temperature = 0.7f;
+  // Temperature alone: log_softmax(logits / T).
+  double z = 0;
+  for (float x : l) z += std::exp(static_cast<double>(x / 0.7f));
+  for (int t = 0; t < 6; ++t) {
+    const TokenLogprob lp = ComputeProcessedLogprobs(l.data(), 6, p, t, 0, &scratch);
+    EXPECT_NEAR(lp.logprob, static_cast<double>(l[t] / 0.7f) - std::log(z), 1e-6) << t;
+  }
+  // With top-k, top-p and min-p: mass 1 over the kept tokens, and draws follow it.
+  p.top_k = 4;
+  p.top_p = 0.95f;
+  p.min_p = 0.2f;
+  double mass = 0;
+  std::map<int32_t, double> prob;
+  for (int t = 0; t < 6; ++t) {
+    const TokenLogprob lp = ComputeProcessedLogprobs(l.data(), 6, p, t, 0, &scratch);
+    if (std::isfinite(lp.logprob)) prob[t] = std::exp(lp.logprob);
+    mass += std::exp(lp.logprob);
+  }
+  EXPECT_NEAR(mass, 1.0, 1e-12);
+  EXPECT_LT(prob.size(), 6u);
+  std::map<int32_t, int> counts;
+  const int n = 40000;
+  for (int step = 0; step < n; ++step) ++counts[SampleToken(l.data(), 6, p, 17, step, &scratch)];
+  for (const auto& [t, c] : counts) {
+    ASSERT_TRUE(prob.count(t)) << "drew token " << t << " whose processed logprob is -inf";
+    EXPECT_NEAR(static_cast<double>(c) / n, prob[t], 0.01) << t;
+  }
+  // Alternatives are the most likely kept tokens; greedy reports the raw softmax.
+  const TokenLogprob top = ComputeProcessedLogprobs(l.data(), 6, p, 1, 3, &scratch);
+  ASSERT_GE(top.top.size(), 1u);
+  EXPECT_EQ(top.top[0].first, 1);
+  EXPECT_NEAR(top.top[0].second, top.logprob, 1e-15);
+  p.temperature = 0;
+  p.logprobs = 0;
+  p.logprobs_mode = LogprobsMode::kProcessed;
+  EXPECT_EQ(LogprobsFor(l.data(), 6, p, 3, &scratch).logprob,
+            ComputeLogprobs(l.data(), 6, 3, 0).logprob);
+}
+
 TEST(SamplingParamsTest, RejectsBadValuesNamingTheField) {
   SamplingParams p;
   p.top_p = 0.f;

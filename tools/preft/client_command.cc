@@ -28,6 +28,7 @@ struct ClientFlags : ConnectionFlags {
   float temperature = 0, top_p = 1;
   int64_t seed = -1;
   int logprobs = -1;
+  std::string logprobs_mode = "raw";
   std::vector<std::string> stop;
   bool ignore_eos = false, json = false;
   // adapters
@@ -65,6 +66,8 @@ int RunGenerate(const ClientFlags& f) {
   p.top_p = f.top_p;
   if (f.seed >= 0) p.seed = static_cast<uint64_t>(f.seed);
   if (f.logprobs >= 0) p.logprobs = f.logprobs;
+  p.logprobs_mode =
+      f.logprobs_mode == "processed" ? v1::LOGPROBS_MODE_PROCESSED : v1::LOGPROBS_MODE_RAW;
   p.stop = f.stop;
   p.ignore_eos = f.ignore_eos;
 
@@ -283,6 +286,9 @@ void RegisterClientCommand(CLI::App& app, int* exit_code) {
   gen->add_option("--top-p", f->top_p);
   gen->add_option("--seed", f->seed);
   gen->add_option("--logprobs", f->logprobs);
+  gen->add_option("--logprobs-mode", f->logprobs_mode,
+                  "raw (the model's softmax) or processed (the distribution sampled from)")
+      ->check(CLI::IsMember({"raw", "processed"}));
   gen->add_option("--stop", f->stop);
   gen->add_flag("--ignore-eos", f->ignore_eos);
   gen->add_flag("--json", f->json, "print one JSON object at the end instead of streaming text");

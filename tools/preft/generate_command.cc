@@ -33,6 +33,7 @@ struct GenerateFlags {
   std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false;
   int32_t logprobs = -1;
+  std::string logprobs_mode = "raw";
   bool json = false;
   int threads = 0;
   int64_t kv_mib = 1024;
@@ -127,6 +128,7 @@ int RunGenerate(const GenerateFlags& f) {
   sp.stop_token_ids = f.stop_token_ids;
   sp.ignore_eos = f.ignore_eos;
   if (f.logprobs >= 0) sp.logprobs = f.logprobs;
+  if (f.logprobs_mode == "processed") sp.logprobs_mode = engine::LogprobsMode::kProcessed;
   if (!f.json) {
     req.on_token = [](const engine::TokenEvent& e) {
       std::fwrite(e.text_delta.data(), 1, e.text_delta.size(), stdout);
@@ -235,6 +237,11 @@ void RegisterGenerateCommand(CLI::App& app, int* exit_code) {
   cmd->add_flag("--ignore-eos", f->ignore_eos, "Keep generating past end-of-sequence tokens");
   cmd->add_option("--logprobs", f->logprobs,
                   "Report each token's logprob and this many top alternatives (0-20)");
+  cmd->add_option("--logprobs-mode", f->logprobs_mode,
+                  "raw: the model's softmax; processed: the distribution the token was drawn "
+                  "from (after temperature, top-k, top-p, min-p), as RL trainers need")
+      ->check(CLI::IsMember({"raw", "processed"}))
+      ->capture_default_str();
   cmd->add_flag("--json", f->json,
                 "Print one JSON object: prompt_ids, token_ids, text, finish_reason[, logprobs]");
   cmd->add_option("--threads", f->threads, "Compute threads (default: all cores)");
