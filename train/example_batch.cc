@@ -46,8 +46,9 @@ ExampleBatch MakeExampleBatch(const std::vector<const Example*>& examples,
 }
 
 torch::Tensor CompletionLogprobs(const TorchModel& model, const TrainableAdapter* adapter,
-                                 const ExampleBatch& b) {
-  const torch::Tensor logits = model.Forward(b.batch, adapter);
+                                 const ExampleBatch& b, double temperature) {
+  torch::Tensor logits = model.Forward(b.batch, adapter);
+  if (temperature != 1.0) logits = logits / temperature;
   return torch::log_softmax(logits, -1).gather(1, b.targets.unsqueeze(1)).squeeze(1);
 }
 

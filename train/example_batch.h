@@ -35,8 +35,9 @@ ExampleBatch MakeExampleBatch(const std::vector<const Example*>& examples,
                               const AdapterMasking& masking, torch::Dtype dtype);
 
 // log p(target | prefix) for every target of `b` ([N], in the model's dtype, differentiable
-// with respect to the adapter).
+// with respect to the adapter), under softmax(logits / temperature): the distribution a
+// sampler at that temperature (no other filter) draws from.
 torch::Tensor CompletionLogprobs(const TorchModel& model, const TrainableAdapter* adapter,
-                                 const ExampleBatch& b);
+                                 const ExampleBatch& b, double temperature = 1.0);
 
 }  // namespace preft::train

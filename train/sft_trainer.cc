@@ -15,7 +15,7 @@
 #include "common/base/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "train/example_batch.h"
-#include "train/sft_data.h"
+#include "train/data.h"
 #include "train/torch_model.h"
 #include "train/trainable_adapter.h"
 

@@ -16,7 +16,7 @@ namespace preft::train {
 
 struct SftOptions {
   std::string model_dir;
-  std::string data_path;   // TRL JSONL (train/sft_data.h)
+  std::string data_path;   // TRL JSONL (train/data.h)
   std::string eval_path;   // optional
   std::string out_dir;     // the adapter folder; also train_log.jsonl and checkpoints/
   // kind, rank, alpha, use_rslora, targets, layers, prompt_positions (DiReFT's fN+lM);

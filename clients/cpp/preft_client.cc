@@ -5,6 +5,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/base/status_macros.h"
 #include "common/rpc/status.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
 
@@ -107,6 +108,19 @@ absl::StatusOr<v1::AdapterInfo> Client::RegisterAdapter(const std::string& name,
   v1::RegisterAdapterResponse out;
   absl::Status s = rpc::FromGrpcStatus(stub_->RegisterAdapter(&ctx, req, &out));
   if (!s.ok()) return s;
+  return out.adapter();
+}
+
+absl::StatusOr<v1::AdapterInfo> Client::LoadAdapter(const std::string& name, int32_t num_workers,
+                                                    bool prefill_only) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::LoadAdapterRequest req;
+  req.set_name(name);
+  req.set_num_workers(num_workers);
+  req.set_prefill_only(prefill_only);
+  v1::LoadAdapterResponse out;
+  PREFT_RETURN_IF_ERROR(rpc::FromGrpcStatus(stub_->LoadAdapter(&ctx, req, &out)));
   return out.adapter();
 }
 

@@ -82,6 +82,11 @@ class Client {
   absl::StatusOr<v1::ListModelsResponse> ListModels();
   absl::StatusOr<v1::AdapterInfo> RegisterAdapter(const std::string& name, const std::string& path,
                                                   bool load = false);
+  // Loads the adapter's current version onto up to `num_workers` adapter workers (prefill
+  // first; 0: the router picks one; `prefill_only`: no decode worker) ahead of traffic; the
+  // residency after the load.
+  absl::StatusOr<v1::AdapterInfo> LoadAdapter(const std::string& name, int32_t num_workers = 0,
+                                              bool prefill_only = false);
   absl::Status UnloadAdapter(const std::string& name, bool unregister = false);
   // Streams adapter_config.json and adapter_model.safetensors from `dir` as the adapter's next
   // version (RL weight sync). NotFound naming a file it cannot read. `progress` (optional)

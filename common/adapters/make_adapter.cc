@@ -66,7 +66,10 @@ absl::Status WriteRandomAdapter(const model::ModelConfig& base, const RandomAdap
   PREFT_RETURN_IF_ERROR(CheckAdapterSpec(base, spec));
   const auto shapes = AdapterTensorShapes(base, spec);
   auto fill = [&](const std::string& name, int64_t n, float* out) {
-    const double std = RandomStd(spec, name, shapes.at(name));
+    const bool zeroed = spec.zero_update && (name.ends_with(".lora_B.weight") ||
+                                             name.ends_with("proj_layer.weight") ||
+                                             name.ends_with("learned_source.bias"));
+    const double std = zeroed ? 0.0 : RandomStd(spec, name, shapes.at(name));
     Normal normal(SplitMix64(spec.seed ^ base::Fnv1a64(name)));
     for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(normal.Next() * std);
   };

@@ -18,6 +18,8 @@ namespace preft::adapters {
 
 struct RandomAdapterSpec : AdapterSpec {
   uint64_t seed = 0;
+  // LoRA's B and DiReFT's W2 (and b1) zero: the update is zero, as when training starts.
+  bool zero_update = false;
 };
 
 // Creates `out_dir` if needed and writes adapter_config.json + adapter_model.safetensors.

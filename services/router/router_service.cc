@@ -132,7 +132,7 @@ v1::AdapterInfo ToInfo(const RegisteredAdapter& a, WorkerPool* pool) {
 // colocated and all-position decode workers (`limit` > 0: on that many at most). The first
 // error wins; with `need_one`, FailedPrecondition when no such worker is healthy.
 absl::Status ForEachAdapterWorker(
-    WorkerPool* pool, int limit, bool need_one,
+    WorkerPool* pool, int limit, bool need_one, bool include_decode,
     const std::function<grpc::Status(worker::v1::PrefillWorker::Stub&, grpc::ClientContext*)>&
         prefill_call,
     const std::function<grpc::Status(worker::v1::DecodeWorker::Stub&, grpc::ClientContext*)>&
@@ -155,6 +155,7 @@ absl::Status ForEachAdapterWorker(
     run(w->address, *w->stub, prefill_call);
   }
   for (const auto& w : pool->decode()) {
+    if (!include_decode) break;
     {
       absl::MutexLock lock(&w->mu);
       if (!w->view.healthy || w->view.draining || !(w->view.adapters || w->view.colocated)) continue;
@@ -168,14 +169,15 @@ absl::Status ForEachAdapterWorker(
   return first;
 }
 
-absl::Status LoadOnWorkers(WorkerPool* pool, const RegisteredAdapter& a, int limit) {
+absl::Status LoadOnWorkers(WorkerPool* pool, const RegisteredAdapter& a, int limit,
+                           bool include_decode = true) {
   worker::v1::WorkerAdapterRequest req;
   req.set_name(a.name);
   req.set_version(a.version);
   req.set_path(a.path);
   worker::v1::AdapterState out;
   return ForEachAdapterWorker(
-      pool, limit, /*need_one=*/true,
+      pool, limit, /*need_one=*/true, include_decode,
       [&](worker::v1::PrefillWorker::Stub& stub, grpc::ClientContext* ctx) {
         return stub.LoadAdapter(ctx, req, &out);
       },
@@ -189,7 +191,7 @@ absl::Status UnloadOnWorkers(WorkerPool* pool, const std::string& name) {
   req.set_name(name);
   worker::v1::UnloadWorkerAdapterResponse out;
   return ForEachAdapterWorker(
-      pool, 0, /*need_one=*/false,
+      pool, 0, /*need_one=*/false, /*include_decode=*/true,
       [&](worker::v1::PrefillWorker::Stub& stub, grpc::ClientContext* ctx) {
         return stub.UnloadAdapter(ctx, req, &out);
       },
@@ -245,7 +247,10 @@ grpc::ServerUnaryReactor* RouterService::LoadAdapter(grpc::CallbackServerContext
   impl_->Spawn([this, reactor, request, response] {
     absl::StatusOr<RegisteredAdapter> a = impl_->registry->Get(request->name());
     absl::Status s = a.status();
-    if (s.ok()) s = LoadOnWorkers(impl_->pool, *a, request->num_workers() > 0 ? request->num_workers() : 1);
+    if (s.ok()) {
+      s = LoadOnWorkers(impl_->pool, *a, request->num_workers() > 0 ? request->num_workers() : 1,
+                        /*include_decode=*/!request->prefill_only());
+    }
     if (s.ok()) {
       impl_->pool->PollNow();
       *response->mutable_adapter() = ToInfo(*a, impl_->pool);

@@ -15,6 +15,7 @@
 #include "nlohmann/json.hpp"
 #include "services/wire/convert.h"
 #include "tools/preft/commands.h"
+#include "common/base/status_macros.h"
 #include "tools/preft/connection_flags.h"
 
 namespace preft::tools {
@@ -208,7 +209,7 @@ void AddConnectionFlags(CLI::App* cmd, ConnectionFlags* f) {
       ->check(CLI::ExistingFile);
 }
 
-absl::StatusOr<std::unique_ptr<client::Client>> Connect(const ConnectionFlags& f) {
+absl::StatusOr<client::ClientOptions> ClientOptionsFrom(const ConnectionFlags& f) {
   client::ClientOptions o;
   o.address = f.server;
   o.tls = f.tls;
@@ -216,8 +217,14 @@ absl::StatusOr<std::unique_ptr<client::Client>> Connect(const ConnectionFlags& f
   o.token = f.token;
   if (o.token.empty() && !f.token_file.empty()) {
     std::ifstream in(f.token_file);
+    if (!in) return absl::InvalidArgumentError("--token-file: cannot read " + f.token_file);
     std::getline(in, o.token);
   }
+  return o;
+}
+
+absl::StatusOr<std::unique_ptr<client::Client>> Connect(const ConnectionFlags& f) {
+  PREFT_ASSIGN_OR_RETURN(client::ClientOptions o, ClientOptionsFrom(f));
   return client::Client::Connect(std::move(o));
 }
 

@@ -22,7 +22,10 @@ struct ConnectionFlags {
 
 // --server, --timeout-s, the TLS flags, --token, --token-file.
 void AddConnectionFlags(CLI::App* cmd, ConnectionFlags* f);
-// InvalidArgument for unreadable TLS files; the token file's first line is the token.
+// The SDK options the flags describe; InvalidArgument for an unreadable token file (its first
+// line is the token).
+absl::StatusOr<client::ClientOptions> ClientOptionsFrom(const ConnectionFlags& f);
+// InvalidArgument for unreadable TLS or token files.
 absl::StatusOr<std::unique_ptr<client::Client>> Connect(const ConnectionFlags& f);
 
 }  // namespace preft::tools

@@ -25,6 +25,7 @@ void RegisterMakeAdapterCommand(CLI::App& app, int* exit_code) {
     std::string positions;
     std::string dtype = "f32";
     uint64_t seed = 0;
+    bool zero_update = false;
     std::string out;
   };
   auto flags = std::make_shared<Flags>();
@@ -50,6 +51,9 @@ void RegisterMakeAdapterCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::IsMember({"f32", "bf16", "f16"}))
       ->capture_default_str();
   cmd->add_option("--seed", flags->seed, "Seed of the random weights")->required();
+  cmd->add_flag("--zero-update", flags->zero_update,
+                "LoRA B / DiReFT W2 and b1 zero: the adapter starts as the base model (as "
+                "training starts; an RL starting point)");
   cmd->add_option("--out", flags->out, "Output folder (created if missing)")->required();
   cmd->callback([flags, exit_code] {
     auto fail = [exit_code](const absl::Status& s) {
@@ -76,6 +80,7 @@ void RegisterMakeAdapterCommand(CLI::App& app, int* exit_code) {
                  : flags->dtype == "f16" ? kernels::DType::kF16
                                          : kernels::DType::kF32;
     spec.seed = flags->seed;
+    spec.zero_update = flags->zero_update;
     spec.base_model_name_or_path = flags->model;
     if (absl::Status s = adapters::WriteRandomAdapter(*base, spec, flags->out); !s.ok()) {
       return fail(s);

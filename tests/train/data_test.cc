@@ -1,7 +1,7 @@
 // ReadSftData: TRL's JSONL formats tokenized as the server tokenizes prompts, one example per
 // assistant turn, and errors that name the file and line.
 
-#include "train/sft_data.h"
+#include "train/data.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -1,6 +1,7 @@
-#include "train/sft_data.h"
+#include "train/data.h"
 
 #include <fstream>
+#include <functional>
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status_macros.h"
@@ -168,23 +169,102 @@ class Reader {
   std::vector<Example>* out_;
 };
 
+absl::StatusOr<RlPrompt> ReadRlPrompt(const LineContext& at, const std::string& text,
+                                      const model::Tokenizer& tokenizer,
+                                      const model::ChatTemplate* chat,
+                                      const SftDataOptions& options, bool need_answer) {
+  const Json j = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return at.Invalid("malformed JSON");
+  if (!j.is_object()) return at.Invalid("expected a JSON object");
+  RlPrompt p;
+  p.source = at.where();
+  bool special = true;
+  if (j.contains("messages")) {
+    PREFT_RETURN_IF_ERROR(CheckMessages(at, j["messages"], "messages"));
+    if (chat == nullptr) {
+      return at.Invalid("chat messages need the model's chat template, and it has none");
+    }
+    auto rendered = chat->Render(j["messages"], /*add_generation_prompt=*/true);
+    if (!rendered.ok()) return at.Invalid(rendered.status().message());
+    p.text = *rendered;
+    special = false;  // the template wrote them
+  } else if (j.contains("prompt") && j["prompt"].is_string()) {
+    p.text = j["prompt"].get<std::string>();
+  } else {
+    return at.Invalid("needs a string \"prompt\" or \"messages\"");
+  }
+  if (j.contains("answer")) {
+    const Json& a = j["answer"];
+    if (a.is_string()) {
+      p.answer = a.get<std::string>();
+    } else if (a.is_number()) {
+      p.answer = a.dump();
+    } else {
+      return at.Invalid("\"answer\" must be a string or a number");
+    }
+  } else if (need_answer) {
+    return at.Invalid("needs an \"answer\" for --reward exact");
+  }
+  auto ids = tokenizer.Encode(p.text, special);
+  if (!ids.ok()) return at.Invalid(absl::StrCat("prompt: ", ids.status().message()));
+  p.prompt_ids = *std::move(ids);
+  if (p.prompt_ids.empty()) return at.Invalid("the prompt encodes to no tokens");
+  if (static_cast<int64_t>(p.prompt_ids.size()) >= options.max_length) {
+    return at.Invalid(absl::StrCat("the prompt is ", p.prompt_ids.size(),
+                                   " tokens, leaving nothing to generate under --max-length ",
+                                   options.max_length));
+  }
+  for (int32_t id : p.prompt_ids) {
+    if (options.vocab_size > 0 && (id < 0 || id >= options.vocab_size)) {
+      return at.Invalid(absl::StrCat("token id ", id, " is outside the model's vocabulary (",
+                                     options.vocab_size, ")"));
+    }
+  }
+  return p;
+}
+
+// Calls `line` for every non-blank line of `path`.
+absl::Status ForEachLine(const std::string& path,
+                         const std::function<absl::Status(const LineContext&,
+                                                          const std::string&)>& line) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  std::string text;
+  int64_t n = 0;
+  while (std::getline(in, text)) {
+    ++n;
+    if (text.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank
+    PREFT_RETURN_IF_ERROR(line(LineContext(path, n), text));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::StatusOr<std::vector<RlPrompt>> ReadRlPrompts(const std::string& path,
+                                                    const model::Tokenizer& tokenizer,
+                                                    const model::ChatTemplate* chat,
+                                                    const SftDataOptions& options,
+                                                    bool need_answer) {
+  std::vector<RlPrompt> out;
+  PREFT_RETURN_IF_ERROR(ForEachLine(path, [&](const LineContext& at, const std::string& text) {
+    PREFT_ASSIGN_OR_RETURN(RlPrompt p,
+                           ReadRlPrompt(at, text, tokenizer, chat, options, need_answer));
+    out.push_back(std::move(p));
+    return absl::OkStatus();
+  }));
+  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": no prompts"));
+  return out;
+}
 
 absl::StatusOr<std::vector<Example>> ReadSftData(const std::string& path,
                                                  const model::Tokenizer& tokenizer,
                                                  const model::ChatTemplate* chat,
                                                  const SftDataOptions& options) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
   std::vector<Example> out;
   Reader reader(tokenizer, chat, options, &out);
-  std::string text;
-  int64_t line = 0;
-  while (std::getline(in, text)) {
-    ++line;
-    if (text.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank
-    PREFT_RETURN_IF_ERROR(reader.Line(LineContext(path, line), text));
-  }
+  PREFT_RETURN_IF_ERROR(ForEachLine(
+      path, [&](const LineContext& at, const std::string& text) { return reader.Line(at, text); }));
   if (out.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": no examples"));
   return out;
 }

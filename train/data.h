@@ -1,6 +1,6 @@
 #pragma once
 
-// Reads SFT data in TRL's two JSONL formats and tokenizes it exactly as the server will see it:
+// Reads training data. SFT data in TRL's two JSONL formats and tokenizes it exactly as the server will see it:
 //  - {"prompt": "...", "completion": "..."}: the prompt encoded with special tokens (as
 //    /v1/completions and `preft generate --prompt` do), the completion without, then EOS;
 //    TRL's conversational variant ({"prompt": [messages], "completion": [messages]}) is
@@ -39,5 +39,23 @@ absl::StatusOr<std::vector<Example>> ReadSftData(const std::string& path,
                                                  const model::Tokenizer& tokenizer,
                                                  const model::ChatTemplate* chat,
                                                  const SftDataOptions& options);
+
+// An RL prompt: {"prompt": "text", "answer": ...} (encoded with special tokens) or
+// {"messages": [...], "answer": ...} (rendered with the chat template and a generation prompt,
+// as /v1/chat/completions does). "answer" (a string or a number) is what `exact` compares to.
+struct RlPrompt {
+  std::vector<int32_t> prompt_ids;
+  std::string text;    // the prompt text the reward sees (rendered, for messages)
+  std::string answer;  // "" when absent
+  std::string source;  // "path:line"
+};
+
+// Every prompt of the JSONL file at `path`; errors as ReadSftData's ("path:line: ..."), and
+// a missing "answer" when `need_answer`.
+absl::StatusOr<std::vector<RlPrompt>> ReadRlPrompts(const std::string& path,
+                                                    const model::Tokenizer& tokenizer,
+                                                    const model::ChatTemplate* chat,
+                                                    const SftDataOptions& options,
+                                                    bool need_answer);
 
 }  // namespace preft::train
