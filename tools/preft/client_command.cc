@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <functional>
 
 #include "absl/strings/numbers.h"
@@ -35,6 +36,7 @@ struct ClientFlags : ConnectionFlags {
   // adapters
   std::string name, path;
   bool load = false, unregister = false;
+  int64_t expected_version = -1;  // update: refuse unless the current version is this
   // health
   std::string service;
 };
@@ -176,7 +178,9 @@ int RunUpdate(const ClientFlags& f) {
         if (sent == total) std::fprintf(stderr, "\n");
       };
     }
-    auto r = c.UpdateAdapter(f.name, f.path, progress);
+    std::optional<int64_t> expected;
+    if (f.expected_version >= 0) expected = f.expected_version;
+    auto r = c.UpdateAdapter(f.name, f.path, progress, expected);
     if (!r.ok()) return r.status();
     std::printf("%s\n", nlohmann::json({{"name", r->name()},
                                         {"version", r->version()},
@@ -247,6 +251,9 @@ void AddAdapterAdmin(CLI::App* parent, const std::shared_ptr<ClientFlags>& f, in
       "update", "stream new weights for an adapter (its next version; JSON out)");
   update->add_option("--name", f->name)->required();
   update->add_option("--path", f->path, "local folder with the new files")->required();
+  update->add_option("--expected-version", f->expected_version,
+                     "refuse (FAILED_PRECONDITION) unless the adapter is at this version")
+      ->check(CLI::NonNegativeNumber);
   update->callback([f, exit_code] { *exit_code = RunUpdate(*f); });
 }
 
