@@ -60,6 +60,34 @@ echo "-- LoRAP: the adapter runs on the prompt only; decode is the shared base m
 "${client[@]}" generate --model demo-lora --adapter-positions prompt --prompt "The quick brown fox" --max-tokens 16
 echo "-- DiReFTP, as JSON (adapter version and positions reported)"
 "${client[@]}" generate --model demo-direft --adapter-positions prompt --prompt "The quick brown fox" --max-tokens 8 --json
+if "$preft" train --help 2>/dev/null | grep -q "sft"; then
+  echo
+  echo "== training: a LoRAP adapter learns four answers (preft train sft, a few seconds)"
+  work=$(dirname "$model")/demo-training
+  mkdir -p "$work"
+  cat > "$work/v1.jsonl" <<'JSONL'
+{"prompt": "What is PreFT?", "completion": " An adapter on the prompt only."}
+{"prompt": "Where do adapters run?", "completion": " On the prefill tier."}
+{"prompt": "What does decode run?", "completion": " The shared base model."}
+{"prompt": "Say hello.", "completion": " Hello from a trained LoRAP!"}
+JSONL
+  sed 's/"completion": " \(.*\)"}/"completion": " Version two: \1"}/' "$work/v1.jsonl" > "$work/v2.jsonl"
+  "$preft" train sft --model "$model" --data "$work/v1.jsonl" --kind lora --rank 8 --lr 1e-2 \
+    --steps 100 --schedule constant --log-every 50 --out "$adapters/trained"
+  "${client[@]}" register --name demo-trained --path trained
+  for p in "What is PreFT?" "Where do adapters run?" "What does decode run?" "Say hello."; do
+    echo "-- \"$p\""
+    printf '   base:    '; "${client[@]}" generate --prompt "$p" --max-tokens 12
+    printf '   trained: '; "${client[@]}" generate --model demo-trained --adapter-positions prompt \
+      --prompt "$p" --max-tokens 40
+  done
+  echo "== a second training continues from the first, pushed with UpdateAdapter as version 2"
+  "$preft" train sft --model "$model" --data "$work/v2.jsonl" --init "$adapters/trained" \
+    --lr 1e-2 --steps 100 --schedule constant --log-every 50 --out "$work/trained-v2"
+  "${client[@]}" update --name demo-trained --path "$work/trained-v2" --expected-version 1
+  "${client[@]}" generate --model demo-trained --adapter-positions prompt --prompt "Say hello." \
+    --max-tokens 40 --json
+fi
 echo "-- an unknown adapter is NOT_FOUND (exit code shown)"
 "${client[@]}" generate --model nobody --prompt "hi" || echo "exit code $?"
 "${client[@]}" models

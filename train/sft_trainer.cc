@@ -205,7 +205,7 @@ absl::StatusOr<SftResult> RunSft(const SftOptions& o, std::FILE* progress) {
   adapters::AdapterSpec spec = o.adapter;
   spec.preft_positions = o.positions;
   spec.dtype = kernels::DType::kF32;
-  PREFT_RETURN_IF_ERROR(CheckRank(config, spec, o.max_rank));
+  if (o.init_dir.empty()) PREFT_RETURN_IF_ERROR(CheckRank(config, spec, o.max_rank));
   PREFT_ASSIGN_OR_RETURN(auto tokenizer, model::Tokenizer::LoadFromModelDir(o.model_dir));
   std::unique_ptr<model::ChatTemplate> chat;
   if (auto t = model::ChatTemplate::FromModelDir(o.model_dir); t.ok()) {
@@ -246,6 +246,9 @@ absl::StatusOr<SftResult> RunSft(const SftOptions& o, std::FILE* progress) {
   std::unique_ptr<TrainableAdapter> adapter;
   if (o.resume) {
     PREFT_ASSIGN_OR_RETURN(adapter, TrainableAdapter::Load(resume_dir, config, torch::kFloat32));
+  } else if (!o.init_dir.empty()) {
+    PREFT_ASSIGN_OR_RETURN(adapter, TrainableAdapter::Load(o.init_dir, config, torch::kFloat32));
+    adapter->set_positions(o.positions);
   } else {
     PREFT_ASSIGN_OR_RETURN(adapter,
                            TrainableAdapter::Create(config, spec, o.seed, torch::kFloat32));

@@ -23,6 +23,9 @@ struct SftOptions {
   // preft_positions is set from `positions`.
   adapters::AdapterSpec adapter;
   model::AdapterPositions positions = model::AdapterPositions::kPrompt;
+  // Start from this adapter folder (its kind, rank, targets and layers; `adapter` is then
+  // ignored) instead of a fresh zero-update one: continued training, a next version.
+  std::string init_dir;
 
   double lr = 1e-4;
   std::string schedule = "linear";  // or "constant"; after warmup_steps of linear warm-up

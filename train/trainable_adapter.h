@@ -48,6 +48,8 @@ class TrainableAdapter {
                                                                 torch::Dtype dtype);
 
   const adapters::AdapterSpec& spec() const { return spec_; }
+  // The preft_positions its folder is written with.
+  void set_positions(model::AdapterPositions p) { spec_.preft_positions = p; }
   model::AdapterKind kind() const { return spec_.kind; }
   // pyreft's prompt selection (DiReFT; "all" for LoRA).
   const model::PromptSelection& prompt_selection() const { return selection_; }

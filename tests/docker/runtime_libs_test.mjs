@@ -19,17 +19,45 @@ const CUDA_LIBRARY_PACKAGES = [
 ];
 
 const binaries = (process.env.PREFT_BINARIES || '').split(':').filter(Boolean);
+// The images build without the trainer (PREFT_SKIP_TORCH=1), so what only libtorch pulls into
+// a local `preft` (libtorch's own closure) is not theirs to ship. Libraries both need are still
+// checked through the service binaries, which never link torch.
+const trainerLibs = (process.env.PREFT_TRAINER_LIBS || '').split(':').filter(Boolean);
+function TrainerClosure() {
+  const sonames = new Set();
+  for (const lib of trainerLibs) {
+    sonames.add(path.basename(lib));
+    sonames.add(path.basename(fs.realpathSync(lib)));
+    for (const line of execFileSync('ldd', [lib], { encoding: 'utf8' }).split('\n')) {
+      const m = /^\s*(\S+) => \//.exec(line);
+      if (m) sonames.add(path.basename(m[1]));
+    }
+  }
+  return sonames;
+}
 
 // {binary, soname, file} for each library ldd resolves; a library it cannot find fails.
 function Loaded() {
   const loaded = [];
+  const trainerOnly = TrainerClosure();
+  const core = new Set();  // sonames the binaries without torch load
+  for (const binary of binaries) {
+    if (path.basename(binary) === 'preft') continue;
+    for (const line of execFileSync('ldd', [binary], { encoding: 'utf8' }).split('\n')) {
+      const m = /^\s*(\S+) => \//.exec(line);
+      if (m) core.add(path.basename(m[1]));
+    }
+  }
   for (const binary of binaries) {
     const out = execFileSync('ldd', [binary], { encoding: 'utf8' });
     for (const line of out.split('\n')) {
       const missing = /^\s*(\S+) => not found/.exec(line);
       assert.ok(!missing, `${binary} needs ${missing?.[1]}, which ldd cannot find`);
       const m = /^\s*(\S+) => (\/\S+) \(/.exec(line) || /^\s*(\/\S+) \(/.exec(line);
-      if (m) loaded.push({ binary: path.basename(binary), soname: path.basename(m[1]), file: m[2] || m[1] });
+      if (!m) continue;
+      const soname = path.basename(m[1]);
+      if (path.basename(binary) === 'preft' && trainerOnly.has(soname) && !core.has(soname)) continue;
+      loaded.push({ binary: path.basename(binary), soname, file: m[2] || m[1] });
     }
   }
   return loaded;

@@ -103,6 +103,8 @@ TEST_P(GradientTest, AutogradMatchesCentralDifferencesInDouble) {
   EXPECT_GT(nonzero, checked / 2) << "most sampled gradients should be non-zero";
 }
 
+void PrintTo(const GradCase& c, std::ostream* os) { *os << c.name; }
+
 INSTANTIATE_TEST_SUITE_P(Modes, GradientTest, ::testing::ValuesIn(Cases()),
                          [](const auto& info) { return info.param.name; });
 

@@ -32,9 +32,11 @@ void RegisterSft(CLI::App& train, int* exit_code) {
   cmd->add_option("--data", o.data_path, "Training JSONL")->required();
   cmd->add_option("--eval", o.eval_path, "Evaluation JSONL (loss reported)");
   cmd->add_option("--out", o.out_dir, "Adapter folder to write (created if missing)")->required();
-  cmd->add_option("--kind", f->kind, "Adapter kind: lora or direft")
-      ->required()
-      ->check(CLI::IsMember({"lora", "direft"}));
+  auto* kind = cmd->add_option("--kind", f->kind, "Adapter kind: lora or direft")
+                   ->check(CLI::IsMember({"lora", "direft"}));
+  cmd->add_option("--init", o.init_dir,
+                  "Continue from this adapter folder (its kind, rank, targets, layers)")
+      ->excludes(kind);
   cmd->add_option("--positions", f->positions,
                   "Where the adapter applies, in training and (as preft_positions) in serving: "
                   "prompt (LoRAP / DiReFTP) or all")
@@ -101,6 +103,11 @@ void RegisterSft(CLI::App& train, int* exit_code) {
       *exit_code = 1;
     };
     train::SftOptions o = f->o;
+    if (f->kind.empty() && o.init_dir.empty()) {
+      std::fprintf(stderr, "preft train sft: give --kind (lora or direft) or --init\n");
+      *exit_code = 2;
+      return;
+    }
     o.adapter.kind = f->kind == "lora" ? model::AdapterKind::kLora : model::AdapterKind::kDireft;
     model::ParseAdapterPositions(f->positions, &o.positions);  // checked by IsMember
     if (absl::Status s = ParseTargets(f->targets, &o.adapter.targets); !s.ok()) return fail(s);
