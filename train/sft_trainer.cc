@@ -277,8 +277,9 @@ absl::StatusOr<SftResult> RunSft(const SftOptions& o, std::FILE* progress) {
     std::fprintf(progress,
                  "preft train sft: %zu examples, %s rank %lld (%s positions), %lld steps "
                  "(%lld per epoch), %lld base parameters frozen\n",
-                 data.size(), model::AdapterKindName(spec.kind),
-                 static_cast<long long>(spec.rank), model::AdapterPositionsName(o.positions),
+                 data.size(), model::AdapterKindName(adapter->spec().kind),
+                 static_cast<long long>(adapter->spec().rank),
+                 model::AdapterPositionsName(o.positions),
                  static_cast<long long>(total), static_cast<long long>(per_epoch),
                  static_cast<long long>(m->num_parameters()));
   }

@@ -103,7 +103,10 @@ absl::StatusOr<RegisteredAdapter> AdapterRegistry::Update(
     }
   }
   const int64_t version = current.version + 1;
-  const fs::path dir = fs::path(root_) / ".preft-versions" / name / absl::StrCat("v", version);
+  // Named relative to the root, as registered paths are: a relative root (a server started
+  // with --adapter-root models/adapters) would otherwise be applied twice.
+  const fs::path relative = fs::path(".preft-versions") / name / absl::StrCat("v", version);
+  const fs::path dir = fs::path(root_) / relative;
   std::error_code ec;
   fs::remove_all(dir, ec);  // a previous failed attempt at this version
   fs::create_directories(dir, ec);
@@ -115,7 +118,7 @@ absl::StatusOr<RegisteredAdapter> AdapterRegistry::Update(
     out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
     if (!out) return absl::InternalError(absl::StrCat("cannot write '", (dir / file).string(), "'"));
   }
-  absl::StatusOr<RegisteredAdapter> next = Inspect(name, dir.string());
+  absl::StatusOr<RegisteredAdapter> next = Inspect(name, relative.string());
   if (!next.ok()) {
     fs::remove_all(dir, ec);
     return next.status();

@@ -105,5 +105,23 @@ TEST_F(AdapterRegistryTest, UpdateWritesANewValidatedVersion) {
             absl::StatusCode::kNotFound);
 }
 
+// A server started with a relative --adapter-root (`preft serve --adapter-root
+// models/adapters`) stores updates under that root once, not under root/root.
+TEST_F(AdapterRegistryTest, UpdateUnderARelativeRoot) {
+  const fs::path cwd = fs::current_path();
+  fs::current_path(root_.parent_path());
+  AdapterRegistry relative(*model::ModelConfig::FromFile(testing::TinyLlamaFixture() + "/config.json"),
+                           "tiny", root_.filename().string(), adapters::LoadOptions{});
+  ASSERT_TRUE(relative.Register("u", "lora").ok());
+  const std::map<std::string, std::string> files = {
+      {"adapter_config.json", ReadFile(root_ / "lora" / "adapter_config.json")},
+      {"adapter_model.safetensors", ReadFile(root_ / "lora" / "adapter_model.safetensors")}};
+  auto v2 = relative.Update("u", 1, files);
+  fs::current_path(cwd);
+  ASSERT_TRUE(v2.ok()) << v2.status();
+  EXPECT_EQ(v2->version, 2);
+  EXPECT_TRUE(fs::exists(root_ / ".preft-versions" / "u" / "v2" / "adapter_model.safetensors"));
+}
+
 }  // namespace
 }  // namespace preft::router
