@@ -8,6 +8,7 @@
 //    median rollout / reward / train / sync seconds and sync's share of an iteration.
 // Usage: train_bench --model DIR [--sft] [--rl] [flags]
 
+#include <torch/csrc/autograd/profiler_legacy.h>
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -52,7 +53,7 @@ double GemmRate(const model::ModelConfig& c, int64_t tokens) {
 }
 
 int RunSftBench(const std::string& dir, int64_t prompt_tokens, int64_t completion_tokens,
-                int64_t examples_per_step, int steps, int64_t rank) {
+                int64_t examples_per_step, int steps, int64_t rank, const std::string& profile) {
   auto m = train::TorchModel::Load(dir, torch::kFloat32);
   if (!m.ok()) {
     std::fprintf(stderr, "%s\n", std::string(m.status().message()).c_str());
@@ -81,28 +82,50 @@ int RunSftBench(const std::string& dir, int64_t prompt_tokens, int64_t completio
   const double head_params = static_cast<double>(c.vocab_size) * c.hidden_size;
   const double step_flops = 4.0 * (static_cast<double>(layer_params) * tokens +
                                    head_params * examples_per_step * completion_tokens);
-  std::vector<double> secs;
+  std::vector<double> secs, forward;
   bench::ResetPeakRss();
   for (int s = 0; s <= steps; ++s) {  // step 0 warms up
+    std::unique_ptr<torch::autograd::profiler::RecordProfile> trace;
+    if (s == steps && !profile.empty()) {  // a Chrome trace of the last step
+      trace = std::make_unique<torch::autograd::profiler::RecordProfile>(profile);
+    }
     const auto t0 = Clock::now();
     opt.zero_grad();
     torch::Tensor loss = -train::CompletionLogprobs(**m, a->get(), b).mean();
+    const auto t1 = Clock::now();
     loss.backward();
     opt.step();
-    if (s > 0) secs.push_back(Seconds(t0, Clock::now()));
+    if (s > 0) {
+      secs.push_back(Seconds(t0, Clock::now()));
+      forward.push_back(Seconds(t0, t1));
+    }
+  }
+  std::vector<double> base_forward;  // the frozen base alone, no adapter, no graph
+  for (int s = 0; s < 2; ++s) {
+    torch::NoGradGuard no_grad;
+    std::unique_ptr<torch::autograd::profiler::RecordProfile> trace;
+    if (s == 1 && !profile.empty()) {
+      trace = std::make_unique<torch::autograd::profiler::RecordProfile>(profile + ".base");
+    }
+    const auto t0 = Clock::now();
+    (*m)->Forward(b.batch, nullptr);
+    base_forward.push_back(Seconds(t0, Clock::now()));
   }
   const double step = bench::Median(secs);
   const double rate = tokens / step, bound = gemm * 1e9 / (step_flops / tokens);
   std::printf("sft: %s, %lld layer params, %lld examples x (%lld prompt + %lld completion) tokens, "
-              "LoRAP rank %lld on all projections, %d threads\n",
+              "LoRAP rank %lld on all projections, %d cores\n",
               dir.c_str(), static_cast<long long>(layer_params),
               static_cast<long long>(examples_per_step), static_cast<long long>(prompt_tokens),
               static_cast<long long>(completion_tokens), static_cast<long long>(rank),
-              at::get_num_threads());
+              static_cast<int>(std::thread::hardware_concurrency()));
   std::printf("  libtorch f32 GEMM on the model's shapes: %.1f GFLOP/s -> bound %.1f tokens/s\n",
               gemm, bound);
-  std::printf("  step %.2f s (median of %d): %.1f tokens/s = %.2f x the bound (%.1f GFLOP/s)\n",
-              step, steps, rate, rate / bound, step_flops / step / 1e9);
+  std::printf("  step %.2f s (median of %d; forward %.2f s; the base's forward alone %.2f s): "
+              "%.1f tokens/s = %.2f x the bound (%.1f GFLOP/s)\n",
+              step, steps, bench::Median(forward), *std::min_element(base_forward.begin(),
+                                                                     base_forward.end()),
+              rate, rate / bound, step_flops / step / 1e9);
   std::printf("  peak RSS %ld MiB; f32 weights %.0f MiB\n", bench::PeakRssMiB(),
               (*m)->num_parameters() * 4.0 / (1 << 20));
   return 0;
@@ -191,6 +214,7 @@ int main(int argc, char** argv) {
   int64_t prompt = 384, completion = 128, examples = 1, rank = 16, group = 4, batch = 4;
   int steps = 3, iterations = 4, threads = 0;
   int32_t max_tokens = 32;
+  std::string profile;
   app.add_option("--model", model)->required();
   app.add_flag("--sft", sft);
   app.add_flag("--rl", rl);
@@ -204,10 +228,11 @@ int main(int argc, char** argv) {
   app.add_option("--batch", batch);
   app.add_option("--max-tokens", max_tokens);
   app.add_option("--threads", threads);
+  app.add_option("--profile", profile, "write a Chrome trace of the last SFT step here");
   CLI11_PARSE(app, argc, argv);
-  at::set_num_threads(threads > 0 ? threads : static_cast<int>(std::thread::hardware_concurrency()));
+  preft::train::SetComputeThreads(threads);
   int rc = 0;
-  if (sft || !rl) rc |= preft::RunSftBench(model, prompt, completion, examples, steps, rank);
+  if (sft || !rl) rc |= preft::RunSftBench(model, prompt, completion, examples, steps, rank, profile);
   if (rl) rc |= preft::RunRlBench(model, iterations, group, batch, max_tokens, rank);
   return rc;
 }

@@ -180,8 +180,7 @@ absl::StatusOr<RlResult> RunRl(const RlOptions& o, std::FILE* progress) {
                          client::Client::Connect(o.server));
   PREFT_ASSIGN_OR_RETURN(int64_t version, CurrentVersion(*client, o.adapter));
 
-  at::set_num_threads(o.threads > 0 ? o.threads
-                                    : static_cast<int>(std::thread::hardware_concurrency()));
+  SetComputeThreads(o.threads);
   PREFT_ASSIGN_OR_RETURN(auto m, TorchModel::Load(o.model_dir, torch::kFloat32));
   std::unique_ptr<TrainableAdapter> adapter;
   std::error_code ec;

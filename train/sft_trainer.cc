@@ -240,8 +240,7 @@ absl::StatusOr<SftResult> RunSft(const SftOptions& o, std::FILE* progress) {
     }
   }
 
-  at::set_num_threads(o.threads > 0 ? o.threads
-                                    : static_cast<int>(std::thread::hardware_concurrency()));
+  SetComputeThreads(o.threads);
   PREFT_ASSIGN_OR_RETURN(auto m, TorchModel::Load(o.model_dir, torch::kFloat32));
   std::unique_ptr<TrainableAdapter> adapter;
   if (o.resume) {

@@ -1,6 +1,9 @@
 #include "train/torch_model.h"
 
+#include <dlfcn.h>
+
 #include <cmath>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status_macros.h"
@@ -41,10 +44,26 @@ torch::Tensor AddLora(torch::Tensor y, const torch::Tensor& x, const TrainableAd
   if (a == nullptr) return y;
   const TrainableAdapter::Lora* l = a->lora(layer, p);
   if (l == nullptr) return y;
-  return y + (l->scale * mask) * torch::linear(torch::linear(x, l->a), l->b);
+  // The mask and scale go on the rank-r activations, not on the [T, out] update: a broadcast
+  // multiply over the full output costs as much as the base projection on CPU.
+  return y + torch::linear(torch::linear(x, l->a) * (l->scale * mask), l->b);
 }
 
 }  // namespace
+
+void SetComputeThreads(int n) {
+  if (n <= 0) n = static_cast<int>(std::thread::hardware_concurrency());
+  at::set_num_threads(1);
+  using SetThreads = void (*)(int);
+  // libtorch links libblas.so.3 and preft's kernels libopenblas.so.0: Debian may give each
+  // its own OpenBLAS (and thread pool).
+  for (const char* lib : {"libblas.so.3", "libopenblas.so.0"}) {
+    if (void* h = dlopen(lib, RTLD_NOW | RTLD_NOLOAD)) {
+      if (auto set = reinterpret_cast<SetThreads>(dlsym(h, "openblas_set_num_threads"))) set(n);
+      dlclose(h);
+    }
+  }
+}
 
 torch::Tensor TorchModel::Weight(const model::TensorInfo* t) const {
   // The mapping is read-only and outlives every tensor viewing it (checkpoint_); base tensors
@@ -167,7 +186,7 @@ torch::Tensor TorchModel::Forward(const TorchBatch& batch, const TrainableAdapte
     x = x + AddLora(torch::linear(act, l.down), act, la, li, Projection::kDown, lmask);
     if (direft) {
       if (const TrainableAdapter::Direft* r = adapter->direft(li)) {
-        x = x + batch.direft_mask * torch::matmul(torch::linear(x, r->w1, r->b1), r->w2);
+        x = x + torch::matmul(torch::linear(x, r->w1, r->b1) * batch.direft_mask, r->w2);
       }
     }
   }

@@ -21,6 +21,11 @@
 
 namespace preft::train {
 
+// Sets the trainer's compute threads: libtorch's GEMMs run in OpenBLAS, which has threads of
+// its own; torch's OpenMP threads spinning beside them halve the GEMM rate (bench/NOTES.md), so
+// torch's own (elementwise) ops run on one thread and BLAS on `n` (0: every core).
+void SetComputeThreads(int n);
+
 // A right-padded batch of B sequences of up to T tokens, all starting at position 0.
 struct TorchBatch {
   torch::Tensor ids;          // [B, T] int64; padding may be any valid id
