@@ -64,6 +64,21 @@ def main():
                 ids = [t for d in streamed for t in d.token_ids]
                 expect(ids == want and streamed[-1].finish_reason == "length",
                        f"stream {model or 'base'}: {len(streamed)} deltas")
+            # Processed logprobs (the distribution sampled from) through the cluster equal the
+            # engine's, and differ from the raw softmax at temperature 0.7.
+            sampled = ["--temperature", "0.7", "--seed", "5", "--logprobs", "0"]
+            want = json.loads(run("generate", "--model", f"{work}/model", "--prompt", "python sdk",
+                                  "--max-tokens", "6", "--ignore-eos", "--json",
+                                  "--logprobs-mode", "processed", *sampled))
+            kw = dict(max_tokens=6, ignore_eos=True, temperature=0.7, seed=5, logprobs=0)
+            proc = c.generate("python sdk", logprobs_mode="processed", **kw)
+            raw = c.generate("python sdk", logprobs_mode="raw", **kw)
+            expect(proc.token_ids == want["token_ids"] == raw.token_ids, "sampled tokens agree")
+            expect(all(abs(a.logprob - b["logprob"]) < 1e-4
+                       for a, b in zip(proc.logprobs, want["logprobs"])) and
+                   len(proc.logprobs) == 6, "processed logprobs == preft generate's")
+            expect(any(abs(a.logprob - b.logprob) > 1e-3 for a, b in zip(proc.logprobs, raw.logprobs)),
+                   "processed logprobs differ from raw ones at temperature 0.7")
             # Closing a stream early cancels it.
             it = c.stream("close me", max_tokens=1500, ignore_eos=True)
             next(it)

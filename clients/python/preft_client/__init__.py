@@ -119,7 +119,8 @@ class Client:
     def _request(prompt: Union[str, Sequence[int]], model: str, positions: Positions,
                  max_tokens: int, temperature: float, top_p: float, top_k: int,
                  seed: Optional[int], stop: Sequence[str], ignore_eos: bool,
-                 logprobs: Optional[int], request_id: str) -> "pb.GenerateRequest":
+                 logprobs: Optional[int], request_id: str,
+                 logprobs_mode: str = "raw") -> "pb.GenerateRequest":
         req = pb.GenerateRequest(request_id=request_id, model=model,
                                  adapter_positions=int(positions), stream=True)
         if isinstance(prompt, str):
@@ -135,6 +136,11 @@ class Client:
             s.seed = seed
         if logprobs is not None:
             s.logprobs = logprobs
+        # "raw": the model's softmax; "processed": the distribution sampled from (RL).
+        modes = {"raw": pb.LOGPROBS_MODE_RAW, "processed": pb.LOGPROBS_MODE_PROCESSED}
+        if logprobs_mode not in modes:
+            raise ValueError(f"logprobs_mode must be 'raw' or 'processed', not {logprobs_mode!r}")
+        s.logprobs_mode = modes[logprobs_mode]
         s.stop.extend(stop)
         s.ignore_eos = ignore_eos
         return req
@@ -143,10 +149,11 @@ class Client:
                positions: Positions = Positions.DEFAULT, max_tokens: int = 16,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                seed: Optional[int] = None, stop: Sequence[str] = (), ignore_eos: bool = False,
-               logprobs: Optional[int] = None, request_id: str = "") -> Iterator[Delta]:
+               logprobs: Optional[int] = None, request_id: str = "",
+               logprobs_mode: str = "raw") -> Iterator[Delta]:
         """Yields the generation as it streams. Closing the iterator early cancels it."""
         req = self._request(prompt, model, positions, max_tokens, temperature, top_p, top_k,
-                            seed, stop, ignore_eos, logprobs, request_id)
+                            seed, stop, ignore_eos, logprobs, request_id, logprobs_mode)
         call = self._stub.Generate(req, timeout=self._timeout, metadata=self._metadata)
         try:
             for msg in call:
@@ -161,7 +168,7 @@ class Client:
         """Runs a generation to its end (the same keywords as stream())."""
         args = dict(model="", positions=Positions.DEFAULT, max_tokens=16, temperature=0.0,
                     top_p=1.0, top_k=0, seed=None, stop=(), ignore_eos=False, logprobs=None,
-                    request_id="")
+                    request_id="", logprobs_mode="raw")
         unknown = set(kwargs) - set(args)
         if unknown:
             raise TypeError(f"unknown arguments: {sorted(unknown)}")
