@@ -96,6 +96,25 @@ expect_of "$prefill" 1 "--transport cuda_ipc maps one GPU's KV pool; with --tens
 expect_of "$decode" 1 "with --tensor-parallel 4 the KV is split over GPUs" -- --model "$work/m" --device cuda --tensor-parallel 4 --transport cuda_ipc
 expect_of "$prefill" 1 "--tensor-parallel 2 splits the model over GPUs" -- --model "$work/m" --tensor-parallel 2
 expect_of "$decode" 1 "--tensor-parallel 2 splits the model over GPUs" -- --model "$work/m" --colocated --adapter-root "$work" --tensor-parallel 2
+# preft train: usage errors exit 2, bad data exits 1 naming file:line and writes nothing.
+if "$preft" train --help 2>&1 | grep -q " sft"; then
+  printf '{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": ""}\n' > "$work/bad.jsonl"
+  printf '{"prompt": "a", "completion": "b"}\n' > "$work/good.jsonl"
+  expect 2 "give --kind" -- train sft --model "$work/m" --data "$work/good.jsonl" --out "$work/t"
+  expect 2 "--kind: fuzzy not in" -- train sft --model "$work/m" --data "$work/good.jsonl" --kind fuzzy --out "$work/t"
+  expect 1 "bad.jsonl:2: the completion is empty" -- train sft --model "$work/m" --data "$work/bad.jsonl" --kind lora --out "$work/t"
+  expect 1 "rank 200 is over the servers' --max-rank 128" -- train sft --model "$work/m" --data "$work/good.jsonl" --kind lora --rank 200 --out "$work/t"
+  expect 1 "prompt positions \"f2x\" are not" -- train sft --model "$work/m" --data "$work/good.jsonl" --kind direft --prompt-positions f2x --out "$work/t"
+  expect 1 "--resume: no checkpoint" -- train sft --model "$work/m" --data "$work/good.jsonl" --kind lora --resume --out "$work/t"
+  checks=$((checks + 1))
+  if [[ -e "$work/t" ]]; then echo "FAIL: a refused training wrote $work/t"; failures=$((failures + 1)); fi
+  expect 1 "--reward must be exact, regex:PATTERN or command:PROG" -- train rl --router 127.0.0.1:1 --adapter a --model "$work/m" --prompts "$work/good.jsonl" --reward fuzzy --out "$work/r"
+  expect 1 "--group must be at least 2" -- train rl --router 127.0.0.1:1 --adapter a --model "$work/m" --prompts "$work/good.jsonl" --group 1 --out "$work/r"
+  expect 1 "needs an \"answer\" for --reward exact" -- train rl --router 127.0.0.1:1 --adapter a --model "$work/m" --prompts "$work/good.jsonl" --out "$work/r"
+  expect 1 "UNAVAILABLE|failed to connect|Connection refused" -- train rl --router 127.0.0.1:1 --adapter a --model "$work/m" --prompts "$work/good.jsonl" --reward "regex:x" --out "$work/r" --timeout-s 2
+  expect 0 "wrote $work/t" -- train sft --model "$work/m" --data "$work/good.jsonl" --kind lora --steps 2 --out "$work/t"
+  expect 0 "" -- generate --model "$work/m" --adapter "$work/t" --prompt a --max-tokens 2
+fi
 # Same seed, same tokens.
 a=$("$preft" generate --model "$work/m" --prompt-ids 5,6,7 --temperature 1 --seed 9 --max-tokens 8 --json)
 checks=$((checks + 1))

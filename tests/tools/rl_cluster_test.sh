@@ -67,6 +67,26 @@ for b in bad: print("FAIL:", b)
 sys.exit(1 if bad else 0)
 PY
 
+# Without --init the trainer starts a fresh zero-update adapter (here a DiReFTP with an fN+lM
+# selection) and pushes it first: the registered random weights become version 2, and the
+# iterations run on 2 and 3, still in agreement with the server.
+"$preft" make-adapter --model "$work/model" --kind direft --rank 4 --seed 2 \
+  --out "$work/adapters/fresh" > /dev/null 2>&1 || fail "make-adapter fresh"
+"$preft" client --server "$addr" register --name fresh --path fresh > /dev/null || fail "register fresh"
+"$preft" train rl --router "$addr" --adapter fresh --model "$work/model" --kind direft --rank 4 \
+  --prompt-positions f2+l2 --prompts "$work/prompts.jsonl" --reward "command:$py $work/reward.py" \
+  --group 4 --batch 2 --iterations 2 --max-tokens 8 --lr 1e-2 --threads 1 --out "$work/fresh" \
+  2> "$work/fresh.err" || { cat "$work/fresh.err"; fail "preft train rl (fresh) failed"; }
+$py - "$work/fresh/rl_log.jsonl" <<'PY' || failures=$((failures + 1))
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+got = [(r["version"], r["next_version"]) for r in rows]
+ok = got == [(2, 3), (3, 4)] and all(r["agreement_max"] <= 1e-4 for r in rows)
+print(("ok" if ok else "FAIL") + f": fresh DiReFTP versions {got}, "
+      f"max logprob diff {max(r['agreement_max'] for r in rows):.2g}")
+sys.exit(0 if ok else 1)
+PY
+
 # The decode tier never acquired an adapter (it runs the base model for PreFT requests).
 while read -r name target; do
   metrics=$(curl -sf "http://$target/metrics") || { fail "$name: no /metrics"; continue; }

@@ -12,6 +12,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "clients/cpp/preft_client.h"
 #include "common/base/mapped_file.h"
 #include "tests/train/train_test_util.h"
@@ -160,6 +161,39 @@ TEST(SftTrainerTest, BadDataOrSpecWritesNothing) {
   o.resume = true;
   r = RunSft(o, nullptr);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(SftTrainerTest, EvalLossFallsAsTrainingFitsTheSameDataAndIsLogged) {
+  const std::string model = testing::TinyModel("tiny", 3);
+  const std::string root = testing::TempDir("sft_eval");
+  const std::string data = WriteJsonl(root + "/train.jsonl", Pairs(4, 6));
+  SftOptions o = Options(model, data, root + "/out");
+  o.adapter.kind = model::AdapterKind::kLora;
+  o.eval_path = data;
+  o.lr = 1e-2;
+  o.steps = 1;
+  auto first = RunSft(o, nullptr);
+  ASSERT_TRUE(first.ok()) << first.status();
+  o.steps = 40;
+  o.eval_every = 20;
+  auto r = RunSft(o, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_GT(first->eval_loss, 0);
+  EXPECT_LT(r->eval_loss, first->eval_loss / 4);
+  auto log = base::ReadFileToString(root + "/out/train_log.jsonl");
+  ASSERT_TRUE(log.ok());
+  int evals = 0, lines = 0;
+  for (absl::string_view line : absl::StrSplit(*log, '\n', absl::SkipEmpty())) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    ++lines;
+    if (j.contains("eval_loss")) ++evals;
+  }
+  EXPECT_EQ(lines, 40);
+  EXPECT_EQ(evals, 2);  // steps 20 and 40
+  // The adapter records where it applies: prompt-only by default.
+  auto config = base::ReadFileToString(root + "/out/adapter_config.json");
+  ASSERT_TRUE(config.ok());
+  EXPECT_EQ(nlohmann::json::parse(*config)["preft_positions"], "prompt");
 }
 
 TEST(SftTrainerTest, ResumeFromACheckpointEndsWhereAnUnbrokenRunEnds) {
