@@ -15,6 +15,7 @@
 #include "common/model/tokenizer_added.h"
 #include "common/model/tokenizer_bpe.h"
 #include "common/model/tokenizer_json.h"
+#include "common/model/tokenizer_normalizer.h"
 #include "common/model/tokenizer_pretok.h"
 #include "common/model/tokenizer_unicode.h"
 
@@ -25,6 +26,7 @@ using json = nlohmann::json;
 using tokenizer_internal::AddedToken;
 using tokenizer_internal::AddedTokenMatcher;
 using tokenizer_internal::BpeModel;
+using tokenizer_internal::Normalizer;
 using tokenizer_internal::PreTokenizer;
 
 constexpr int kMaxNestingDepth = 8;
@@ -61,8 +63,13 @@ class BpeTokenizer final : public Tokenizer {
 
   std::unique_ptr<BpeModel> model_;
   std::unique_ptr<PreTokenizer> pre_tokenizer_;
+  std::unique_ptr<Normalizer> normalizer_;  // null: none
   std::vector<AddedToken> added_;
+  // Without a normalizer, every added token in one pass. With one, as Hugging Face: first the
+  // tokens with normalized=false in the raw text, then, in each normalized piece between them,
+  // those with normalized=true (by their normalized content).
   AddedTokenMatcher matcher_;
+  AddedTokenMatcher normalized_matcher_;
   std::unordered_map<int32_t, int32_t> added_by_id_;  // id -> index in added_
   std::unordered_map<std::string, int32_t> added_by_content_;
   std::vector<bool> special_;
@@ -72,26 +79,6 @@ class BpeTokenizer final : public Tokenizer {
   std::vector<int32_t> prefix_ids_;  // prepended when add_special_tokens
   std::vector<int32_t> suffix_ids_;  // appended when add_special_tokens
 };
-
-absl::Status CheckNormalizer(const json& normalizer, int depth) {
-  if (normalizer.is_null()) return absl::OkStatus();
-  if (depth > kMaxNestingDepth || !normalizer.is_object() || !normalizer.contains("type") ||
-      !normalizer["type"].is_string()) {
-    return absl::InvalidArgumentError("normalizer: must be null or an object with a \"type\"");
-  }
-  const std::string& type = normalizer["type"].get_ref<const std::string&>();
-  // NFC is accepted as a no-op: text is assumed to arrive NFC-normalized (almost all does).
-  if (type == "NFC") return absl::OkStatus();
-  if (type == "Sequence" && normalizer.contains("normalizers") &&
-      normalizer["normalizers"].is_array()) {
-    for (const json& child : normalizer["normalizers"]) {
-      PREFT_RETURN_IF_ERROR(CheckNormalizer(child, depth + 1));
-    }
-    return absl::OkStatus();
-  }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "normalizer type \"", type, "\" is not supported (only null or NFC for byte-level BPE)"));
-}
 
 absl::Status CheckDecoder(const json& decoder, int depth) {
   if (decoder.is_null()) return absl::OkStatus();
@@ -158,7 +145,7 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromJson(
   std::unique_ptr<BpeTokenizer> tok(new BpeTokenizer());
   if (!root.contains("model")) return absl::InvalidArgumentError("missing \"model\"");
   PREFT_ASSIGN_OR_RETURN(tok->model_, BpeModel::FromParts(root["model"], std::move(parsed.bpe)));
-  PREFT_RETURN_IF_ERROR(CheckNormalizer(root.value("normalizer", json()), 0));
+  PREFT_ASSIGN_OR_RETURN(tok->normalizer_, Normalizer::Parse(root.value("normalizer", json())));
   PREFT_ASSIGN_OR_RETURN(tok->pre_tokenizer_,
                          PreTokenizer::Parse(root.value("pre_tokenizer", json())));
   PREFT_RETURN_IF_ERROR(CheckDecoder(root.value("decoder", json()), 0));
@@ -193,8 +180,14 @@ absl::Status BpeTokenizer::ParseAddedTokens(const json& root) {
     token.lstrip = OptionalBool(entry, "lstrip", false);
     token.rstrip = OptionalBool(entry, "rstrip", false);
     token.single_word = OptionalBool(entry, "single_word", false);
+    token.normalized = OptionalBool(entry, "normalized", !token.special);
     const auto index = static_cast<int32_t>(added_.size());
-    matcher_.Add(token.content, index);
+    if (normalizer_ != nullptr && token.normalized) {
+      const std::string normalized = normalizer_->Apply(token.content);
+      if (!normalized.empty()) normalized_matcher_.Add(normalized, index);
+    } else {
+      matcher_.Add(token.content, index);
+    }
     added_by_id_[token.id] = index;
     added_by_content_[token.content] = token.id;
     vocab_size_ = std::max(vocab_size_, token.id + 1);
@@ -331,14 +324,27 @@ absl::StatusOr<std::vector<int32_t>> BpeTokenizer::Encode(std::string_view text,
     for (std::string_view piece : pieces) model_->EncodeWord(piece, &ids);
     return absl::OkStatus();
   };
-  size_t segment_start = 0;
-  while (segment_start < text.size()) {
-    const AddedTokenMatcher::Match match =
-        matcher_.Find(text, segment_start, segment_start, added_);
-    PREFT_RETURN_IF_ERROR(encode_segment(text.substr(segment_start, match.begin - segment_start)));
-    if (match.index < 0) break;
-    ids.push_back(added_[match.index].id);
-    segment_start = match.end;
+  // Splits `piece` on `matcher`'s added tokens, handing the text between them to `between`.
+  auto split = [&](std::string_view piece, const AddedTokenMatcher& matcher,
+                   const auto& between) -> absl::Status {
+    size_t start = 0;
+    while (start < piece.size()) {
+      const AddedTokenMatcher::Match match = matcher.Find(piece, start, start, added_);
+      PREFT_RETURN_IF_ERROR(between(piece.substr(start, match.begin - start)));
+      if (match.index < 0) break;
+      ids.push_back(added_[match.index].id);
+      start = match.end;
+    }
+    return absl::OkStatus();
+  };
+  if (normalizer_ == nullptr) {
+    PREFT_RETURN_IF_ERROR(split(text, matcher_, encode_segment));
+  } else {
+    PREFT_RETURN_IF_ERROR(split(text, matcher_, [&](std::string_view raw) -> absl::Status {
+      if (raw.empty()) return absl::OkStatus();
+      const std::string normalized = normalizer_->Apply(raw);
+      return split(normalized, normalized_matcher_, encode_segment);
+    }));
   }
   if (add_special_tokens) ids.insert(ids.end(), suffix_ids_.begin(), suffix_ids_.end());
   return ids;

@@ -19,6 +19,9 @@ struct AddedToken {
   bool lstrip = false;       // also swallows whitespace before it
   bool rstrip = false;       // also swallows whitespace after it
   bool single_word = false;  // matches only outside words
+  // Matched in the normalized text (its content normalized too) rather than the raw text;
+  // Hugging Face's default is !special.
+  bool normalized = false;
 };
 
 // Leftmost-longest matching of added tokens over a byte trie. Immutable after the Adds;

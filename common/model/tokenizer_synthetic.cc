@@ -269,7 +269,8 @@ absl::Status WriteSyntheticTokenizer(const std::string& dir, const SyntheticToke
                                     {"normalized", false},
                                     {"special", true}});
   }
-  head["normalizer"] = nullptr;
+  // As the real files: Qwen2/2.5 normalize to NFC, Llama 3 not at all.
+  head["normalizer"] = llama3 ? ordered_json(nullptr) : ordered_json({{"type", "NFC"}});
   head["pre_tokenizer"] = {
       {"type", "Sequence"},
       {"pretokenizers",

@@ -13,6 +13,7 @@ void RegisterServeCommand(CLI::App& app, int* exit_code);
 void RegisterClientCommand(CLI::App& app, int* exit_code);
 void RegisterAdaptersCommand(CLI::App& app, int* exit_code);
 void RegisterBenchCommand(CLI::App& app, int* exit_code);
+void RegisterTokenizeCommand(CLI::App& app, int* exit_code);
 // `preft train`; without libtorch (PREFT_ENABLE_TRAIN=OFF) it only says so.
 void RegisterTrainCommand(CLI::App& app, int* exit_code);
 

@@ -32,6 +32,7 @@ int main(int argc, char** argv) {
   preft::tools::RegisterAdaptersCommand(app, &exit_code);
   preft::tools::RegisterBenchCommand(app, &exit_code);
   preft::tools::RegisterTrainCommand(app, &exit_code);
+  preft::tools::RegisterTokenizeCommand(app, &exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
