@@ -4,6 +4,7 @@
 #include <pcre2.h>
 #include <utf8proc.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <vector>
 
@@ -43,6 +44,11 @@ class UnicodeForm final : public Normalizer {
  public:
   explicit UnicodeForm(utf8proc_option_t options) : options_(options) {}
   std::string Apply(std::string_view text) const override {
+    // ASCII is its own NFC/NFD/NFKC/NFKD: most prompts skip the mapping.
+    if (std::all_of(text.begin(), text.end(),
+                    [](char c) { return static_cast<unsigned char>(c) < 0x80; })) {
+      return std::string(text);
+    }
     utf8proc_uint8_t* mapped = nullptr;
     const utf8proc_ssize_t n =
         utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()),
