@@ -3,6 +3,7 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 namespace preft::adapters {
 
@@ -12,6 +13,13 @@ std::string VersionKey(const std::string& name, int64_t version) {
 
 absl::StatusOr<std::string> ResolveUnderRoot(const std::string& root, const std::string& dir) {
   namespace fs = std::filesystem;
+  for (size_t i = 0; i < dir.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(dir[i]);
+    if (c < 0x20 || c == 0x7F) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "adapter path has a control character (0x%02x) at byte %d", c, static_cast<int>(i)));
+    }
+  }
   if (root.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("adapter path '", dir, "' refused: no adapter root is configured"));
@@ -27,15 +35,27 @@ absl::StatusOr<std::string> ResolveUnderRoot(const std::string& root, const std:
   if (ec) return absl::NotFoundError(absl::StrCat("adapter path '", dir, "': ", ec.message()));
   const std::string r = canonical_root.string() + "/";
   if (canonical.string().compare(0, r.size(), r) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("adapter path '", dir, "' (", canonical.string(),
-                                                   ") is outside the adapter root '",
-                                                   canonical_root.string(), "'"));
+    // The message names what the client sent, never where the server keeps things.
+    return absl::InvalidArgumentError(
+        absl::StrCat("adapter path '", dir, "' is outside the adapter root"));
   }
   if (!fs::exists(canonical, ec)) {
     return absl::NotFoundError(absl::StrCat("adapter path '", dir, "': No such file or directory"));
   }
   if (!fs::is_directory(canonical, ec)) {
     return absl::InvalidArgumentError(absl::StrCat("adapter path '", dir, "' is not a folder"));
+  }
+  // The folder is confined; its files must be too: a file that is a symbolic link (to weights
+  // elsewhere, or to /etc/shadow) is refused, as is anything but a regular file.
+  for (const char* file : {"adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"}) {
+    const fs::file_status st = fs::symlink_status(canonical / file, ec);
+    if (ec || st.type() == fs::file_type::not_found) continue;  // missing: the loader says so
+    if (st.type() != fs::file_type::regular) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "adapter path '", dir, "': ", file,
+          st.type() == fs::file_type::symlink ? " is a symbolic link" : " is not a regular file",
+          "; files under the adapter root must be regular files"));
+    }
   }
   return canonical.string();
 }

@@ -4,6 +4,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "common/adapters/versioned_adapters.h"
 #include "common/base/status_macros.h"
 
@@ -24,17 +25,41 @@ AdapterRegistry::AdapterRegistry(const model::ModelConfig& base, std::string bas
                                  std::string root, adapters::LoadOptions load)
     : base_(base), base_name_(std::move(base_name)), root_(std::move(root)), load_(load) {}
 
+namespace {
+
+// A loader error as the client may see it: paths relative to the adapter root (the root's
+// location and the versions folder are the server's business), and a corrupt or truncated
+// file is the client's bad input (InvalidArgument), not the server's DataLoss.
+absl::Status ClientFacing(const absl::Status& s, const std::string& root, const std::string& name) {
+  std::error_code ec;
+  const std::string canonical_root = std::filesystem::canonical(root, ec).string();
+  std::string message(s.message());
+  if (!ec && !canonical_root.empty()) {
+    message = absl::StrReplaceAll(message, {{canonical_root + "/", ""}});
+  }
+  message = absl::StrReplaceAll(
+      message, {{absl::StrCat(".preft-versions/", name, "/"), absl::StrCat(name, " update ")}});
+  const absl::StatusCode code =
+      s.code() == absl::StatusCode::kDataLoss ? absl::StatusCode::kInvalidArgument : s.code();
+  return absl::Status(code, message);
+}
+
+}  // namespace
+
 absl::StatusOr<RegisteredAdapter> AdapterRegistry::Inspect(const std::string& name,
                                                            const std::string& dir) const {
-  PREFT_ASSIGN_OR_RETURN(std::string path, adapters::ResolveUnderRoot(root_, dir));
-  PREFT_ASSIGN_OR_RETURN(auto weights, adapters::LoadAdapter(path, base_, load_));
+  absl::StatusOr<std::string> path = adapters::ResolveUnderRoot(root_, dir);
+  if (!path.ok()) return ClientFacing(path.status(), root_, name);
+  absl::StatusOr<std::unique_ptr<model::AdapterWeights>> weights =
+      adapters::LoadAdapter(*path, base_, load_);
+  if (!weights.ok()) return ClientFacing(weights.status(), root_, name);
   RegisteredAdapter a;
   a.name = name;
-  a.path = path;
-  a.kind = weights->kind();
-  a.default_positions = weights->default_positions;
-  a.rank = weights->max_rank();
-  a.bytes = static_cast<int64_t>(weights->bytes());
+  a.path = *path;
+  a.kind = (*weights)->kind();
+  a.default_positions = (*weights)->default_positions;
+  a.rank = (*weights)->max_rank();
+  a.bytes = static_cast<int64_t>((*weights)->bytes());
   return a;
 }
 

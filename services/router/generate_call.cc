@@ -165,6 +165,11 @@ absl::Status GenerateCall::Admit(std::vector<int32_t>* prompt,
     PREFT_ASSIGN_OR_RETURN(RegisteredAdapter a, router_->registry->Get(request_.model()));
     *adapter = std::move(a);
   }
+  if (!v1::AdapterPositions_IsValid(request_.adapter_positions())) {
+    return absl::InvalidArgumentError(absl::StrCat("adapter_positions ",
+                                                   request_.adapter_positions(),
+                                                   " is not an AdapterPositions"));
+  }
   if (!v1::LogprobsMode_IsValid(request_.sampling().logprobs_mode())) {
     return absl::InvalidArgumentError(absl::StrCat("sampling.logprobs_mode ",
                                                    request_.sampling().logprobs_mode(),

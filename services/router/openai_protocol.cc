@@ -1,6 +1,7 @@
 #include "services/router/openai_protocol.h"
 
 #include <cmath>
+#include <initializer_list>
 
 #include "absl/strings/str_cat.h"
 
@@ -72,9 +73,41 @@ absl::Status RefuseUnsupported(const json& body) {
   return absl::OkStatus();
 }
 
+// The fields both endpoints read (or refuse by value in RefuseUnsupported).
+constexpr const char* kCommonFields[] = {
+    "model", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
+    "max_completion_tokens", "stop", "stop_token_ids", "ignore_eos", "adapter_positions",
+    "stream", "stream_options", "user", "n", "best_of", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias", "echo", "suffix", "tools"};
+
+// Any other field (response_format, tool_choice, functions, guided_json, ...) is refused by
+// name: a client must not believe a feature ran when preft ignored it.
+absl::Status RefuseUnknownFields(const json& body, std::initializer_list<const char*> endpoint) {
+  for (const auto& [key, value] : body.items()) {
+    bool known = false;
+    for (const char* f : kCommonFields) known = known || key == f;
+    for (const char* f : endpoint) known = known || key == f;
+    if (!known) return Bad(key, "is not supported by preft");
+  }
+  return absl::OkStatus();
+}
+
+// A JSON integer as a token id: within int32 (the range ids travel in), never wrapped.
+bool TokenId(const json& v, int32_t* out) {
+  if (!v.is_number_integer()) return false;
+  if (v.is_number_unsigned() ? v.get<uint64_t>() > INT32_MAX
+                             : (v.get<int64_t>() < 0 || v.get<int64_t>() > INT32_MAX)) {
+    return false;
+  }
+  *out = static_cast<int32_t>(v.get<int64_t>());
+  return true;
+}
+
 // The fields both endpoints share, applied to `base`; returns n.
-absl::StatusOr<int> ParseCommon(const json& body, Plan* plan, v1::GenerateRequest* base) {
+absl::StatusOr<int> ParseCommon(const json& body, Plan* plan, v1::GenerateRequest* base,
+                                std::initializer_list<const char*> endpoint_fields) {
   if (!body.is_object()) return absl::InvalidArgumentError("the body must be a JSON object");
+  if (absl::Status s = RefuseUnknownFields(body, endpoint_fields); !s.ok()) return s;
   const json* model = Field(body, "model");
   if (model == nullptr || !model->is_string() || model->get<std::string>().empty()) {
     return Bad("model", "is required: the base model's name or an adapter's");
@@ -123,8 +156,11 @@ absl::StatusOr<int> ParseCommon(const json& body, Plan* plan, v1::GenerateReques
   if (const json* ids = Field(body, "stop_token_ids")) {  // vLLM's extension
     if (!ids->is_array()) return Bad("stop_token_ids", "must be a list of token ids");
     for (const json& id : *ids) {
-      if (!id.is_number_integer()) return Bad("stop_token_ids", "must be a list of token ids");
-      sp->add_stop_token_ids(id.get<int32_t>());
+      int32_t token;
+      if (!TokenId(id, &token)) {
+        return Bad("stop_token_ids", "must be a list of token ids (0 .. 2^31-1)");
+      }
+      sp->add_stop_token_ids(token);
     }
   }
   auto ignore_eos = Bool(body, "ignore_eos");
@@ -226,7 +262,7 @@ json FinishValue(const ChoiceResult& c) {
 absl::StatusOr<Plan> ParseCompletion(const json& body) {
   Plan plan;
   v1::GenerateRequest base;
-  absl::StatusOr<int> n = ParseCommon(body, &plan, &base);
+  absl::StatusOr<int> n = ParseCommon(body, &plan, &base, {"prompt", "logprobs"});
   if (!n.ok()) return n.status();
   auto logprobs = Integer(body, "logprobs", 0, 20);
   if (!logprobs.ok()) return logprobs.status();
@@ -236,14 +272,15 @@ absl::StatusOr<Plan> ParseCompletion(const json& body) {
   }
   const json* prompt = Field(body, "prompt");
   auto bad_prompt = [] {
-    return Bad("prompt", "must be a string, a list of strings, a list of token ids or a list of "
-                         "lists of token ids");
+    return Bad("prompt", "must be a string, a list of strings, a list of token ids (0 .. 2^31-1) "
+                         "or a list of lists of token ids");
   };
   if (prompt == nullptr) return Bad("prompt", "is required");
   auto ids_of = [](const json& list, v1::GenerateRequest* r) {
     for (const json& id : list) {
-      if (!id.is_number_integer()) return false;
-      r->mutable_token_ids()->add_ids(id.get<int32_t>());
+      int32_t token;
+      if (!TokenId(id, &token)) return false;  // 4294967297 must not run as 1
+      r->mutable_token_ids()->add_ids(token);
     }
     return !list.empty();
   };
@@ -311,7 +348,8 @@ absl::StatusOr<json> ChatMessages(const json& body) {
 absl::StatusOr<Plan> ParseChat(const json& body, const std::vector<int32_t>& prompt_ids) {
   Plan plan;
   v1::GenerateRequest base;
-  absl::StatusOr<int> n = ParseCommon(body, &plan, &base);
+  absl::StatusOr<int> n =
+      ParseCommon(body, &plan, &base, {"messages", "logprobs", "top_logprobs"});
   if (!n.ok()) return n.status();
   auto logprobs = Bool(body, "logprobs");
   if (!logprobs.ok()) return logprobs.status();

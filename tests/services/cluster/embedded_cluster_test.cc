@@ -93,6 +93,15 @@ TEST_F(EmbeddedClusterTest, BadRequestsGetPreciseCodes) {
   auto bad_p = Request({1, 2}, 2);
   bad_p.mutable_sampling()->set_top_p(2.f);
   EXPECT_EQ(code_of(bad_p).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // Enum values this server does not know are refused, not served as the default.
+  auto bad_positions = Request({1, 2}, 2, "lora");
+  bad_positions.set_adapter_positions(static_cast<v1::AdapterPositions>(99));
+  const grpc::Status positions = code_of(bad_positions);
+  EXPECT_EQ(positions.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(positions.error_message().find("adapter_positions 99"), std::string::npos);
+  auto bad_mode = Request({1, 2}, 2);
+  bad_mode.mutable_sampling()->set_logprobs_mode(static_cast<v1::LogprobsMode>(7));
+  EXPECT_EQ(code_of(bad_mode).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   // A deadline the request cannot meet: it ends mid-flight and leaves nothing behind.
   auto slow = Request({1, 2, 3}, 2040);
   EXPECT_EQ(Generate(stub_.get(), slow, 0.02).status.error_code(),

@@ -105,6 +105,48 @@ TEST_F(AdapterRegistryTest, UpdateWritesANewValidatedVersion) {
             absl::StatusCode::kNotFound);
 }
 
+// Nothing under the root may reach outside it through its files, paths carry no control
+// characters, and errors name paths as the client gave them, never the server's.
+TEST_F(AdapterRegistryTest, RefusesLinkedFilesAndControlCharactersAndHidesServerPaths) {
+  fs::create_directories(root_ / "linked");
+  fs::copy(root_ / "lora" / "adapter_model.safetensors", root_ / "linked");
+  fs::create_symlink(root_ / "lora" / "adapter_config.json", root_ / "linked" / "adapter_config.json");
+  auto linked = registry_->Register("linked", "linked");
+  ASSERT_FALSE(linked.ok());
+  EXPECT_EQ(linked.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(linked.status().message().find("adapter_config.json is a symbolic link"),
+            std::string::npos) << linked.status();
+  for (const std::string bad : {std::string("lora\0x", 6), std::string("lo\x01ra"), std::string("lora\n")}) {
+    auto r = registry_->Register("c", bad);
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find("control character"), std::string::npos) << r.status();
+  }
+  auto outside = registry_->Register("o", "../..");
+  ASSERT_FALSE(outside.ok());
+  EXPECT_EQ(outside.status().message().find(root_.parent_path().string()), std::string::npos)
+      << outside.status();
+  // A truncated file is the client's bad input, named relative to the root.
+  fs::create_directories(root_ / "truncated");
+  fs::copy(root_ / "lora" / "adapter_config.json", root_ / "truncated");
+  std::ofstream(root_ / "truncated" / "adapter_model.safetensors")
+      << ReadFile(root_ / "lora" / "adapter_model.safetensors").substr(0, 200);
+  auto truncated = registry_->Register("t", "truncated");
+  ASSERT_FALSE(truncated.ok());
+  EXPECT_EQ(truncated.status().code(), absl::StatusCode::kInvalidArgument) << truncated.status();
+  EXPECT_EQ(truncated.status().message().find(root_.string()), std::string::npos)
+      << truncated.status();
+  EXPECT_NE(truncated.status().message().find("truncated/adapter_model.safetensors"),
+            std::string::npos) << truncated.status();
+  // An update's files are named as the update, not as the server's versions folder.
+  ASSERT_TRUE(registry_->Register("u", "lora").ok());
+  auto bad_update = registry_->Update(
+      "u", 1, {{"adapter_config.json", ReadFile(root_ / "lora" / "adapter_config.json")},
+               {"adapter_model.safetensors", "garbage"}});
+  ASSERT_FALSE(bad_update.ok());
+  EXPECT_EQ(bad_update.status().message().find(".preft-versions"), std::string::npos)
+      << bad_update.status();
+}
+
 // A server started with a relative --adapter-root (`preft serve --adapter-root
 // models/adapters`) stores updates under that root once, not under root/root.
 TEST_F(AdapterRegistryTest, UpdateUnderARelativeRoot) {

@@ -95,6 +95,17 @@ TEST(OpenAiProtocolTest, BadFieldsNameTheField) {
       {R"({"model": "m", "prompt": "x", "presence_penalty": 0.5})", "'presence_penalty'"},
       {R"({"model": "m", "prompt": "x", "logit_bias": {"5": 1}})", "'logit_bias' is not supported"},
       {R"([1, 2])", "the body must be a JSON object"},
+      // Fields preft does not implement are refused by name, never ignored.
+      {R"({"model": "m", "prompt": "x", "response_format": {"type": "json_object"}})",
+       "'response_format' is not supported by preft"},
+      {R"({"model": "m", "prompt": "x", "guided_json": {}})", "'guided_json' is not supported"},
+      {R"({"model": "m", "prompt": "x", "tool_choice": "auto"})", "'tool_choice' is not supported"},
+      {R"({"model": "m", "prompt": "x", "functions": []})", "'functions' is not supported"},
+      {R"({"model": "m", "prompt": "x", "top_logprobs": 2})", "'top_logprobs' is not supported"},
+      // Token ids never wrap into int32: 4294967297 must not run as 1.
+      {R"({"model": "m", "prompt": [4294967297, 5]})", "'prompt' must be"},
+      {R"({"model": "m", "prompt": [[1], [-1]]})", "'prompt' must be"},
+      {R"({"model": "m", "prompt": "x", "stop_token_ids": [4294967296]})", "'stop_token_ids'"},
   };
   for (const auto& [body, needle] : cases) {
     const absl::Status s = ErrorOf(json::parse(body));
@@ -129,6 +140,11 @@ TEST(OpenAiProtocolTest, ChatMessagesAndChatLogprobs) {
   EXPECT_EQ(plan->choices[0].sampling().max_tokens(), 9);
   EXPECT_EQ(ParseChat(json::parse(R"({"model": "m", "top_logprobs": 2})"), {1}).status().code(),
             absl::StatusCode::kInvalidArgument);
+  const absl::Status format = ParseChat(
+      json::parse(R"({"model": "m", "messages": [], "response_format": {"type": "json_object"}})"),
+      {1}).status();
+  EXPECT_EQ(format.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(format.message().find("'response_format' is not supported"), std::string::npos) << format;
 }
 
 TEST(OpenAiProtocolTest, BodiesAndChunksHaveOpenAisShape) {
