@@ -173,6 +173,7 @@ int main(int argc, char** argv) {
     h.address = http_listen;
     h.router = (*server)->grpc_server()->InProcessChannel(grpc::ChannelArguments());
     h.tokenizer = tokenizer.get();
+    h.max_body_bytes = max_request_bytes;
     auto chat = router::ChatRendererFor(model_dir);
     if (!chat.ok()) {
       std::fprintf(stderr, "preft-router: %s\n", chat.status().ToString().c_str());

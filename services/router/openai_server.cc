@@ -33,6 +33,20 @@ void SendError(httplib::Response& res, const absl::Status& status) {
   res.set_content(Dump(e.body), "application/json");
 }
 
+// `key` of a JSON object when it is a string; "" otherwise (a number where a string belongs is
+// a 400, never an exception that becomes an empty 500).
+std::string StringField(const json& body, const char* key) {
+  if (!body.is_object()) return "";
+  const auto it = body.find(key);
+  return it != body.end() && it->is_string() ? it->get<std::string>() : "";
+}
+
+// The routes and their one method: a known path with another method is 405, not 404.
+constexpr std::pair<const char*, const char*> kRoutes[] = {
+    {"/v1/completions", "POST"},        {"/v1/chat/completions", "POST"},
+    {"/v1/models", "GET"},              {"/v1/load_lora_adapter", "POST"},
+    {"/v1/unload_lora_adapter", "POST"}, {"/health", "GET"}};
+
 absl::StatusOr<json> ParseBody(const httplib::Request& req) {
   json body = json::parse(req.body, nullptr, /*allow_exceptions=*/false);
   if (body.is_discarded()) return absl::InvalidArgumentError("the body is not valid JSON");
@@ -234,6 +248,7 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(OpenAiServerOp
   std::unique_ptr<OpenAiServer> s(new OpenAiServer(std::move(options)));
   const int threads = std::max(1, s->options_.threads);
   s->server_->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  s->server_->set_payload_max_length(static_cast<size_t>(s->options_.max_body_bytes));
   s->Routes();
   absl::StatusOr<std::string> bound = http::Bind(*s->server_, s->options_.address);
   if (!bound.ok()) return bound.status();
@@ -295,11 +310,11 @@ void OpenAiServer::Routes() {
                 [stub, o](const httplib::Request& req, httplib::Response& res) {
                   absl::StatusOr<json> body = ParseBody(req);
                   if (!body.ok()) return SendError(res, body.status());
-                  const std::string name = body->value("lora_name", "");
-                  const std::string path = body->value("lora_path", "");
+                  const std::string name = StringField(*body, "lora_name");
+                  const std::string path = StringField(*body, "lora_path");
                   if (name.empty() || path.empty()) {
                     return SendError(res, absl::InvalidArgumentError(
-                                              "'lora_name' and 'lora_path' are required"));
+                                              "'lora_name' and 'lora_path' are required strings"));
                   }
                   grpc::ClientContext ctx;
                   Prepare(req, o->timeout, &ctx);
@@ -318,9 +333,10 @@ void OpenAiServer::Routes() {
                 [stub, o](const httplib::Request& req, httplib::Response& res) {
                   absl::StatusOr<json> body = ParseBody(req);
                   if (!body.ok()) return SendError(res, body.status());
-                  const std::string name = body->value("lora_name", "");
+                  const std::string name = StringField(*body, "lora_name");
                   if (name.empty()) {
-                    return SendError(res, absl::InvalidArgumentError("'lora_name' is required"));
+                    return SendError(res,
+                                     absl::InvalidArgumentError("'lora_name' is a required string"));
                   }
                   grpc::ClientContext ctx;
                   Prepare(req, o->timeout, &ctx);
@@ -334,6 +350,37 @@ void OpenAiServer::Routes() {
                                                "' removed successfully."),
                                   "text/plain");
                 });
+
+  // Errors the routes above did not write (no route, wrong method) and exceptions get
+  // OpenAI-shaped bodies too.
+  server_->set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+    if (!res.body.empty()) return;
+    if (res.status == 404) {
+      for (const auto& [path, method] : kRoutes) {
+        if (req.path != path) continue;
+        res.status = 405;
+        res.set_header("Allow", method);
+        const openai::HttpError e = openai::ToHttpError(absl::InvalidArgumentError(
+            absl::StrCat("method ", req.method, " is not allowed on ", path, "; use ", method)));
+        res.set_content(Dump(e.body), "application/json");
+        return;
+      }
+      const openai::HttpError e = openai::ToHttpError(
+          absl::NotFoundError(absl::StrCat("no route ", req.method, " ", req.path)));
+      res.set_content(Dump(e.body), "application/json");
+      return;
+    }
+    const std::string what = res.status == 413 ? "the request body is over the size limit"
+                                               : absl::StrCat("HTTP ", res.status);
+    const openai::HttpError e = openai::ToHttpError(absl::Status(
+        res.status >= 500 ? absl::StatusCode::kInternal : absl::StatusCode::kInvalidArgument,
+        what));
+    res.set_content(Dump(e.body), "application/json");
+  });
+  server_->set_exception_handler(
+      [](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
+        SendError(res, absl::InternalError("the request could not be handled"));
+      });
 
   server_->Get("/health", [o](const httplib::Request&, httplib::Response& res) {
     grpc::ClientContext ctx;

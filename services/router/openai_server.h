@@ -42,6 +42,9 @@ struct OpenAiServerOptions {
   ChatRenderer render_chat;
   int threads = 64;  // concurrent HTTP requests (a stream holds one)
   absl::Duration timeout = absl::Minutes(10);  // per request
+  // Bodies declaring more are answered 413 before they are read (the router's
+  // --max-request-bytes, as its gRPC messages).
+  int64_t max_body_bytes = 16 << 20;
 };
 
 class OpenAiServer {

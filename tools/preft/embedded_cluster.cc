@@ -116,6 +116,7 @@ absl::StatusOr<std::unique_ptr<EmbeddedCluster>> EmbeddedCluster::Start(
     h.address = o.http_listen;
     h.router = c->router_server_->grpc_server()->InProcessChannel(grpc::ChannelArguments());
     h.tokenizer = c->tokenizer_.get();
+    h.max_body_bytes = o.max_request_bytes;
     PREFT_ASSIGN_OR_RETURN(h.render_chat, router::ChatRendererFor(o.model_dir));
     PREFT_ASSIGN_OR_RETURN(c->http_, router::OpenAiServer::Start(std::move(h)));
   }

@@ -467,6 +467,7 @@ class HttpClusterTest : public EmbeddedClusterTest {
     o->router.metrics = &registry_;
     o->router.access.api_token = kApi;
     o->router.access.admin_token = kAdmin;
+    o->max_request_bytes = 1 << 20;  // gRPC messages and HTTP bodies
   }
 
   // The router's counter `name`, summed over its series.
@@ -487,14 +488,19 @@ class HttpClusterTest : public EmbeddedClusterTest {
   // POSTs `body`; `on_data` (optional) sees the body as it streams and may stop it (false).
   Reply Post(const std::string& path, const nlohmann::json& body, const std::string& token,
              std::function<bool(const std::string&)> on_data = nullptr) {
+    return Send("POST", path, body.dump(), token, std::move(on_data));
+  }
+  Reply Send(const std::string& method, const std::string& path, std::string body,
+             const std::string& token, std::function<bool(const std::string&)> on_data = nullptr,
+             httplib::Headers* headers = nullptr) {
     const std::string address = cluster_->http_address();
     const size_t colon = address.rfind(':');
     httplib::Client client(address.substr(0, colon), std::stoi(address.substr(colon + 1)));
     client.set_read_timeout(60);
     httplib::Request req;
-    req.method = "POST";
+    req.method = method;
     req.path = path;
-    req.body = body.dump();
+    req.body = std::move(body);
     req.set_header("Content-Type", "application/json");
     if (!token.empty()) req.set_header("Authorization", std::string("Bearer ") + token);
     Reply reply;
@@ -509,10 +515,51 @@ class HttpClusterTest : public EmbeddedClusterTest {
     if (client.send(req, res, error)) {
       reply.status = res.status;
       if (!on_data) reply.body = res.body;
+      if (headers != nullptr) *headers = res.headers;
     }
     return reply;
   }
+  // An OpenAI-shaped error body: {"error": {"message", "type", ...}}.
+  static bool OpenAiError(const Reply& r) {
+    const nlohmann::json j = nlohmann::json::parse(r.body, nullptr, false);
+    return j.is_object() && j.contains("error") && j["error"].contains("message") &&
+           j["error"]["message"].is_string() && !j["error"]["message"].get<std::string>().empty();
+  }
 };
+
+// Whatever goes wrong at the front door is answered in OpenAI's shape with the right status:
+// wrong JSON types in admin calls (once a 500 with an empty body), unknown paths and methods,
+// bodies over the limit (refused before they are read), control characters in paths.
+TEST_F(HttpClusterTest, FrontDoorErrorsAreOpenAiShaped) {
+  const Reply typed = Post("/v1/load_lora_adapter", {{"lora_name", 5}, {"lora_path", "lora"}}, kAdmin);
+  EXPECT_EQ(typed.status, 400) << typed.body;
+  EXPECT_TRUE(OpenAiError(typed)) << typed.body;
+  const Reply unload = Post("/v1/unload_lora_adapter", {{"lora_name", {1, 2}}}, kAdmin);
+  EXPECT_EQ(unload.status, 400) << unload.body;
+  const Reply nul = Post("/v1/load_lora_adapter",
+                         {{"lora_name", "nul"}, {"lora_path", std::string("lora\0x", 6)}}, kAdmin);
+  EXPECT_EQ(nul.status, 400) << nul.body;
+  EXPECT_NE(nul.body.find("control character"), std::string::npos) << nul.body;
+  const Reply missing = Send("POST", "/v1/embeddings", "{}", kApi);
+  EXPECT_EQ(missing.status, 404);
+  EXPECT_TRUE(OpenAiError(missing)) << missing.body;
+  httplib::Headers headers;
+  const Reply method = Send("GET", "/v1/completions", "", kApi, nullptr, &headers);
+  EXPECT_EQ(method.status, 405);
+  EXPECT_TRUE(OpenAiError(method)) << method.body;
+  const auto allow = headers.find("Allow");
+  ASSERT_NE(allow, headers.end());
+  EXPECT_EQ(allow->second, "POST");
+  const Reply big = Send("POST", "/v1/completions", std::string(2 << 20, ' '), kApi);
+  EXPECT_EQ(big.status, 413);
+  EXPECT_TRUE(OpenAiError(big)) << big.body;
+  const Reply format = Post("/v1/completions",
+                            {{"model", "tiny-llama"}, {"prompt", "hi"},
+                             {"response_format", {{"type", "json_object"}}}}, kApi);
+  EXPECT_EQ(format.status, 400);
+  EXPECT_NE(format.body.find("response_format"), std::string::npos) << format.body;
+  ExpectNoLeaks();
+}
 
 TEST_F(HttpClusterTest, CompletionsReproduceTheFixtureAndTokensApply) {
   auto text = base::ReadFileToString(testing::TinyLlamaFixture() + "/reference.json");
