@@ -1,5 +1,8 @@
 #include "services/router/adapter_registry.h"
 
+#include <unistd.h>
+
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 
@@ -23,7 +26,15 @@ absl::Status ValidateAdapterName(const std::string& name) {
 
 AdapterRegistry::AdapterRegistry(const model::ModelConfig& base, std::string base_name,
                                  std::string root, adapters::LoadOptions load)
-    : base_(base), base_name_(std::move(base_name)), root_(std::move(root)), load_(load) {}
+    : base_(base),
+      base_name_(std::move(base_name)),
+      root_(std::move(root)),
+      load_(load),
+      store_(root_) {
+  std::error_code ec;
+  const std::filesystem::path canonical = std::filesystem::canonical(root_, ec);
+  canonical_root_ = ec ? root_ : canonical.string();
+}
 
 namespace {
 
@@ -63,6 +74,24 @@ absl::StatusOr<RegisteredAdapter> AdapterRegistry::Inspect(const std::string& na
   return a;
 }
 
+RegisteredAdapter AdapterRegistry::FromRecord(const RegistryRecord& r) const {
+  RegisteredAdapter a;
+  a.name = r.name;
+  a.registered_path = r.registered_path;
+  a.path = (std::filesystem::path(canonical_root_) / r.path).string();
+  a.version = r.version;
+  a.kind = r.kind;
+  a.default_positions = r.default_positions;
+  a.rank = r.rank;
+  a.bytes = r.bytes;
+  return a;
+}
+
+RegistryRecord AdapterRegistry::ToRecord(const RegisteredAdapter& a, const std::string& path) {
+  return {a.name, a.registered_path, path, a.version, a.kind, a.default_positions, a.rank,
+          a.bytes};
+}
+
 absl::StatusOr<RegisteredAdapter> AdapterRegistry::Register(const std::string& name,
                                                             const std::string& path) {
   PREFT_RETURN_IF_ERROR(ValidateAdapterName(name));
@@ -70,43 +99,47 @@ absl::StatusOr<RegisteredAdapter> AdapterRegistry::Register(const std::string& n
     return absl::InvalidArgumentError(
         absl::StrCat("adapter name '", name, "' is the base model's name"));
   }
-  {
-    absl::MutexLock lock(&mu_);
-    if (adapters_.count(name)) {
-      return absl::AlreadyExistsError(absl::StrCat("adapter '", name, "' is already registered"));
-    }
+  if (store_.CurrentVersion(name) > 0) {
+    return absl::AlreadyExistsError(absl::StrCat("adapter '", name, "' is already registered"));
   }
   PREFT_ASSIGN_OR_RETURN(RegisteredAdapter a, Inspect(name, path));
   a.registered_path = path;
   a.version = 1;
-  absl::MutexLock lock(&mu_);
-  if (!adapters_.emplace(name, a).second) {
+  const absl::Status created = store_.Create(ToRecord(a, path));
+  if (absl::IsAlreadyExists(created)) {  // another router registered it meanwhile
     return absl::AlreadyExistsError(absl::StrCat("adapter '", name, "' is already registered"));
   }
-  return a;
+  PREFT_RETURN_IF_ERROR(created);
+  return FromRecord(ToRecord(a, path));
 }
 
 absl::StatusOr<RegisteredAdapter> AdapterRegistry::Get(const std::string& name) const {
+  // One directory listing tells whether the cached record is still the current one (another
+  // router may have updated or removed it).
+  const int64_t version = store_.CurrentVersion(name);
   absl::MutexLock lock(&mu_);
-  auto it = adapters_.find(name);
-  if (it == adapters_.end()) {
+  if (version == 0) {
+    cache_.erase(name);
     return absl::NotFoundError(absl::StrCat("adapter '", name, "' is not registered"));
   }
-  return it->second;
+  auto it = cache_.find(name);
+  if (it != cache_.end() && it->second.version == version) return it->second;
+  PREFT_ASSIGN_OR_RETURN(RegistryRecord r, store_.Current(name));
+  RegisteredAdapter a = FromRecord(r);
+  cache_[name] = a;
+  return a;
 }
 
 absl::Status AdapterRegistry::Unregister(const std::string& name) {
+  PREFT_RETURN_IF_ERROR(store_.Remove(name));
   absl::MutexLock lock(&mu_);
-  if (adapters_.erase(name) == 0) {
-    return absl::NotFoundError(absl::StrCat("adapter '", name, "' is not registered"));
-  }
+  cache_.erase(name);
   return absl::OkStatus();
 }
 
 std::vector<RegisteredAdapter> AdapterRegistry::List() const {
-  absl::MutexLock lock(&mu_);
   std::vector<RegisteredAdapter> out;
-  for (const auto& [name, a] : adapters_) out.push_back(a);
+  for (const RegistryRecord& r : store_.List()) out.push_back(FromRecord(r));
   return out;
 }
 
@@ -114,49 +147,53 @@ absl::StatusOr<RegisteredAdapter> AdapterRegistry::Update(
     const std::string& name, std::optional<int64_t> expected_version,
     const std::map<std::string, std::string>& files) {
   namespace fs = std::filesystem;
-  absl::MutexLock update_lock(&update_mu_);
-  PREFT_ASSIGN_OR_RETURN(RegisteredAdapter current, Get(name));
-  if (expected_version && *expected_version != current.version) {
-    return absl::FailedPreconditionError(absl::StrCat("adapter '", name, "' is at version ",
-                                                      current.version, ", not ",
-                                                      *expected_version));
-  }
   if (files.empty()) return absl::InvalidArgumentError("no files were sent");
   for (const auto& [file, bytes] : files) {
     if (file.empty() || file.find('/') != std::string::npos || file == "." || file == "..") {
       return absl::InvalidArgumentError(absl::StrCat("file name '", file, "' is not a plain name"));
     }
   }
-  const int64_t version = current.version + 1;
-  // Named relative to the root, as registered paths are: a relative root (a server started
-  // with --adapter-root models/adapters) would otherwise be applied twice.
-  const fs::path relative = fs::path(".preft-versions") / name / absl::StrCat("v", version);
-  const fs::path dir = fs::path(root_) / relative;
-  std::error_code ec;
-  fs::remove_all(dir, ec);  // a previous failed attempt at this version
-  fs::create_directories(dir, ec);
-  if (ec) {
-    return absl::InternalError(absl::StrCat("cannot create '", dir.string(), "': ", ec.message()));
-  }
-  for (const auto& [file, bytes] : files) {
-    std::ofstream out(dir / file, std::ios::binary);
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    if (!out) return absl::InternalError(absl::StrCat("cannot write '", (dir / file).string(), "'"));
-  }
-  absl::StatusOr<RegisteredAdapter> next = Inspect(name, relative.string());
-  if (!next.ok()) {
+  absl::MutexLock update_lock(&update_mu_);
+  static std::atomic<uint64_t> attempts{0};
+  for (int attempt = 0; attempt < 16; ++attempt) {
+    PREFT_ASSIGN_OR_RETURN(RegisteredAdapter current, Get(name));
+    if (expected_version && *expected_version != current.version) {
+      return absl::FailedPreconditionError(absl::StrCat("adapter '", name, "' is at version ",
+                                                        current.version, ", not ",
+                                                        *expected_version));
+    }
+    const int64_t version = current.version + 1;
+    // A folder of this attempt's own (routers sharing the root may race for the version);
+    // named relative to the root, as registered paths are.
+    const fs::path relative =
+        fs::path(".preft-versions") / name /
+        absl::StrCat("v", version, "-", getpid(), "-", attempts.fetch_add(1));
+    const fs::path dir = fs::path(root_) / relative;
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) return absl::InternalError(absl::StrCat("cannot store the update: ", ec.message()));
+    for (const auto& [file, bytes] : files) {
+      std::ofstream out(dir / file, std::ios::binary);
+      out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+      if (!out) return absl::InternalError("cannot store the update's files");
+    }
+    absl::StatusOr<RegisteredAdapter> next = Inspect(name, relative.string());
+    if (!next.ok()) {
+      fs::remove_all(dir, ec);
+      return next.status();
+    }
+    next->registered_path = current.registered_path;
+    next->version = version;
+    const absl::Status created = store_.Create(ToRecord(*next, relative.string()));
+    if (created.ok()) return FromRecord(ToRecord(*next, relative.string()));
     fs::remove_all(dir, ec);
-    return next.status();
+    if (!absl::IsAlreadyExists(created)) return created;
+    if (expected_version) {  // another router made this version first
+      return absl::FailedPreconditionError(absl::StrCat(
+          "adapter '", name, "' is at version ", version, " or later, not ", *expected_version));
+    }
   }
-  next->registered_path = current.registered_path;
-  next->version = version;
-  absl::MutexLock lock(&mu_);
-  auto it = adapters_.find(name);
-  if (it == adapters_.end() || it->second.version != current.version) {
-    return absl::AbortedError(absl::StrCat("adapter '", name, "' changed during the update"));
-  }
-  it->second = *next;
-  return *next;
+  return absl::AbortedError(absl::StrCat("adapter '", name, "' changed during every attempt"));
 }
 
 }  // namespace preft::router

@@ -1,11 +1,14 @@
 #pragma once
 
-// The router's list of adapters: name -> (folder under the adapter root, version, what it is).
+// The router's list of adapters: name -> (folder under the adapter root, version, what it is),
+// kept durably in the adapter root (RegistryStore), so it survives restarts and every router
+// sharing the root sees the same adapters and versions.
 // Registration validates the folder against the base model (a full load, then dropped: the
 // router computes nothing) so a bad adapter is refused at the admin call, not at the first
 // request. UpdateAdapter's streamed files are written to a new folder
-// `<root>/.preft-versions/<name>/v<N>` and validated before the version changes; workers read
-// every version from the same root (a shared volume in Kubernetes).
+// `<root>/.preft-versions/<name>/v<N>-<attempt>` and validated before the version record is
+// created; of two routers racing for version N, the store lets exactly one create it. Workers
+// read every version from the same root (a shared volume in Kubernetes).
 
 #include <cstdint>
 #include <map>
@@ -19,6 +22,7 @@
 #include "common/adapters/adapter_loader.h"
 #include "common/model/adapter_weights.h"
 #include "common/model/config.h"
+#include "services/router/registry_store.h"
 
 namespace preft::router {
 
@@ -42,7 +46,7 @@ class AdapterRegistry {
   // InvalidArgument for a bad name or a path outside the root, AlreadyExists for a taken name,
   // the loader's error for a bad adapter.
   absl::StatusOr<RegisteredAdapter> Register(const std::string& name, const std::string& path);
-  // NotFound if unknown.
+  // NotFound if unknown. Reflects other routers' registrations, updates and removals.
   absl::StatusOr<RegisteredAdapter> Get(const std::string& name) const;
   absl::Status Unregister(const std::string& name);
   std::vector<RegisteredAdapter> List() const;  // by name
@@ -55,14 +59,19 @@ class AdapterRegistry {
 
  private:
   absl::StatusOr<RegisteredAdapter> Inspect(const std::string& name, const std::string& dir) const;
+  RegisteredAdapter FromRecord(const RegistryRecord& r) const;
+  static RegistryRecord ToRecord(const RegisteredAdapter& a, const std::string& path);
 
   const model::ModelConfig base_;
   const std::string base_name_;
   const std::string root_;
+  std::string canonical_root_;  // root_ resolved once (workers get absolute version folders)
   const adapters::LoadOptions load_;
+  const RegistryStore store_;
   mutable absl::Mutex mu_;
-  std::map<std::string, RegisteredAdapter> adapters_ ABSL_GUARDED_BY(mu_);
-  absl::Mutex update_mu_;  // one UpdateAdapter at a time (they write folders)
+  // Records read from the store, by name: reused while their version is the current one.
+  mutable std::map<std::string, RegisteredAdapter> cache_ ABSL_GUARDED_BY(mu_);
+  absl::Mutex update_mu_;  // one UpdateAdapter at a time in this process
 };
 
 // 1-128 characters from [A-Za-z0-9._-]; InvalidArgument naming the name otherwise.

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include "tests/testing/fixtures.h"
 
@@ -162,7 +163,66 @@ TEST_F(AdapterRegistryTest, UpdateUnderARelativeRoot) {
   fs::current_path(cwd);
   ASSERT_TRUE(v2.ok()) << v2.status();
   EXPECT_EQ(v2->version, 2);
-  EXPECT_TRUE(fs::exists(root_ / ".preft-versions" / "u" / "v2" / "adapter_model.safetensors"));
+  EXPECT_TRUE(fs::exists(fs::path(v2->path) / "adapter_model.safetensors"));
+  EXPECT_EQ(fs::path(v2->path).parent_path(), fs::canonical(root_) / ".preft-versions" / "u");
+}
+
+// The registry lives in the adapter root: a restarted router (a new registry on the same root)
+// finds every adapter at its version, and a removal by one router is seen by another.
+TEST_F(AdapterRegistryTest, RegistrationsAndVersionsSurviveARestart) {
+  ASSERT_TRUE(registry_->Register("u", "lora").ok());
+  ASSERT_TRUE(registry_->Register("d", "direft").ok());
+  const std::map<std::string, std::string> files = {
+      {"adapter_config.json", ReadFile(root_ / "lora" / "adapter_config.json")},
+      {"adapter_model.safetensors", ReadFile(root_ / "lora" / "adapter_model.safetensors")}};
+  auto v2 = registry_->Update("u", 1, files);
+  ASSERT_TRUE(v2.ok()) << v2.status();
+  registry_.reset();  // the router goes away
+  auto c = model::ModelConfig::FromFile(testing::TinyLlamaFixture() + "/config.json");
+  AdapterRegistry restarted(*c, "tiny", root_.string(), adapters::LoadOptions{});
+  auto u = restarted.Get("u");
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ(u->version, 2);
+  EXPECT_EQ(u->path, v2->path);
+  EXPECT_EQ(u->registered_path, "lora");
+  EXPECT_EQ(u->kind, model::AdapterKind::kLora);
+  auto d = restarted.Get("d");
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->kind, model::AdapterKind::kDireft);
+  EXPECT_EQ(restarted.List().size(), 2u);
+  EXPECT_EQ(restarted.Register("u", "lora").status().code(), absl::StatusCode::kAlreadyExists);
+  AdapterRegistry other(*c, "tiny", root_.string(), adapters::LoadOptions{});
+  ASSERT_TRUE(other.Unregister("d").ok());
+  EXPECT_EQ(restarted.Get("d").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(restarted.Register("d", "direft").ok());  // the name is free again
+}
+
+// Two routers sharing the root, each sent UpdateAdapter(expected_version = v) at once: exactly
+// one makes v + 1, the other gets FAILED_PRECONDITION, round after round.
+TEST_F(AdapterRegistryTest, TwoRoutersRacingForAVersionExactlyOneWins) {
+  ASSERT_TRUE(registry_->Register("u", "lora").ok());
+  auto c = model::ModelConfig::FromFile(testing::TinyLlamaFixture() + "/config.json");
+  AdapterRegistry second(*c, "tiny", root_.string(), adapters::LoadOptions{});
+  const std::map<std::string, std::string> files = {
+      {"adapter_config.json", ReadFile(root_ / "lora" / "adapter_config.json")},
+      {"adapter_model.safetensors", ReadFile(root_ / "lora" / "adapter_model.safetensors")}};
+  for (int64_t v = 1; v <= 6; ++v) {
+    absl::StatusOr<RegisteredAdapter> a, b;
+    std::thread ta([&] { a = registry_->Update("u", v, files); });
+    std::thread tb([&] { b = second.Update("u", v, files); });
+    ta.join();
+    tb.join();
+    ASSERT_NE(a.ok(), b.ok()) << "round " << v << ": " << a.status() << " / " << b.status();
+    const absl::Status& lost = a.ok() ? b.status() : a.status();
+    EXPECT_EQ(lost.code(), absl::StatusCode::kFailedPrecondition) << lost;
+    EXPECT_EQ((a.ok() ? a : b)->version, v + 1);
+    EXPECT_EQ(registry_->Get("u")->version, v + 1);
+    EXPECT_EQ(second.Get("u")->version, v + 1);
+  }
+  // Only the winners' folders remain.
+  int folders = 0;
+  for (const auto& e : fs::directory_iterator(root_ / ".preft-versions" / "u")) folders += e.is_directory();
+  EXPECT_EQ(folders, 6);
 }
 
 }  // namespace
