@@ -39,6 +39,9 @@ echo "== bad input gets a clear error (exit code shown)"
 
 echo
 echo "== the embedded cluster: preft serve (router + prefill + decode workers in one process)"
+# The router keeps its adapter registry in the adapter root (it survives restarts); the demo
+# starts from none, so that it registers and updates its adapters afresh on every run.
+rm -rf "$adapters/.preft-registry" "$adapters/.preft-versions"
 log=$(mktemp)
 "$preft" serve --model "$model" --adapter-root "$adapters" --listen 127.0.0.1:0 > "$log" 2>&1 &
 serve_pid=$!

@@ -6,7 +6,7 @@ set -euo pipefail
 
 BUILD_DIR=${1:-build-fuzz}
 SECONDS_PER_TARGET=${2:-20}
-TARGETS=(safetensors_fuzz config_fuzz train_data_fuzz)
+TARGETS=(safetensors_fuzz config_fuzz train_data_fuzz openai_fuzz)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 

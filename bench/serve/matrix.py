@@ -338,6 +338,9 @@ def run_cell(args, deployment, mode, n, concurrency, requests, round_index=0):
 def measure_cell(args, cell, deployment, mode, n, concurrency, requests):
     kind, positions, decode_adapters = MODES[mode]
     names = make_adapters(args, kind, n) if kind else []
+    # Each cell registers its adapters afresh: the router keeps its registry in the adapter
+    # root (durable across restarts), so the previous cell's records are cleared first.
+    shutil.rmtree(os.path.join(args.adapter_dir, ".preft-registry"), ignore_errors=True)
     log(f"cell {cell}: starting the cluster")
     cluster = Cluster(args, os.path.join(args.out, "logs", cell), deployment, decode_adapters,
                       os.path.abspath(args.adapter_dir), adapter_mib(args, names))

@@ -54,15 +54,19 @@ absl::Status Access::Authorize(const grpc::ServerContextBase& context, Scope sco
   return absl::UnauthenticatedError("invalid bearer token");
 }
 
-std::string Access::ClientOf(const grpc::ServerContextBase& context) {
+std::string Access::ClientOf(const grpc::ServerContextBase& context) const {
   const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
   if (auth != nullptr && auth->IsPeerAuthenticated()) {
     for (const grpc::string_ref& id : auth->GetPeerIdentity()) {
       return absl::StrCat("tls:", absl::string_view(id.data(), id.size()));
     }
   }
+  // Only a token this router knows names a client: an invented one would make every request a
+  // new client and slip past the per-client stream cap.
   const std::string token = BearerToken(context);
-  if (!token.empty()) return absl::StrCat("token:", absl::Hex(base::Fnv1a64(token)));
+  const bool known = (!options_.api_token.empty() && SameToken(token, options_.api_token)) ||
+                     (!options_.admin_token.empty() && SameToken(token, options_.admin_token));
+  if (!token.empty() && known) return absl::StrCat("token:", absl::Hex(base::Fnv1a64(token)));
   // "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000": the address without the port.
   const std::string peer = context.peer();
   // The OpenAI HTTP front end calls in-process and names its own client; only in-process

@@ -10,8 +10,9 @@
 // PERMISSION_DENIED. Comparisons take the same time whatever the token's first wrong byte.
 //
 // A client, for the stream cap, is its TLS identity (the client certificate's subject, under
-// mutual TLS), else its bearer token, else its IP address (for calls from the in-process
-// OpenAI front end, the HTTP client's).
+// mutual TLS), else its bearer token when it is one this router knows (the API or admin token),
+// else its IP address (for calls from the in-process OpenAI front end, the HTTP client's): an
+// unverified token names no one, so inventing tokens does not make new clients.
 
 #include <cstdint>
 #include <map>
@@ -58,7 +59,7 @@ class Access {
   absl::StatusOr<Slot> OpenStream(const grpc::ServerContextBase& context);
 
   // The client's identity, as the stream cap counts it (for messages and tests).
-  static std::string ClientOf(const grpc::ServerContextBase& context);
+  std::string ClientOf(const grpc::ServerContextBase& context) const;
 
  private:
   void Close(const std::string& client);

@@ -73,6 +73,9 @@ absl::Status RefuseUnsupported(const json& body) {
   return absl::OkStatus();
 }
 
+// Choices (streams) one completions request may open: prompts x n.
+constexpr int64_t kMaxChoicesPerRequest = 64;
+
 // The fields both endpoints read (or refuse by value in RefuseUnsupported).
 constexpr const char* kCommonFields[] = {
     "model", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
@@ -304,6 +307,11 @@ absl::StatusOr<Plan> ParseCompletion(const json& body) {
     }
   } else {
     return bad_prompt();
+  }
+  // Every choice is a stream of its own: bound what one request may open.
+  if (static_cast<int64_t>(prompts.size()) * *n > kMaxChoicesPerRequest) {
+    return Bad("n", absl::StrCat("times the number of prompts (", prompts.size(), " x ", *n,
+                                 ") must be at most ", kMaxChoicesPerRequest));
   }
   for (const v1::GenerateRequest& p : prompts) AddChoices(p, *n, &plan);
   return plan;

@@ -457,6 +457,40 @@ TEST_F(AccessClusterTest, ConcurrentStreamsPerClientAreCapped) {
 }
 
 
+// Without tokens configured, a made-up bearer value names no one: the stream cap counts the
+// peer, so inventing a token per request does not get past it.
+class OpenAccessClusterTest : public EmbeddedClusterTest {
+ protected:
+  void Configure(EmbeddedClusterOptions* o) override {
+    o->router.access.max_streams_per_client = 2;
+    o->router.admission_timeout = absl::Seconds(20);
+  }
+};
+
+TEST_F(OpenAccessClusterTest, InventedTokensDoNotMakeNewClients) {
+  HoldDecodeKv(2040);
+  std::vector<testing::GenerateOutcome> waiting(2);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 2; ++i) {
+    threads.emplace_back([&, i] {
+      waiting[i] = Generate(stub_.get(), Request({1, 2, 3}, 40), 60, nullptr,
+                            "made-up-" + std::to_string(i));
+    });
+  }
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (cluster_->router().active_requests() < 2 && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_EQ(cluster_->router().active_requests(), 2);
+  auto third = Generate(stub_.get(), Request({1, 2, 3}, 4), 60, nullptr, "made-up-2");
+  EXPECT_EQ(third.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << third.status.error_message();
+  ReleaseHeldKv();
+  for (auto& t : threads) t.join();
+  for (const auto& w : waiting) EXPECT_TRUE(w.status.ok()) << w.status.error_message();
+  ExpectNoLeaks();
+}
+
 // The OpenAI-compatible HTTP front end on the embedded cluster, with tokens.
 class HttpClusterTest : public EmbeddedClusterTest {
  protected:

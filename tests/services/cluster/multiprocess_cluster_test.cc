@@ -474,12 +474,15 @@ TEST_F(MultiProcessClusterTest, AllPositionRequestWaitsForALateDecodeWorker) {
   ASSERT_TRUE(router_address.ok()) << router_address.status();
   auto stub = testing::PreftStub(*router_address);
   {
+    // The suite's router registered a0 in the shared adapter root: this second router knows it
+    // without being told (the registry is durable and shared).
     grpc::ClientContext ctx;
     v1::RegisterAdapterRequest req;
     req.set_name("a0");  // LoRA, all positions by default
     req.set_path("a0");
     v1::RegisterAdapterResponse resp;
-    ASSERT_TRUE(stub->RegisterAdapter(&ctx, req, &resp).ok());
+    EXPECT_EQ(stub->RegisterAdapter(&ctx, req, &resp).error_code(),
+              grpc::StatusCode::ALREADY_EXISTS);
   }
   v1::GenerateRequest request = Workload(0, 6);
   request.set_model("a0");

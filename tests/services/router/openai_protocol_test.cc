@@ -106,6 +106,9 @@ TEST(OpenAiProtocolTest, BadFieldsNameTheField) {
       {R"({"model": "m", "prompt": [4294967297, 5]})", "'prompt' must be"},
       {R"({"model": "m", "prompt": [[1], [-1]]})", "'prompt' must be"},
       {R"({"model": "m", "prompt": "x", "stop_token_ids": [4294967296]})", "'stop_token_ids'"},
+      // One request opens at most 64 streams (prompts x n).
+      {R"({"model": "m", "prompt": ["a", "b", "c", "d", "e"], "n": 16})",
+       "'n' times the number of prompts (5 x 16) must be at most 64"},
   };
   for (const auto& [body, needle] : cases) {
     const absl::Status s = ErrorOf(json::parse(body));
