@@ -194,11 +194,15 @@ void Serve(v1::Preft::Stub* stub, const OpenAiServerOptions& options, const open
         };
         std::vector<bool> started(plan.choices.size(), false);
         int64_t prompt_tokens = 0, completion_tokens = 0;
+        bool failed = false;  // a choice ended in an error: its usage is unknown
         Generation::Event e = first;
         for (bool more = true; more; more = generation->Next(&e)) {
           bool ok = true;
           if (e.end) {
-            if (!e.status.ok()) ok = send(Dump(openai::ToHttpError(e.status).body));
+            if (!e.status.ok()) {
+              failed = true;
+              ok = send(Dump(openai::ToHttpError(e.status).body));
+            }
           } else {
             completion_tokens += static_cast<int64_t>(e.delta.token_ids.size());
             if (e.index % plan.n == 0) prompt_tokens += e.delta.prompt_tokens;
@@ -214,7 +218,8 @@ void Serve(v1::Preft::Stub* stub, const OpenAiServerOptions& options, const open
             return false;
           }
         }
-        if (plan.include_usage) {
+        // Usage is true or absent: after a failed choice its prompt tokens were never reported.
+        if (plan.include_usage && !failed) {
           send(Dump(openai::UsageChunk(id, created, plan, chat, prompt_tokens, completion_tokens)));
         }
         send("[DONE]");
