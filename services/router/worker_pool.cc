@@ -53,6 +53,12 @@ std::shared_ptr<grpc::Channel> DefaultChannel(
     const std::string& address, const std::shared_ptr<grpc::ChannelCredentials>& credentials) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(16 << 20);
+  // gRPC's reconnect backoff grows to 120 s: a worker restarted after a crash stayed unreachable
+  // (its status polls failing fast on the channel) for ~45 s. Workers come back within seconds;
+  // so does the router's view of them.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 250);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 250);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   return grpc::CreateCustomChannel(
       address, credentials != nullptr ? credentials : grpc::InsecureChannelCredentials(), args);
 }

@@ -339,6 +339,49 @@ TEST_F(MultiProcessClusterTest, KillingADecodeWorkerFailsOnlyItsStreams) {
   for (const auto& o : after) EXPECT_TRUE(o.status.ok()) << o.status.error_message();
 }
 
+// A decode worker killed and restarted at its address takes traffic again within seconds: the
+// router's channel to it must not sit in gRPC's long reconnect backoff (it took ~45 s).
+TEST_F(MultiProcessClusterTest, ARestartedDecodeWorkerTakesTrafficWithinSeconds) {
+  const size_t victim = 1;
+  // Streams on both workers, so the router's channel to the victim has been in use.
+  auto warm = RunAll({Workload(1, 5), Workload(2, 5), Workload(3, 5), Workload(4, 5)}, 4);
+  for (const auto& o : warm) ASSERT_TRUE(o.status.ok()) << o.status.error_message();
+  decode_[victim]->Signal(SIGKILL);
+  decode_[victim]->Wait();
+  // Requests while it is down (~28 s) go to the survivor; the router's polls keep failing, so
+  // gRPC's default backoff would wait ~15 s more before it tries the address again.
+  for (int i = 0; i < 14; ++i) {
+    auto during = RunAll({Workload(5 + i, 3)}, 1);
+    ASSERT_TRUE(during[0].status.ok()) << during[0].status.error_message();
+    absl::SleepFor(absl::Seconds(2));
+  }
+  std::vector<std::string> argv = {Bin("services/decode/preft-decode"), "--model",
+                                   testing::TinyLlamaFixture(), "--kv-bytes", "16777216",
+                                   "--threads", "1", "--quarantine-ms", "100", "--adapters",
+                                   "all-positions", "--adapter-root", (*dir_ / "adapters").string(),
+                                   "--listen", decode_addresses_[victim]};
+  const std::vector<std::string> transport = DecodeTransportFlags(victim);
+  argv.insert(argv.end(), transport.begin(), transport.end());
+  auto p = ChildProcess::Spawn(argv, (*dir_ / "decode1-restarted.log").string());
+  ASSERT_TRUE(p.ok()) << p.status();
+  decode_[victim] = std::move(p).value();
+  ASSERT_TRUE(decode_[victim]->WaitForAddress(absl::Seconds(60)).ok());
+  const absl::Time restarted = absl::Now();
+  // Long streams until one lands on the restarted worker.
+  bool reached = false;
+  while (!reached && absl::Now() - restarted < absl::Seconds(8)) {
+    std::vector<v1::GenerateRequest> requests;
+    for (int i = 0; i < 4; ++i) requests.push_back(Workload(10 + i, 400));
+    std::vector<testing::GenerateOutcome> got(requests.size());
+    std::vector<std::thread> threads = StartStreams(requests, &got);
+    reached = DecodeRunning(victim) > 0;
+    for (auto& t : threads) t.join();
+  }
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - restarted);
+  EXPECT_TRUE(reached) << "no stream reached the restarted worker in 8 s";
+  std::printf("the restarted decode worker took a stream %.1f s after it listened\n", seconds);
+}
+
 // SIGTERM (Kubernetes preStop) on a decode worker mid-stream: it stops taking reservations,
 // its streams run to the end with the right tokens, it exits 0; new requests go elsewhere.
 TEST_F(MultiProcessClusterTest, SigtermDrainsADecodeWorker) {
