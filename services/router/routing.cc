@@ -50,12 +50,25 @@ Residency Classify(const PrefillView& w, bool has_adapter, int64_t adapter_bytes
 std::vector<size_t> RankPrefill(const std::vector<PrefillView>& workers, bool has_adapter,
                                 int64_t adapter_bytes) {
   std::vector<size_t> order;
-  for (size_t i = 0; i < workers.size(); ++i)
-    if (workers[i].healthy && !workers[i].draining) order.push_back(i);
+  int64_t total_load = 0;
+  for (size_t i = 0; i < workers.size(); ++i) {
+    if (workers[i].healthy && !workers[i].draining) {
+      order.push_back(i);
+      total_load += workers[i].queue_depth + workers[i].running;
+    }
+  }
+  // Bounded-load affinity (consistent hashing with bounded loads): a worker holding the adapter
+  // keeps the request only while its load is at most 1.25 x the average (counting this
+  // request); past that it competes with the free slots on load, so a hot adapter spreads to an
+  // idle worker instead of queueing behind its holder.
+  const int64_t n = std::max<int64_t>(1, static_cast<int64_t>(order.size()));
+  const int64_t cap = (5 * (total_load + 1) + 4 * n - 1) / (4 * n);  // ceil(1.25 x average)
   auto key = [&](size_t i) {
     const PrefillView& w = workers[i];
-    return std::make_tuple(static_cast<int>(Classify(w, has_adapter, adapter_bytes)),
-                           w.queue_depth + w.running, i);
+    const int64_t load = w.queue_depth + w.running;
+    Residency r = Classify(w, has_adapter, adapter_bytes);
+    if (has_adapter && r == Residency::kResident && load > cap) r = Residency::kFreeSlot;
+    return std::make_tuple(static_cast<int>(r), load, i);
   };
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return key(a) < key(b); });
   return order;

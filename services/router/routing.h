@@ -53,7 +53,9 @@ std::vector<size_t> RankDecode(const std::vector<DecodeView>& workers, int64_t b
 Residency Classify(const PrefillView& w, bool has_adapter, int64_t adapter_bytes);
 
 // Indices of prefill workers to try, best first: healthy and not draining; by residency class
-// (resident > free slot > loading > full), then queue depth + running, then index.
+// (resident > free slot > loading > full), then queue depth + running, then index. A worker
+// holding the adapter whose load (queue depth + running) is over 1.25 x the average ranks as a
+// free slot (bounded-load affinity), so an idle worker takes the overflow.
 std::vector<size_t> RankPrefill(const std::vector<PrefillView>& workers, bool has_adapter,
                                 int64_t adapter_bytes);
 

@@ -46,12 +46,32 @@ TEST(RoutingTest, PrefillOrdersResidentFreeSlotLoadingFullThenLoad) {
   PrefillView resident_idle{true, false, 1, 0, 0, true, false};
   PrefillView dead{false, false, 0, 0, 1000, true, false};
   const std::vector<PrefillView> w = {full, loading, free_slot, resident_busy, dead, resident_idle};
+  // resident_busy's load (8) is over 1.25 x the average (9 + 1 over 5 workers: cap 3): it
+  // competes with the free slot on load and loses.
   EXPECT_EQ(RankPrefill(w, /*has_adapter=*/true, /*adapter_bytes=*/500),
-            (std::vector<size_t>{5, 3, 2, 1, 0}));
+            (std::vector<size_t>{5, 2, 3, 1, 0}));
   // Base-model requests only look at load.
   EXPECT_EQ(RankPrefill(w, false, 0), (std::vector<size_t>{0, 1, 2, 5, 3}));
   EXPECT_EQ(Classify(full, true, 500), Residency::kFull);
   EXPECT_EQ(Classify(free_slot, true, 500), Residency::kFreeSlot);
+}
+
+// An adapter's holder keeps its requests while it is not much busier than the rest; a holder
+// far busier than an idle worker with a free slot gives way (a worker restarted empty once got
+// 0 of 640 requests for an adapter another worker held).
+TEST(RoutingTest, PrefillAffinityIsBoundedByLoad) {
+  PrefillView holder{true, false, 0, 0, 0, true, false};
+  PrefillView idle{true, false, 0, 0, 1 << 20, false, false};
+  for (int64_t load = 0; load <= 20; ++load) {
+    holder.queue_depth = load;
+    const std::vector<size_t> order = RankPrefill({holder, idle}, true, 1000);
+    // cap = ceil(1.25 x (load + 1) / 2): the holder stays first up to a load of 4, then the
+    // idle worker takes over.
+    EXPECT_EQ(order.front(), load <= 4 ? 0u : 1u) << "holder load " << load;
+  }
+  // Base-model requests are unaffected (load only).
+  holder.queue_depth = 3;
+  EXPECT_EQ(RankPrefill({holder, idle}, false, 0).front(), 1u);
 }
 
 TEST(RoutingTest, WorkerSpecsParseAndResolve) {
