@@ -39,9 +39,34 @@ RouterService::RouterService(const model::ModelConfig& config, const model::Toke
   }
   impl_->metrics = std::make_unique<RouterMetrics>(*metrics);
   impl_->access = std::make_unique<Access>(impl_->options.access);
+  Impl* impl = impl_.get();
+  pool->OnPrefillRejoin([impl](const std::shared_ptr<PrefillWorker>& w) {
+    std::vector<std::string> names;
+    {
+      std::lock_guard<std::mutex> lock(impl->mu);
+      if (impl->draining) return;
+      names.assign(impl->preloaded.begin(), impl->preloaded.end());
+    }
+    if (names.empty()) return;
+    impl->Spawn([impl, w, names] {
+      for (const std::string& name : names) {
+        absl::StatusOr<RegisteredAdapter> a = impl->registry->Get(name);
+        if (!a.ok()) continue;  // unregistered meanwhile
+        worker::v1::WorkerAdapterRequest req;
+        req.set_name(a->name);
+        req.set_version(a->version);
+        req.set_path(a->path);
+        worker::v1::AdapterState out;
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+        (void)w->stub->LoadAdapter(&ctx, req, &out);  // best effort: requests load on demand
+      }
+    });
+  });
 }
 
 RouterService::~RouterService() {
+  impl_->pool->OnPrefillRejoin(nullptr);  // no new preload threads after this
   std::unique_lock<std::mutex> lock(impl_->mu);
   impl_->idle.wait(lock, [&] { return impl_->threads == 0; });
 }
@@ -232,6 +257,10 @@ grpc::ServerUnaryReactor* RouterService::RegisterAdapter(grpc::CallbackServerCon
       impl_->pool->PollNow();
       s = LoadOnWorkers(impl_->pool, *a, 0);
       if (s.ok()) impl_->pool->PollNow();
+      if (s.ok()) {
+        std::lock_guard<std::mutex> lock(impl_->mu);
+        impl_->preloaded.insert(a->name);
+      }
     }
     if (s.ok()) *response->mutable_adapter() = ToInfo(*a, impl_->pool);
     reactor->Finish(rpc::ToGrpcStatus(s));
@@ -254,6 +283,8 @@ grpc::ServerUnaryReactor* RouterService::LoadAdapter(grpc::CallbackServerContext
     if (s.ok()) {
       impl_->pool->PollNow();
       *response->mutable_adapter() = ToInfo(*a, impl_->pool);
+      std::lock_guard<std::mutex> lock(impl_->mu);
+      impl_->preloaded.insert(a->name);
     }
     reactor->Finish(rpc::ToGrpcStatus(s));
   });
@@ -268,6 +299,10 @@ grpc::ServerUnaryReactor* RouterService::UnloadAdapter(grpc::CallbackServerConte
   impl_->Spawn([this, reactor, request] {
     absl::Status s = impl_->registry->Get(request->name()).status();
     if (s.ok()) s = UnloadOnWorkers(impl_->pool, request->name());
+    if (s.ok()) {
+      std::lock_guard<std::mutex> lock(impl_->mu);
+      impl_->preloaded.erase(request->name());
+    }
     if (s.ok() && request->unregister()) s = impl_->registry->Unregister(request->name());
     reactor->Finish(rpc::ToGrpcStatus(s));
   });

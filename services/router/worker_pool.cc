@@ -159,6 +159,11 @@ void WorkerPool::Refresh() {
   last_refresh_ = absl::Now();
 }
 
+void WorkerPool::OnPrefillRejoin(RejoinCallback fn) {
+  absl::MutexLock lock(&rejoin_mu_);
+  rejoin_ = std::move(fn);
+}
+
 void WorkerPool::PollNow() {
   for (const auto& w : decode()) {
     grpc::ClientContext ctx;
@@ -178,12 +183,14 @@ void WorkerPool::PollNow() {
     w->view.colocated = r.colocated();
     w->status = std::move(r);
   }
+  std::vector<std::shared_ptr<PrefillWorker>> rejoined;
   for (const auto& w : prefill()) {
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.poll_timeout));
     worker::v1::PrefillStatusResponse r;
     const grpc::Status s = w->stub->Status(&ctx, worker::v1::PrefillStatusRequest(), &r);
     absl::MutexLock lock(&w->mu);
+    if (s.ok() && !w->view.healthy) rejoined.push_back(w);
     w->view.healthy = s.ok();
     if (!s.ok()) continue;
     w->view.draining = r.draining();
@@ -191,6 +198,11 @@ void WorkerPool::PollNow() {
     w->view.running = r.running();
     w->view.adapter_bytes_free = r.adapter_bytes_free();
     w->status = std::move(r);
+  }
+  if (rejoined.empty()) return;
+  absl::MutexLock lock(&rejoin_mu_);
+  if (rejoin_) {
+    for (const auto& w : rejoined) rejoin_(w);
   }
 }
 

@@ -80,6 +80,12 @@ class WorkerPool {
   // Polls every worker now (tests; after membership changes).
   void PollNow();
 
+  // `fn` hears of every prefill worker that answers a poll after not answering (restarted,
+  // or new): the router loads preloaded adapters onto it again. Called on the polling thread,
+  // outside the pool's locks; null stops the calls, and once this returns none is running.
+  using RejoinCallback = std::function<void(const std::shared_ptr<PrefillWorker>&)>;
+  void OnPrefillRejoin(RejoinCallback fn);
+
  private:
   void Refresh();  // membership
   void Run();
@@ -89,6 +95,8 @@ class WorkerPool {
   std::vector<std::shared_ptr<DecodeWorker>> decode_ ABSL_GUARDED_BY(mu_);
   std::vector<std::shared_ptr<PrefillWorker>> prefill_ ABSL_GUARDED_BY(mu_);
   absl::Time last_refresh_ = absl::InfinitePast();
+  absl::Mutex rejoin_mu_;  // held while the callback runs
+  RejoinCallback rejoin_ ABSL_GUARDED_BY(rejoin_mu_);
   absl::Notification stop_;
   std::thread thread_;
 };

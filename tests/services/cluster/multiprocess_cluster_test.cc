@@ -90,6 +90,8 @@ class MultiProcessClusterTest : public ::testing::Test {
 
   void SetUp() override {
     const std::string model = testing::TinyLlamaFixture();
+    // Each test's router starts from an empty registry (it lives in the shared adapter root).
+    std::filesystem::remove_all(*dir_ / "adapters" / ".preft-registry");
     for (int i = 0; i < 2; ++i) {
       std::vector<std::string> argv = {Bin("services/decode/preft-decode"), "--model", model,
                                        "--kv-bytes", "16777216", "--threads", "1",
@@ -380,6 +382,53 @@ TEST_F(MultiProcessClusterTest, ARestartedDecodeWorkerTakesTrafficWithinSeconds)
   const double seconds = absl::ToDoubleSeconds(absl::Now() - restarted);
   EXPECT_TRUE(reached) << "no stream reached the restarted worker in 8 s";
   std::printf("the restarted decode worker took a stream %.1f s after it listened\n", seconds);
+}
+
+// An adapter loaded ahead of traffic is loaded again onto a prefill worker that comes back
+// after a crash, before any request asks for it.
+TEST_F(MultiProcessClusterTest, PreloadedAdaptersAreLoadedOntoARestartedPrefillWorker) {
+  {
+    grpc::ClientContext ctx;
+    v1::LoadAdapterRequest req;
+    req.set_name("a1");
+    req.set_num_workers(2);
+    req.set_prefill_only(true);
+    v1::LoadAdapterResponse resp;
+    ASSERT_TRUE(stub_->LoadAdapter(&ctx, req, &resp).ok());
+  }
+  // Asked of the worker itself (the router's view may lag a poll behind).
+  auto resident_on = [&](const std::string& address) {
+    auto stub = worker::v1::PrefillWorker::NewStub(
+        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    worker::v1::PrefillStatusResponse st;
+    if (!stub->Status(&ctx, worker::v1::PrefillStatusRequest(), &st).ok()) return false;
+    for (const auto& a : st.adapters()) {
+      if (a.name() == "a1" && a.residency() == v1::ADAPTER_RESIDENCY_RESIDENT) return true;
+    }
+    return false;
+  };
+  ASSERT_TRUE(resident_on(prefill_addresses_[0]));
+  prefill_[0]->Signal(SIGKILL);
+  prefill_[0]->Wait();
+  absl::SleepFor(absl::Seconds(1));  // the router sees it gone
+  std::vector<std::string> argv = {Bin("services/prefill/preft-prefill"), "--model",
+                                   testing::TinyLlamaFixture(), "--kv-bytes", "8388608",
+                                   "--threads", "1", "--adapter-root",
+                                   (*dir_ / "adapters").string(), "--listen",
+                                   prefill_addresses_[0]};
+  argv.insert(argv.end(), kShmUcxFlags.begin(), kShmUcxFlags.end());
+  auto p = ChildProcess::Spawn(argv, (*dir_ / "prefill0-restarted.log").string());
+  ASSERT_TRUE(p.ok()) << p.status();
+  prefill_[0] = std::move(p).value();
+  ASSERT_TRUE(prefill_[0]->WaitForAddress(absl::Seconds(60)).ok());
+  const absl::Time until = absl::Now() + absl::Seconds(15);
+  bool resident = false;
+  while (!(resident = resident_on(prefill_addresses_[0])) && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_TRUE(resident) << "a1 was not loaded again onto the restarted prefill worker";
 }
 
 // SIGTERM (Kubernetes preStop) on a decode worker mid-stream: it stops taking reservations,
