@@ -1,6 +1,7 @@
 // preft-router: the cluster's public gRPC API in front of prefill and decode workers (or, with
 // --colocated, of decode workers that run whole requests).
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -41,6 +42,7 @@ int main(int argc, char** argv) {
   rpc::TlsFiles tls;
   rpc::AddTlsFlags(app, &tls);
   double admission_timeout_s = 30, drain_timeout_s = 30, kv_path_suspect_s = 30;
+  double drain_min_s = 1;
   app.add_option("--model", model_dir, "base model folder (config.json, tokenizer.json)")->required();
   app.add_option("--listen", listen, "host:port to serve on (port 0 picks one)");
   app.add_option("--http-listen", http_listen, "OpenAI-compatible HTTP on host:port (/v1/completions, /v1/chat/completions, /v1/models, /health)");
@@ -56,6 +58,12 @@ int main(int argc, char** argv) {
   app.add_option("--poll-ms", poll_ms, "worker status poll interval")->check(CLI::PositiveNumber);
   app.add_option("--admission-timeout-s", admission_timeout_s, "wait for capacity when the client sets no deadline");
   app.add_option("--drain-timeout-s", drain_timeout_s, "on SIGTERM, wait this long for running requests");
+  app.add_option("--drain-min-s", drain_min_s,
+                 "on SIGTERM, answer new calls UNAVAILABLE (draining) for at least this long "
+                 "before the server shuts down, so clients retry elsewhere instead of seeing "
+                 "CANCELLED")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--kv-path-suspect-s", kv_path_suspect_s, "after a prefill worker could not deliver KV to a decode worker, use that decode worker only as a last resort for this long")->check(CLI::NonNegativeNumber)->capture_default_str();
   app.add_option("--admin-token-file", admin_token_file, "adapter admin RPCs need 'authorization: Bearer <this file's token>'");
   app.add_option("--api-token-file", api_token_file, "every other RPC needs 'authorization: Bearer <this file's token>' (or the admin token)");
@@ -196,7 +204,10 @@ int main(int argc, char** argv) {
   service.StartDrain();
   (*server)->SetServing("", false);
   const absl::Time until = absl::Now() + absl::Seconds(drain_timeout_s);
-  while (service.active_requests() > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(50));
+  const absl::Time at_least = absl::Now() + absl::Seconds(std::min(drain_min_s, drain_timeout_s));
+  while ((service.active_requests() > 0 && absl::Now() < until) || absl::Now() < at_least) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
   (*server)->Shutdown(absl::Seconds(5));
   return 0;
 }

@@ -431,6 +431,18 @@ TEST_F(MultiProcessClusterTest, PreloadedAdaptersAreLoadedOntoARestartedPrefillW
   EXPECT_TRUE(resident) << "a1 was not loaded again onto the restarted prefill worker";
 }
 
+// A call that reaches the router just after its SIGTERM is answered UNAVAILABLE "draining"
+// (retry elsewhere), not a bare CANCELLED from a server already shutting down.
+TEST_F(MultiProcessClusterTest, CallsAfterARoutersSigtermAreUnavailableDraining) {
+  router_->Signal(SIGTERM);
+  absl::SleepFor(absl::Milliseconds(200));
+  const auto out = testing::Generate(stub_.get(), Workload(1, 4), 10);
+  EXPECT_EQ(out.status.error_code(), grpc::StatusCode::UNAVAILABLE) << out.status.error_message();
+  EXPECT_NE(out.status.error_message().find("draining"), std::string::npos)
+      << out.status.error_message();
+  router_->Wait();
+}
+
 // SIGTERM (Kubernetes preStop) on a decode worker mid-stream: it stops taking reservations,
 // its streams run to the end with the right tokens, it exits 0; new requests go elsewhere.
 TEST_F(MultiProcessClusterTest, SigtermDrainsADecodeWorker) {
