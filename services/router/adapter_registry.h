@@ -51,6 +51,12 @@ class AdapterRegistry {
   absl::Status Unregister(const std::string& name);
   std::vector<RegisteredAdapter> List() const;  // by name
 
+  // Adapters loaded ahead of traffic, kept with the registry (durable, shared by routers).
+  absl::Status SetPreload(const std::string& name, bool preload) {
+    return store_.SetPreload(name, preload);
+  }
+  std::vector<std::string> Preloaded() const { return store_.Preloaded(); }
+
   // A new version from files (file name -> bytes). FailedPrecondition when `expected_version`
   // is set and is not the current one; InvalidArgument for a file name with a path in it.
   absl::StatusOr<RegisteredAdapter> Update(const std::string& name,

@@ -144,4 +144,27 @@ absl::Status RegistryStore::Remove(const std::string& name) const {
   return absl::OkStatus();
 }
 
+absl::Status RegistryStore::SetPreload(const std::string& name, bool preload) const {
+  if (CurrentVersion(name) == 0) {
+    return absl::NotFoundError(absl::StrCat("adapter '", name, "' is not registered"));
+  }
+  const std::string marker = Folder(name) + "/preload";
+  std::error_code ec;
+  if (!preload) {
+    fs::remove(marker, ec);
+    return absl::OkStatus();
+  }
+  if (fs::exists(marker, ec)) return absl::OkStatus();
+  return base::WriteStringToFile(marker, "");
+}
+
+std::vector<std::string> RegistryStore::Preloaded() const {
+  std::vector<std::string> out;
+  for (const RegistryRecord& r : List()) {
+    std::error_code ec;
+    if (fs::exists(Folder(r.name) + "/preload", ec)) out.push_back(r.name);
+  }
+  return out;
+}
+
 }  // namespace preft::router

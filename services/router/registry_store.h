@@ -46,6 +46,10 @@ class RegistryStore {
   std::vector<RegistryRecord> List() const;
   // NotFound when `name` has no record.
   absl::Status Remove(const std::string& name) const;
+  // Whether `name` is loaded ahead of traffic (a `preload` file beside its records), so that a
+  // worker that rejoins gets it again, whichever router sees the rejoin and after restarts.
+  absl::Status SetPreload(const std::string& name, bool preload) const;
+  std::vector<std::string> Preloaded() const;
 
  private:
   std::string Folder(const std::string& name) const;

@@ -6,7 +6,6 @@
 #include <map>
 #include <mutex>
 #include <random>
-#include <set>
 #include <string>
 #include <thread>
 
@@ -32,9 +31,6 @@ struct RouterService::Impl {
   int64_t threads = 0;           // driver threads of calls in flight
   bool draining = false;
   std::map<std::string, GenerateCall*> active;  // by request id
-  // Adapters an admin loaded ahead of traffic (RegisterAdapter(load), LoadAdapter): loaded
-  // again onto a prefill worker that rejoins (restarted after a crash, or new).
-  std::set<std::string> preloaded;
   uint64_t next_id = 0;
   std::mt19937_64 rng{std::random_device{}()};
 

@@ -41,15 +41,14 @@ RouterService::RouterService(const model::ModelConfig& config, const model::Toke
   impl_->access = std::make_unique<Access>(impl_->options.access);
   Impl* impl = impl_.get();
   pool->OnPrefillRejoin([impl](const std::shared_ptr<PrefillWorker>& w) {
-    std::vector<std::string> names;
     {
       std::lock_guard<std::mutex> lock(impl->mu);
       if (impl->draining) return;
-      names.assign(impl->preloaded.begin(), impl->preloaded.end());
     }
-    if (names.empty()) return;
-    impl->Spawn([impl, w, names] {
-      for (const std::string& name : names) {
+    // Adapters an admin loaded ahead of traffic (RegisterAdapter(load), LoadAdapter), as the
+    // registry keeps them: loaded again onto the rejoining worker, off the polling thread.
+    impl->Spawn([impl, w] {
+      for (const std::string& name : impl->registry->Preloaded()) {
         absl::StatusOr<RegisteredAdapter> a = impl->registry->Get(name);
         if (!a.ok()) continue;  // unregistered meanwhile
         worker::v1::WorkerAdapterRequest req;
@@ -257,10 +256,7 @@ grpc::ServerUnaryReactor* RouterService::RegisterAdapter(grpc::CallbackServerCon
       impl_->pool->PollNow();
       s = LoadOnWorkers(impl_->pool, *a, 0);
       if (s.ok()) impl_->pool->PollNow();
-      if (s.ok()) {
-        std::lock_guard<std::mutex> lock(impl_->mu);
-        impl_->preloaded.insert(a->name);
-      }
+      if (s.ok()) s = impl_->registry->SetPreload(a->name, true);
     }
     if (s.ok()) *response->mutable_adapter() = ToInfo(*a, impl_->pool);
     reactor->Finish(rpc::ToGrpcStatus(s));
@@ -283,8 +279,7 @@ grpc::ServerUnaryReactor* RouterService::LoadAdapter(grpc::CallbackServerContext
     if (s.ok()) {
       impl_->pool->PollNow();
       *response->mutable_adapter() = ToInfo(*a, impl_->pool);
-      std::lock_guard<std::mutex> lock(impl_->mu);
-      impl_->preloaded.insert(a->name);
+      s = impl_->registry->SetPreload(a->name, true);
     }
     reactor->Finish(rpc::ToGrpcStatus(s));
   });
@@ -299,10 +294,7 @@ grpc::ServerUnaryReactor* RouterService::UnloadAdapter(grpc::CallbackServerConte
   impl_->Spawn([this, reactor, request] {
     absl::Status s = impl_->registry->Get(request->name()).status();
     if (s.ok()) s = UnloadOnWorkers(impl_->pool, request->name());
-    if (s.ok()) {
-      std::lock_guard<std::mutex> lock(impl_->mu);
-      impl_->preloaded.erase(request->name());
-    }
+    if (s.ok() && !request->unregister()) s = impl_->registry->SetPreload(request->name(), false);
     if (s.ok() && request->unregister()) s = impl_->registry->Unregister(request->name());
     reactor->Finish(rpc::ToGrpcStatus(s));
   });

@@ -197,6 +197,24 @@ TEST_F(AdapterRegistryTest, RegistrationsAndVersionsSurviveARestart) {
   EXPECT_TRUE(restarted.Register("d", "direft").ok());  // the name is free again
 }
 
+// Which adapters are preloaded is kept with the registry: another router (or a restarted one)
+// knows which to load onto a worker that rejoins.
+TEST_F(AdapterRegistryTest, PreloadMarksAreSharedAndGoWithTheAdapter) {
+  ASSERT_TRUE(registry_->Register("u", "lora").ok());
+  ASSERT_TRUE(registry_->Register("d", "direft").ok());
+  EXPECT_EQ(registry_->SetPreload("nobody", true).code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(registry_->SetPreload("u", true).ok());
+  ASSERT_TRUE(registry_->SetPreload("u", true).ok());  // idempotent
+  auto c = model::ModelConfig::FromFile(testing::TinyLlamaFixture() + "/config.json");
+  AdapterRegistry other(*c, "tiny", root_.string(), adapters::LoadOptions{});
+  EXPECT_EQ(other.Preloaded(), std::vector<std::string>{"u"});
+  ASSERT_TRUE(other.SetPreload("d", true).ok());
+  ASSERT_TRUE(other.SetPreload("u", false).ok());
+  EXPECT_EQ(registry_->Preloaded(), std::vector<std::string>{"d"});
+  ASSERT_TRUE(registry_->Unregister("d").ok());
+  EXPECT_TRUE(other.Preloaded().empty());
+}
+
 // Two routers sharing the root, each sent UpdateAdapter(expected_version = v) at once: exactly
 // one makes v + 1, the other gets FAILED_PRECONDITION, round after round.
 TEST_F(AdapterRegistryTest, TwoRoutersRacingForAVersionExactlyOneWins) {
