@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -26,8 +27,15 @@ struct Fixture {
 const Fixture& Get() {
   static Fixture* f = [] {
     auto* f = new Fixture;
-    auto tok = preft::model::Tokenizer::LoadFromModelDir(std::string(PREFT_SHARED_DIR) +
-                                                         "/fixtures/tiny-llama");
+    // make-model's qwen2 tokenizer (byte-level BPE, Qwen2's NFC normalizer), written once.
+    const std::string dir = "/tmp/preft_train_data_fuzz_tokenizer_" + std::to_string(getpid());
+    std::filesystem::create_directories(dir);
+    preft::model::SyntheticTokenizerOptions options;
+    options.vocab_size = 512;
+    options.style = "qwen2";
+    int32_t bos = -1, eos = -1;
+    if (!preft::model::WriteSyntheticTokenizer(dir, options, &bos, &eos).ok()) std::abort();
+    auto tok = preft::model::Tokenizer::LoadFromModelDir(dir);
     if (!tok.ok()) std::abort();
     f->tokenizer = std::move(tok).value();
     auto chat = preft::model::ChatTemplate::Create(preft::model::BuiltinChatTemplate("llama3"),
@@ -49,7 +57,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   preft::train::SftDataOptions o;
   o.max_length = 256;
-  o.vocab_size = 260;  // below the fixture tokenizer's: some ids must be refused
+  o.vocab_size = 260;  // below the tokenizer's 512: some ids must be refused
   auto examples = preft::train::ReadSftData(f.path, *f.tokenizer, f.chat.get(), o);
   if (examples.ok()) {
     for (const preft::train::Example& e : *examples) {
