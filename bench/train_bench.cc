@@ -27,6 +27,12 @@
 namespace preft {
 namespace {
 
+client::ClientOptions ClientFor(const std::string& address) {
+  client::ClientOptions o;
+  o.address = address;
+  return o;
+}
+
 using bench::Clock;
 using bench::Seconds;
 
@@ -152,7 +158,7 @@ int RunRlBench(const std::string& dir, int iterations, int64_t group, int64_t ba
   spec.preft_positions = model::AdapterPositions::kPrompt;
   auto start = train::TrainableAdapter::Create(*config, spec, 1, torch::kFloat32);
   if (!start.ok() || !(*start)->Write(work + "/adapters/policy").ok()) return 1;
-  auto client = client::Client::Connect({.address = (*cluster)->address()});
+  auto client = client::Client::Connect(ClientFor((*cluster)->address()));
   if (!client.ok() || !(*client)->RegisterAdapter("policy", "policy").ok()) return 1;
   {
     std::FILE* f = std::fopen((work + "/prompts.jsonl").c_str(), "w");

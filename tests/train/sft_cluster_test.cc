@@ -22,6 +22,12 @@
 namespace preft::train {
 namespace {
 
+client::ClientOptions ClientFor(const std::string& address) {
+  client::ClientOptions o;
+  o.address = address;
+  return o;
+}
+
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
@@ -97,7 +103,7 @@ TEST(SftClusterTest, TrainedPromptOnlyAdaptersReproduceTheirPairsThroughALiveClu
   o.threads = 1;
   auto cluster = tools::EmbeddedCluster::Start(o);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
-  auto client = client::Client::Connect({.address = (*cluster)->address()});
+  auto client = client::Client::Connect(ClientFor((*cluster)->address()));
   ASSERT_TRUE(client.ok());
   for (const char* name : {"lorap", "direftp"}) {
     auto info = (*client)->RegisterAdapter(name, name);

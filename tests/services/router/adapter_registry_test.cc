@@ -117,7 +117,7 @@ TEST_F(AdapterRegistryTest, RefusesLinkedFilesAndControlCharactersAndHidesServer
   EXPECT_EQ(linked.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(linked.status().message().find("adapter_config.json is a symbolic link"),
             std::string::npos) << linked.status();
-  for (const std::string bad : {std::string("lora\0x", 6), std::string("lo\x01ra"), std::string("lora\n")}) {
+  for (const std::string& bad : {std::string("lora\0x", 6), std::string("lo\x01ra"), std::string("lora\n")}) {
     auto r = registry_->Register("c", bad);
     ASSERT_FALSE(r.ok());
     EXPECT_NE(r.status().message().find("control character"), std::string::npos) << r.status();
