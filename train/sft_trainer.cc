@@ -33,14 +33,19 @@ class BatchPlan {
  public:
   BatchPlan(const std::vector<Example>& data, const SftOptions& o) : data_(data), o_(o) {}
 
-  int64_t MicroBatchesPerEpoch() {
-    return static_cast<int64_t>(Epoch(0).size());
+  // Micro-batches in the first `epochs` epochs (each epoch's packing depends on its order, so
+  // epochs may differ by a micro-batch or two).
+  int64_t MicroBatches(int64_t epochs) {
+    while (static_cast<int64_t>(ends_.size()) < epochs) Extend();
+    return epochs == 0 ? 0 : ends_[epochs - 1];
   }
   std::vector<std::vector<const Example*>> Step(int64_t step) {
     std::vector<std::vector<const Example*>> out;
-    const int64_t per_epoch = MicroBatchesPerEpoch();
     for (int64_t m = step * o_.grad_accum; m < (step + 1) * o_.grad_accum; ++m) {
-      out.push_back(Epoch(m / per_epoch)[m % per_epoch]);
+      while (ends_.empty() || ends_.back() <= m) Extend();
+      const int64_t epoch = std::upper_bound(ends_.begin(), ends_.end(), m) - ends_.begin();
+      const int64_t start = epoch == 0 ? 0 : ends_[epoch - 1];
+      out.push_back(Epoch(epoch)[m - start]);
     }
     return out;
   }
@@ -73,8 +78,16 @@ class BatchPlan {
     return cached_;
   }
 
+  // The next epoch's micro-batch count, as a running total.
+  void Extend() {
+    const int64_t epoch = static_cast<int64_t>(ends_.size());
+    const int64_t before = ends_.empty() ? 0 : ends_.back();
+    ends_.push_back(before + static_cast<int64_t>(Epoch(epoch).size()));
+  }
+
   const std::vector<Example>& data_;
   const SftOptions& o_;
+  std::vector<int64_t> ends_;  // micro-batches through epoch e, cumulative
   int64_t cached_epoch_ = -1;
   std::vector<std::vector<const Example*>> cached_;
 };
@@ -266,8 +279,12 @@ absl::StatusOr<SftResult> RunSft(const SftOptions& o, std::FILE* progress) {
   }
 
   BatchPlan plan(data, o);
-  const int64_t per_epoch = (plan.MicroBatchesPerEpoch() + o.grad_accum - 1) / o.grad_accum;
-  const int64_t total = o.steps > 0 ? o.steps : o.epochs * per_epoch;
+  // Steps of --epochs passes over the data (the last step may reach into the next epoch's first
+  // micro-batches to fill its --grad-accum); per epoch, for the log's fractional epoch.
+  const int64_t epoch_steps = (plan.MicroBatches(std::max<int64_t>(1, o.epochs)) + o.grad_accum - 1) /
+                              o.grad_accum;
+  const int64_t total = o.steps > 0 ? o.steps : epoch_steps;
+  const int64_t per_epoch = std::max<int64_t>(1, epoch_steps / std::max<int64_t>(1, o.epochs));
   std::error_code ec;
   fs::create_directories(o.out_dir, ec);
   if (ec) return absl::PermissionDeniedError(absl::StrCat(o.out_dir, ": ", ec.message()));

@@ -15,6 +15,7 @@
 #include "absl/strings/str_split.h"
 #include "clients/cpp/preft_client.h"
 #include "common/base/mapped_file.h"
+#include "common/model/tokenizer.h"
 #include "tests/train/train_test_util.h"
 #include "tools/preft/embedded_cluster.h"
 #include "train/sft_trainer.h"
@@ -200,6 +201,46 @@ TEST(SftTrainerTest, EvalLossFallsAsTrainingFitsTheSameDataAndIsLogged) {
   auto config = base::ReadFileToString(root + "/out/adapter_config.json");
   ASSERT_TRUE(config.ok());
   EXPECT_EQ(nlohmann::json::parse(*config)["preft_positions"], "prompt");
+}
+
+// Examples of very different lengths: each epoch's order packs them anew (the number of
+// micro-batches may differ between epochs); eight epochs see every example eight times.
+TEST(SftTrainerTest, EpochsThatPackDifferentlyAllRun) {
+  const std::string model = testing::TinyModel("tiny", 3);
+  const std::string root = testing::TempDir("sft_packing");
+  std::vector<Pair> pairs = Pairs(30, 8);
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    for (size_t k = 0; k < (i * 7) % 5; ++k) pairs[i].prompt += " and then some more words";
+  }
+  SftOptions o = Options(model, WriteJsonl(root + "/train.jsonl", pairs), root + "/out");
+  o.adapter.kind = model::AdapterKind::kLora;
+  o.adapter.rank = 2;
+  o.batch_tokens = 300;
+  o.epochs = 8;
+  o.threads = 1;
+  auto r = RunSft(o, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  auto log = base::ReadFileToString(root + "/out/train_log.jsonl");
+  ASSERT_TRUE(log.ok());
+  int64_t lines = 0, tokens = 0;
+  for (absl::string_view line : absl::StrSplit(*log, '\n', absl::SkipEmpty())) {
+    ++lines;
+    tokens += nlohmann::json::parse(line)["tokens"].get<int64_t>();
+  }
+  EXPECT_EQ(lines, r->steps);
+  // Every epoch saw every example once: the tokens of 8 passes (the last step may reach a little
+  // into a ninth).
+  int64_t per_pass = 0;
+  {
+    auto tok = model::Tokenizer::LoadFromModelDir(model);
+    ASSERT_TRUE(tok.ok());
+    for (const Pair& p : pairs) {
+      per_pass += static_cast<int64_t>((*tok)->Encode(p.prompt, true)->size() +
+                                       (*tok)->Encode(p.completion, false)->size() + 1);
+    }
+  }
+  EXPECT_GE(tokens, 8 * per_pass);
+  EXPECT_LT(tokens, 9 * per_pass);
 }
 
 TEST(SftTrainerTest, ResumeFromACheckpointEndsWhereAnUnbrokenRunEnds) {
