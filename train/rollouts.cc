@@ -5,25 +5,17 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/base/fnv.h"
 
 namespace preft::train {
-namespace {
-
-uint64_t Mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-}  // namespace
-
 absl::StatusOr<std::vector<Rollout>> CollectRollouts(client::Client& client,
                                                      const std::vector<const RlPrompt*>& prompts,
                                                      int64_t iteration,
                                                      const RolloutOptions& o) {
   const int64_t n = static_cast<int64_t>(prompts.size()) * o.group;
   std::vector<Rollout> out(n);
+  const uint64_t iteration_seed =
+      base::SplitMix64(o.seed ^ base::SplitMix64(static_cast<uint64_t>(iteration)));
   std::atomic<int64_t> next{0};
   absl::Mutex mu;
   absl::Status first_error;
@@ -42,8 +34,7 @@ absl::StatusOr<std::vector<Rollout>> CollectRollouts(client::Client& client,
       params.positions = o.positions;
       params.max_tokens = o.max_tokens;
       params.temperature = o.temperature;
-      params.seed = Mix(Mix(o.seed ^ Mix(static_cast<uint64_t>(iteration))) ^
-                        static_cast<uint64_t>(i));
+      params.seed = base::SplitMix64(iteration_seed ^ static_cast<uint64_t>(i));
       params.logprobs = 0;
       params.logprobs_mode = v1::LOGPROBS_MODE_PROCESSED;
       absl::StatusOr<client::Generation> g =

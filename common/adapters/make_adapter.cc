@@ -13,13 +13,6 @@ namespace {
 // The update's size relative to what it is added to (see make_adapter.h).
 constexpr double kRelativeUpdate = 0.3;
 
-uint64_t SplitMix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 // Box-Muller over mt19937_64: std::normal_distribution's algorithm differs between standard
 // libraries, and a seed should give the same adapter wherever it is built.
 class Normal {
@@ -70,7 +63,7 @@ absl::Status WriteRandomAdapter(const model::ModelConfig& base, const RandomAdap
                                              name.ends_with("proj_layer.weight") ||
                                              name.ends_with("learned_source.bias"));
     const double std = zeroed ? 0.0 : RandomStd(spec, name, shapes.at(name));
-    Normal normal(SplitMix64(spec.seed ^ base::Fnv1a64(name)));
+    Normal normal(base::SplitMix64(spec.seed ^ base::Fnv1a64(name)));
     for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(normal.Next() * std);
   };
   return WriteAdapter(base, spec, fill, out_dir);

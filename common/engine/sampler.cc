@@ -4,16 +4,10 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "common/base/fnv.h"
 
 namespace preft::engine {
 namespace {
-
-uint64_t SplitMix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 constexpr float kGreedyEpsilon = 1e-5f;
 
@@ -37,7 +31,8 @@ absl::Status SamplingParams::Validate(int64_t vocab_size) const {
 }
 
 double UniformFromCounter(uint64_t seed, uint64_t step) {
-  const uint64_t bits = SplitMix64(SplitMix64(seed) ^ SplitMix64(step + 0x632be59bd9b4e019ull));
+  const uint64_t bits = base::SplitMix64(base::SplitMix64(seed) ^
+                                         base::SplitMix64(step + 0x632be59bd9b4e019ull));
   return static_cast<double>(bits >> 11) * 0x1.0p-53;
 }
 

@@ -155,13 +155,6 @@ std::map<std::string, ModelConfig> Presets() {
   return p;
 }
 
-uint64_t SplitMix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 uint64_t HashName(std::string_view s) { return base::Fnv1a64(s); }
 
 // murmur3's finalizer: 32-bit multiplies, so the fill loop vectorizes with AVX2.
@@ -264,7 +257,7 @@ absl::Status WriteShard(const std::string& path, const std::vector<const Expecte
     if (t->is_norm) {
       FillOnes(dtype, n, buffer->data());
     } else {
-      FillUniform(SplitMix64(seed ^ HashName(t->name)), InitStd(*t), dtype, n, buffer->data());
+      FillUniform(base::SplitMix64(seed ^ HashName(t->name)), InitStd(*t), dtype, n, buffer->data());
     }
     PREFT_RETURN_IF_ERROR(writer->Append(buffer->data(), static_cast<size_t>(s->num_bytes())));
     wrote(s->num_bytes());

@@ -41,11 +41,10 @@ namespace {
 // A loader error as the client may see it: paths relative to the adapter root (the root's
 // location and the versions folder are the server's business), and a corrupt or truncated
 // file is the client's bad input (InvalidArgument), not the server's DataLoss.
-absl::Status ClientFacing(const absl::Status& s, const std::string& root, const std::string& name) {
-  std::error_code ec;
-  const std::string canonical_root = std::filesystem::canonical(root, ec).string();
+absl::Status ClientFacing(const absl::Status& s, const std::string& canonical_root,
+                          const std::string& name) {
   std::string message(s.message());
-  if (!ec && !canonical_root.empty()) {
+  if (!canonical_root.empty()) {
     message = absl::StrReplaceAll(message, {{canonical_root + "/", ""}});
   }
   message = absl::StrReplaceAll(
@@ -60,10 +59,10 @@ absl::Status ClientFacing(const absl::Status& s, const std::string& root, const 
 absl::StatusOr<RegisteredAdapter> AdapterRegistry::Inspect(const std::string& name,
                                                            const std::string& dir) const {
   absl::StatusOr<std::string> path = adapters::ResolveUnderRoot(root_, dir);
-  if (!path.ok()) return ClientFacing(path.status(), root_, name);
+  if (!path.ok()) return ClientFacing(path.status(), canonical_root_, name);
   absl::StatusOr<std::unique_ptr<model::AdapterWeights>> weights =
       adapters::LoadAdapter(*path, base_, load_);
-  if (!weights.ok()) return ClientFacing(weights.status(), root_, name);
+  if (!weights.ok()) return ClientFacing(weights.status(), canonical_root_, name);
   RegisteredAdapter a;
   a.name = name;
   a.path = *path;
@@ -124,7 +123,7 @@ absl::StatusOr<RegisteredAdapter> AdapterRegistry::Get(const std::string& name) 
   }
   auto it = cache_.find(name);
   if (it != cache_.end() && it->second.version == version) return it->second;
-  PREFT_ASSIGN_OR_RETURN(RegistryRecord r, store_.Current(name));
+  PREFT_ASSIGN_OR_RETURN(RegistryRecord r, store_.Read(name, version));
   RegisteredAdapter a = FromRecord(r);
   cache_[name] = a;
   return a;

@@ -42,6 +42,8 @@ class RegistryStore {
   absl::StatusOr<RegistryRecord> Current(const std::string& name) const;
   // The highest version of `name`, or 0 (cheap: one directory listing).
   int64_t CurrentVersion(const std::string& name) const;
+  // Version `version` of `name` (NotFound when absent, DataLoss when unreadable).
+  absl::StatusOr<RegistryRecord> Read(const std::string& name, int64_t version) const;
   // Every name's current record, by name.
   std::vector<RegistryRecord> List() const;
   // NotFound when `name` has no record.
@@ -53,7 +55,6 @@ class RegistryStore {
 
  private:
   std::string Folder(const std::string& name) const;
-  absl::StatusOr<RegistryRecord> Read(const std::string& name, int64_t version) const;
 
   const std::string root_;
 };
