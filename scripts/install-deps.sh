@@ -34,6 +34,7 @@ DEV_PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   libabsl-dev libucx-dev ucx-utils prometheus-cpp-dev prometheus openssl
   libopenblas-dev nlohmann-json3-dev libpcre2-dev libcpp-httplib-dev libcli11-dev libutf8proc-dev
+  libboost-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev
   python3 python3-numpy python3-grpcio python3-grpc-tools python3-jinja2 gnuplot-nox

@@ -26,6 +26,12 @@ struct LoadOptions {
   // For the CPU kernels: matrices they can take chunked (kernels::cpu::LowRankChunkable) are
   // stored so, for a faster multi-LoRA decode. Not for adapters a GPU backend uploads.
   bool cpu_layout = false;
+  // The adapter root, for folders a client named: the folder must lie under it, and it and
+  // its files are opened beneath it following no symbolic link (base::OpenBeneath), so nothing
+  // resolves outside the root even when links or renames race the load. "" (local use, e.g.
+  // `preft generate --adapter`): the folder as given, links followed (a Hugging Face cache's
+  // snapshot folders are links to its blobs).
+  std::string confine_to;
 };
 
 // Loads the adapter in `dir` for a model with config `base`. Errors name the file and the

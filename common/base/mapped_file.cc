@@ -89,7 +89,8 @@ class ReadBufferPool {
 
 // Opens `path` read-only and returns its size; a regular file or an error naming the path.
 absl::StatusOr<size_t> OpenRegular(const std::string& path, int* fd) {
-  *fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO in a file's place is refused below, not waited on.
+  *fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (*fd < 0) {
     int err = errno;
     auto msg = absl::StrCat(path, ": cannot open: ", std::strerror(err));
@@ -129,11 +130,19 @@ absl::StatusOr<std::unique_ptr<MappedFile>> MappedFile::Open(const std::string& 
 // the same file into memory at ~6 GB/s. Files read once are cheaper copied than mapped.
 absl::StatusOr<std::unique_ptr<MappedFile>> MappedFile::Read(const std::string& path) {
   int fd = -1;
-  PREFT_ASSIGN_OR_RETURN(const size_t size, OpenRegular(path, &fd));
-  if (size == 0) {
-    ::close(fd);
-    return std::unique_ptr<MappedFile>(new MappedFile(path, nullptr, 0));
+  PREFT_RETURN_IF_ERROR(OpenRegular(path, &fd).status());
+  absl::StatusOr<std::unique_ptr<MappedFile>> file = ReadOpened(fd, path);
+  ::close(fd);
+  return file;
+}
+
+absl::StatusOr<std::unique_ptr<MappedFile>> MappedFile::ReadOpened(int fd, const std::string& path) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
   }
+  const size_t size = static_cast<size_t>(st.st_size);
+  if (size == 0) return std::unique_ptr<MappedFile>(new MappedFile(path, nullptr, 0));
   ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
   size_t capacity = 0;
   std::unique_ptr<uint8_t[]> copy = ReadBufferPool::Get().Take(size, &capacity);
@@ -143,14 +152,12 @@ absl::StatusOr<std::unique_ptr<MappedFile>> MappedFile::Read(const std::string& 
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
       const int err = n < 0 ? errno : 0;
-      ::close(fd);
       return absl::DataLossError(absl::StrCat(
           path, ": read failed after ", done, " of ", size, " bytes",
           err != 0 ? absl::StrCat(": ", std::strerror(err)) : " (file shrank while read)"));
     }
     done += static_cast<size_t>(n);
   }
-  ::close(fd);
   auto file = std::unique_ptr<MappedFile>(new MappedFile(path, copy.get(), size));
   file->copy_ = std::move(copy);
   file->copy_capacity_ = capacity;
@@ -191,6 +198,18 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
   ss << in.rdbuf();
   if (in.bad()) return absl::DataLossError(absl::StrCat(path, ": read failed"));
   return ss.str();
+}
+
+absl::StatusOr<std::string> ReadOpenedToString(int fd, const std::string& path) {
+  std::string out;
+  char buf[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return absl::DataLossError(absl::StrCat(path, ": read failed: ", std::strerror(errno)));
+    if (n == 0) return out;
+    out.append(buf, static_cast<size_t>(n));
+  }
 }
 
 absl::Status WriteStringToFile(const std::string& path, const std::string& contents) {

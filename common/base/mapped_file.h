@@ -18,6 +18,8 @@ class MappedFile {
  public:
   static absl::StatusOr<std::unique_ptr<MappedFile>> Open(const std::string& path);
   static absl::StatusOr<std::unique_ptr<MappedFile>> Read(const std::string& path);
+  // As Read, from a descriptor the caller opened (and still owns); `path` names it in errors.
+  static absl::StatusOr<std::unique_ptr<MappedFile>> ReadOpened(int fd, const std::string& path);
   ~MappedFile();
   MappedFile(const MappedFile&) = delete;
   MappedFile& operator=(const MappedFile&) = delete;
@@ -41,6 +43,8 @@ class MappedFile {
 
 // Reads a whole (small) file into a string, e.g. a JSON config.
 absl::StatusOr<std::string> ReadFileToString(const std::string& path);
+// As ReadFileToString, from an open descriptor (read to its end); `path` names it in errors.
+absl::StatusOr<std::string> ReadOpenedToString(int fd, const std::string& path);
 
 // Writes `contents` to `path` (truncating).
 absl::Status WriteStringToFile(const std::string& path, const std::string& contents);

@@ -82,6 +82,11 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Read(const std
   return FromImage(base::MappedFile::Read(path));
 }
 
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::ReadOpened(
+    int fd, const std::string& path) {
+  return FromImage(base::MappedFile::ReadOpened(fd, path));
+}
+
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Parse(std::string source,
                                                                         const uint8_t* data,
                                                                         size_t size) {

@@ -43,6 +43,9 @@ class SafetensorsFile {
   // As Open, but reads the file into private memory (base::MappedFile::Read): for small files
   // whose tensors are copied once and dropped (adapters).
   static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Read(const std::string& path);
+  // As Read, from a descriptor the caller opened (base::OpenBeneath) and still owns.
+  static absl::StatusOr<std::unique_ptr<SafetensorsFile>> ReadOpened(int fd,
+                                                                     const std::string& path);
 
   // Parses an in-memory image (the fuzz target's entry); `data` must outlive the result.
   static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Parse(std::string source,

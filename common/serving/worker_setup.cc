@@ -160,6 +160,11 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f) {
                  "on SIGTERM, how long work in flight may take to finish")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--drain-min-s", f->drain_min_s,
+                 "on SIGTERM, answer new calls UNAVAILABLE (draining) for at least this long "
+                 "before shutting down, so routers retry elsewhere")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
 }
 
 void AddAdapterStoreFlags(CLI::App& app, AdapterStoreFlags* f) {

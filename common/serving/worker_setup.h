@@ -74,6 +74,10 @@ struct WorkerFlags {
   int tensor_parallel = 1;
   TransportFlags transport;
   double drain_timeout_s = 30;
+  // On SIGTERM, new calls are answered UNAVAILABLE ("draining") for at least this long before
+  // the server shuts down, so routers see the drain (their status poll) and retry elsewhere
+  // instead of meeting a bare CANCELLED.
+  double drain_min_s = 1;
   rpc::TlsFiles tls;  // the worker's gRPC server, and the channels it dials
 };
 void AddWorkerFlags(CLI::App& app, WorkerFlags* flags);

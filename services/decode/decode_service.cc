@@ -247,6 +247,7 @@ absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(
   if (options.all_position_adapters || options.colocated) {
     adapters::AdapterStoreOptions store = options.store;
     store.load.cpu_layout = engine->backend().cpu_adapter_kernels();
+    store.load.confine_to = options.adapter_root;
     impl->store = std::make_unique<adapters::AdapterStore>(impl->config, store);
     impl->versioned =
         std::make_unique<adapters::VersionedAdapters>(impl->store.get(), options.adapter_root);

@@ -97,7 +97,8 @@ int Run(const Flags& f) {
   (*server)->SetServing(kServiceName, false);
   (*server)->SetServing("", false);
   const absl::Time deadline = absl::Now() + absl::Seconds(f.drain_timeout_s);
-  while ((*service)->active_streams() > 0 && absl::Now() < deadline) {
+  const absl::Time at_least = absl::Now() + absl::Seconds(std::min(f.drain_min_s, f.drain_timeout_s));
+  while (((*service)->active_streams() > 0 && absl::Now() < deadline) || absl::Now() < at_least) {
     absl::SleepFor(absl::Milliseconds(50));
   }
   if ((*service)->active_streams() > 0) {

@@ -6,6 +6,7 @@
 // finish (up to --drain-timeout-s), then the server shuts down. Exit codes: 0 after a drain,
 // 2 for bad flags, 1 when the model, transport or server cannot start.
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -90,7 +91,8 @@ int Run(const Flags& f) {
   (*server)->SetServing(service_name, false);
   (*server)->SetServing("", false);
   const absl::Time deadline = absl::Now() + absl::Seconds(f.drain_timeout_s);
-  while ((*service)->active_requests() > 0 && absl::Now() < deadline) {
+  const absl::Time at_least = absl::Now() + absl::Seconds(std::min(f.drain_min_s, f.drain_timeout_s));
+  while (((*service)->active_requests() > 0 && absl::Now() < deadline) || absl::Now() < at_least) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   if ((*service)->active_requests() > 0) {

@@ -411,6 +411,7 @@ PrefillService::Impl::Impl(std::unique_ptr<engine::Engine> engine,
   adapters::AdapterStoreOptions store_options = options.store;
   store_options.load.dtype = engine->backend().adapter_dtype();
   store_options.load.cpu_layout = engine->backend().cpu_adapter_kernels();
+  store_options.load.confine_to = options.adapter_root;
   store = std::make_unique<adapters::AdapterStore>(engine->config(), store_options);
   versioned = std::make_unique<adapters::VersionedAdapters>(store.get(), options.adapter_root);
   endpoint = wire::MakeEndpoint(*transport, layout);

@@ -24,12 +24,22 @@ absl::Status ValidateAdapterName(const std::string& name) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// Every folder the registry loads was named by a client: it is read beneath the root.
+adapters::LoadOptions Confined(adapters::LoadOptions load, const std::string& root) {
+  load.confine_to = root;
+  return load;
+}
+
+}  // namespace
+
 AdapterRegistry::AdapterRegistry(const model::ModelConfig& base, std::string base_name,
                                  std::string root, adapters::LoadOptions load)
     : base_(base),
       base_name_(std::move(base_name)),
       root_(std::move(root)),
-      load_(load),
+      load_(Confined(std::move(load), root_)),
       store_(root_) {
   std::error_code ec;
   const std::filesystem::path canonical = std::filesystem::canonical(root_, ec);

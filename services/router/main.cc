@@ -43,9 +43,27 @@ int main(int argc, char** argv) {
   rpc::AddTlsFlags(app, &tls);
   double admission_timeout_s = 30, drain_timeout_s = 30, kv_path_suspect_s = 30;
   double drain_min_s = 1;
+  http::EventServerOptions http_options;
+  double http_header_timeout_s = 10, http_idle_timeout_s = 30;
   app.add_option("--model", model_dir, "base model folder (config.json, tokenizer.json)")->required();
   app.add_option("--listen", listen, "host:port to serve on (port 0 picks one)");
   app.add_option("--http-listen", http_listen, "OpenAI-compatible HTTP on host:port (/v1/completions, /v1/chat/completions, /v1/models, /health)");
+  app.add_option("--http-max-connections", http_options.max_connections,
+                 "open HTTP connections in all; past the cap only /health is served")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--http-max-connections-per-client", http_options.max_connections_per_client,
+                 "open HTTP connections per client address; past it only /health is served")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--http-header-timeout-s", http_header_timeout_s,
+                 "an HTTP client has this long from connecting to the end of its headers")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--http-idle-timeout-s", http_idle_timeout_s,
+                 "a kept-alive HTTP connection closes after this long without a request")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--metrics-listen", metrics_listen, "serve Prometheus metrics on host:port (GET /metrics); none if unset");
   bool colocated = false;
   app.add_option("--prefill", prefill, "prefill workers: host:port or dns:NAME:PORT (repeatable, comma-separated); required unless --colocated");
@@ -178,10 +196,13 @@ int main(int argc, char** argv) {
   std::unique_ptr<router::OpenAiServer> http;
   if (!http_listen.empty()) {
     router::OpenAiServerOptions h;
-    h.address = http_listen;
+    h.http = http_options;
+    h.http.address = http_listen;
+    h.http.header_timeout = absl::Seconds(http_header_timeout_s);
+    h.http.idle_timeout = absl::Seconds(http_idle_timeout_s);
+    h.http.max_body_bytes = max_request_bytes;
     h.router = (*server)->grpc_server()->InProcessChannel(grpc::ChannelArguments());
     h.tokenizer = tokenizer.get();
-    h.max_body_bytes = max_request_bytes;
     auto chat = router::ChatRendererFor(model_dir);
     if (!chat.ok()) {
       std::fprintf(stderr, "preft-router: %s\n", chat.status().ToString().c_str());
@@ -200,14 +221,17 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
 
   serving::WaitForTerminationSignal();
-  http.reset();  // no new HTTP requests; its streams are router calls, drained below
   service.StartDrain();
   (*server)->SetServing("", false);
   const absl::Time until = absl::Now() + absl::Seconds(drain_timeout_s);
   const absl::Time at_least = absl::Now() + absl::Seconds(std::min(drain_min_s, drain_timeout_s));
+  // No new HTTP connections; responses in progress (router calls, which the drain lets
+  // finish) end within the drain window, then the rest are cancelled.
+  if (http != nullptr) http->Stop(absl::Seconds(drain_timeout_s));
   while ((service.active_requests() > 0 && absl::Now() < until) || absl::Now() < at_least) {
     absl::SleepFor(absl::Milliseconds(50));
   }
+  http.reset();
   (*server)->Shutdown(absl::Seconds(5));
   return 0;
 }

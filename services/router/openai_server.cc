@@ -1,16 +1,14 @@
 #include "services/router/openai_server.h"
 
 #include <grpcpp/grpcpp.h>
-#include <httplib.h>
 
 #include <ctime>
-#include <deque>
 #include <random>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
-#include "common/http/bind.h"
+#include "common/base/status_macros.h"
 #include "common/model/chat_template.h"
 #include "common/rpc/status.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
@@ -23,15 +21,17 @@ namespace preft::router {
 namespace {
 
 using nlohmann::json;
+using Exchange = std::shared_ptr<http::HttpExchange>;
 
 // Tokens' bytes may be partial UTF-8 (logprobs): replaced, never a throw.
 std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
-void SendError(httplib::Response& res, const absl::Status& status) {
+void SendError(http::HttpExchange& ex, const absl::Status& status) {
   const openai::HttpError e = openai::ToHttpError(status);
-  res.status = e.status;
-  res.set_content(Dump(e.body), "application/json");
+  ex.Reply(e.status, "application/json", Dump(e.body));
 }
+
+std::string Event(const std::string& data) { return absl::StrCat("data: ", data, "\n\n"); }
 
 // `key` of a JSON object when it is a string; "" otherwise (a number where a string belongs is
 // a 400, never an exception that becomes an empty 500).
@@ -47,105 +47,23 @@ constexpr std::pair<const char*, const char*> kRoutes[] = {
     {"/v1/models", "GET"},              {"/v1/load_lora_adapter", "POST"},
     {"/v1/unload_lora_adapter", "POST"}, {"/health", "GET"}};
 
-absl::StatusOr<json> ParseBody(const httplib::Request& req) {
+absl::StatusOr<json> ParseBody(const http::HttpRequest& req) {
   json body = json::parse(req.body, nullptr, /*allow_exceptions=*/false);
   if (body.is_discarded()) return absl::InvalidArgumentError("the body is not valid JSON");
   return body;
 }
 
 // The HTTP caller's token and address travel with every call it causes.
-void Prepare(const httplib::Request& req, absl::Duration timeout, grpc::ClientContext* ctx) {
+void Prepare(const http::HttpRequest& req, absl::Duration timeout, grpc::ClientContext* ctx) {
   ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-  if (req.has_header("Authorization")) {
-    ctx->AddMetadata("authorization", req.get_header_value("Authorization"));
-  }
-  ctx->AddMetadata("x-preft-http-client", req.remote_addr);
+  if (req.HasHeader("Authorization")) ctx->AddMetadata("authorization", req.Header("Authorization"));
+  ctx->AddMetadata("x-preft-http-client", req.peer);
 }
 
 std::string NewId(const char* prefix) {
   thread_local std::mt19937_64 rng{std::random_device{}()};
   return absl::StrFormat("%s-%016x", prefix, rng());
 }
-
-// The choices of one HTTP request: a Generate stream each, on threads of their own, reporting
-// to a queue that the HTTP thread drains.
-class Generation {
- public:
-  struct Event {
-    int index = 0;
-    openai::ChoiceResult delta;
-    bool end = false;  // the choice's stream ended (with `status`)
-    absl::Status status;
-  };
-
-  Generation(v1::Preft::Stub* stub, const openai::Plan& plan, const httplib::Request& req,
-             absl::Duration timeout)
-      : running_(static_cast<int>(plan.choices.size())) {
-    for (size_t i = 0; i < plan.choices.size(); ++i) {
-      contexts_.push_back(std::make_unique<grpc::ClientContext>());
-      Prepare(req, timeout, contexts_.back().get());
-    }
-    for (size_t i = 0; i < plan.choices.size(); ++i) {
-      threads_.emplace_back(
-          [this, stub, i, r = plan.choices[i]] { Run(stub, static_cast<int>(i), r); });
-    }
-  }
-  ~Generation() {
-    Cancel();
-    for (std::thread& t : threads_) t.join();
-  }
-
-  // The next event; false once every choice has ended and all were taken.
-  bool Next(Event* e) {
-    absl::MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(
-        +[](Generation* g) { return !g->queue_.empty() || g->running_ == 0; }, this));
-    if (queue_.empty()) return false;
-    *e = std::move(queue_.front());
-    queue_.pop_front();
-    return true;
-  }
-
-  void Cancel() {
-    for (auto& ctx : contexts_) ctx->TryCancel();
-  }
-
- private:
-  void Run(v1::Preft::Stub* stub, int index, const v1::GenerateRequest& request) {
-    grpc::ClientContext* ctx = contexts_[index].get();
-    auto reader = stub->Generate(ctx, request);
-    v1::GenerateResponse msg;
-    while (reader->Read(&msg)) {
-      Event e;
-      e.index = index;
-      e.delta.token_ids.assign(msg.token_ids().begin(), msg.token_ids().end());
-      e.delta.text = msg.text();
-      e.delta.logprobs.assign(msg.logprobs().begin(), msg.logprobs().end());
-      if (msg.has_finish()) {
-        e.delta.finish_reason = wire::FinishReasonName(msg.finish().reason());
-        e.delta.prompt_tokens = msg.finish().usage().prompt_tokens();
-      }
-      Push(std::move(e), false);
-    }
-    Event end;
-    end.index = index;
-    end.end = true;
-    end.status = rpc::FromGrpcStatus(reader->Finish());
-    Push(std::move(end), true);
-  }
-
-  void Push(Event e, bool last) {
-    absl::MutexLock lock(&mu_);
-    queue_.push_back(std::move(e));
-    if (last) --running_;
-  }
-
-  std::vector<std::unique_ptr<grpc::ClientContext>> contexts_;
-  std::vector<std::thread> threads_;
-  absl::Mutex mu_;
-  std::deque<Event> queue_ ABSL_GUARDED_BY(mu_);
-  int running_ ABSL_GUARDED_BY(mu_);
-};
 
 void Append(const openai::ChoiceResult& delta, openai::ChoiceResult* all) {
   all->token_ids.insert(all->token_ids.end(), delta.token_ids.begin(), delta.token_ids.end());
@@ -155,80 +73,353 @@ void Append(const openai::ChoiceResult& delta, openai::ChoiceResult* all) {
   if (delta.prompt_tokens > 0) all->prompt_tokens = delta.prompt_tokens;
 }
 
-// Answers a completion or chat request whose plan is parsed.
-void Serve(v1::Preft::Stub* stub, const OpenAiServerOptions& options, const openai::Plan& plan,
-           bool chat, const httplib::Request& req, httplib::Response& res) {
-  auto generation = std::make_shared<Generation>(stub, plan, req, options.timeout);
-  const std::string id = NewId(chat ? "chatcmpl" : "cmpl");
-  const int64_t created = static_cast<int64_t>(std::time(nullptr));
-  const model::Tokenizer* tokenizer = options.tokenizer;
-  if (!plan.stream) {
-    std::vector<openai::ChoiceResult> results(plan.choices.size());
-    absl::Status failed;
-    Generation::Event e;
-    while (generation->Next(&e)) {
-      if (e.end) {
-        if (!e.status.ok() && failed.ok()) failed = e.status;
-      } else {
-        Append(e.delta, &results[e.index]);
-      }
+// The gRPC calls in flight: their callbacks point into the server, which waits for the last.
+class CallTracker {
+ public:
+  void Begin() {
+    absl::MutexLock lock(&mu_);
+    ++n_;
+  }
+  void End() {
+    absl::MutexLock lock(&mu_);
+    --n_;
+  }
+  void WaitIdle() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(+[](int* n) { return *n == 0; }, &n_));
+  }
+
+ private:
+  absl::Mutex mu_;
+  int n_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// The choices of one completion request: a callback-driven Generate stream each, whose
+// events become the HTTP answer (one body, or server-sent events as they come).
+class Generation : public std::enable_shared_from_this<Generation> {
+ public:
+  Generation(v1::Preft::Stub* stub, CallTracker* calls, Exchange ex, openai::Plan plan, bool chat,
+             const model::Tokenizer* tokenizer, absl::Duration timeout)
+      : stub_(stub),
+        calls_(calls),
+        ex_(std::move(ex)),
+        plan_(std::move(plan)),
+        chat_(chat),
+        tokenizer_(tokenizer),
+        id_(NewId(chat ? "chatcmpl" : "cmpl")),
+        created_(static_cast<int64_t>(std::time(nullptr))),
+        running_(static_cast<int>(plan_.choices.size())),
+        results_(plan_.choices.size()),
+        started_(plan_.choices.size(), false) {
+    for (size_t i = 0; i < plan_.choices.size(); ++i) {
+      contexts_.push_back(std::make_unique<grpc::ClientContext>());
+      Prepare(ex_->request(), timeout, contexts_.back().get());
     }
-    if (!failed.ok()) return SendError(res, failed);
-    const json body = chat ? openai::ChatBody(id, created, plan, results, tokenizer)
-                           : openai::CompletionBody(id, created, plan, results, tokenizer);
-    res.set_content(Dump(body), "application/json");
+  }
+
+  void Start();
+  void OnDelta(int index, const v1::GenerateResponse& msg);
+  void OnEnd(int index, const absl::Status& status);
+
+  v1::Preft::Stub* stub() const { return stub_; }
+  CallTracker* calls() const { return calls_; }
+  grpc::ClientContext* context(int i) { return contexts_[i].get(); }
+  const v1::GenerateRequest* request(int i) const { return &plan_.choices[i]; }
+
+ private:
+  void Cancel() {
+    for (auto& ctx : contexts_) ctx->TryCancel();
+  }
+  void BeginStream() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (stream_started_) return;
+    stream_started_ = true;
+    ex_->StartStream(200, "text/event-stream", {{"Cache-Control", "no-cache"}});
+  }
+  void Finish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  v1::Preft::Stub* const stub_;
+  CallTracker* const calls_;
+  const Exchange ex_;
+  const openai::Plan plan_;
+  const bool chat_;
+  const model::Tokenizer* const tokenizer_;
+  const std::string id_;
+  const int64_t created_;
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts_;  // fixed once built
+
+  absl::Mutex mu_;  // orders the answer's pieces
+  int running_ ABSL_GUARDED_BY(mu_);
+  std::vector<openai::ChoiceResult> results_ ABSL_GUARDED_BY(mu_);  // non-streamed
+  std::vector<bool> started_ ABSL_GUARDED_BY(mu_);                   // a chunk was sent
+  absl::Status failed_ ABSL_GUARDED_BY(mu_);  // the first choice that failed
+  bool stream_started_ ABSL_GUARDED_BY(mu_) = false;
+  bool answered_ ABSL_GUARDED_BY(mu_) = false;  // an error answered the request
+  int64_t prompt_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t completion_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// One choice's Generate stream: reads until the end, reporting to its Generation.
+class ChoiceCall final : public grpc::ClientReadReactor<v1::GenerateResponse> {
+ public:
+  ChoiceCall(std::shared_ptr<Generation> g, int index) : g_(std::move(g)), index_(index) {
+    g_->stub()->async()->Generate(g_->context(index_), g_->request(index_), this);
+    StartRead(&msg_);
+    StartCall();
+  }
+  void OnReadDone(bool ok) override {
+    if (!ok) return;  // OnDone follows
+    g_->OnDelta(index_, msg_);
+    StartRead(&msg_);
+  }
+  void OnDone(const grpc::Status& s) override {
+    g_->OnEnd(index_, rpc::FromGrpcStatus(s));
+    CallTracker* calls = g_->calls();
+    g_.reset();
+    delete this;
+    calls->End();
+  }
+
+ private:
+  std::shared_ptr<Generation> g_;
+  const int index_;
+  v1::GenerateResponse msg_;
+};
+
+void Generation::Start() {
+  // The client leaving cancels every choice (a weak pointer: the exchange must not keep the
+  // generation alive, the generation keeps the exchange).
+  std::weak_ptr<Generation> weak = weak_from_this();
+  ex_->OnClientGone([weak] {
+    if (auto g = weak.lock()) g->Cancel();
+  });
+  for (size_t i = 0; i < plan_.choices.size(); ++i) {
+    calls_->Begin();
+    new ChoiceCall(shared_from_this(), static_cast<int>(i));  // deletes itself when done
+  }
+}
+
+void Generation::OnDelta(int index, const v1::GenerateResponse& msg) {
+  openai::ChoiceResult d;
+  d.token_ids.assign(msg.token_ids().begin(), msg.token_ids().end());
+  d.text = msg.text();
+  d.logprobs.assign(msg.logprobs().begin(), msg.logprobs().end());
+  if (msg.has_finish()) {
+    d.finish_reason = wire::FinishReasonName(msg.finish().reason());
+    d.prompt_tokens = msg.finish().usage().prompt_tokens();
+  }
+  absl::MutexLock lock(&mu_);
+  if (answered_) return;
+  if (!plan_.stream) return Append(d, &results_[index]);
+  BeginStream();
+  completion_tokens_ += static_cast<int64_t>(d.token_ids.size());
+  if (index % plan_.n == 0) prompt_tokens_ += d.prompt_tokens;
+  const json chunk =
+      chat_ ? openai::ChatChunk(id_, created_, plan_, index, d, !started_[index], tokenizer_)
+            : openai::CompletionChunk(id_, created_, plan_, index, d, tokenizer_);
+  started_[index] = true;
+  ex_->Write(Event(Dump(chunk)));
+}
+
+void Generation::OnEnd(int index, const absl::Status& status) {
+  absl::MutexLock lock(&mu_);
+  --running_;
+  if (!status.ok() && !answered_) {
+    if (failed_.ok()) failed_ = status;
+    if (!plan_.stream || !stream_started_) {
+      // The answer is this error (a bad model name is a 404, not an event in a 200 stream):
+      // the other choices are not needed.
+      answered_ = true;
+      SendError(*ex_, status);
+      Cancel();
+    } else {
+      ex_->Write(Event(Dump(openai::ToHttpError(status).body)));
+    }
+  }
+  (void)index;
+  if (running_ == 0 && !answered_) Finish();
+}
+
+void Generation::Finish() {
+  if (!plan_.stream) {
+    const json body = chat_ ? openai::ChatBody(id_, created_, plan_, results_, tokenizer_)
+                            : openai::CompletionBody(id_, created_, plan_, results_, tokenizer_);
+    ex_->Reply(200, "application/json", Dump(body));
     return;
   }
-  // Streaming: an error before the first token is the HTTP answer (a bad model name is a 404,
-  // not an event in a 200 stream).
-  Generation::Event first;
-  if (!generation->Next(&first)) return SendError(res, absl::InternalError("no response"));
-  if (first.end && !first.status.ok()) return SendError(res, first.status);
-  res.set_header("Cache-Control", "no-cache");
-  res.set_chunked_content_provider(
-      "text/event-stream",
-      [generation, first, plan, chat, id, created, tokenizer](size_t, httplib::DataSink& sink) {
-        auto send = [&](const std::string& data) {
-          const std::string event = absl::StrCat("data: ", data, "\n\n");
-          return sink.write(event.data(), event.size());
-        };
-        std::vector<bool> started(plan.choices.size(), false);
-        int64_t prompt_tokens = 0, completion_tokens = 0;
-        bool failed = false;  // a choice ended in an error: its usage is unknown
-        Generation::Event e = first;
-        for (bool more = true; more; more = generation->Next(&e)) {
-          bool ok = true;
-          if (e.end) {
-            if (!e.status.ok()) {
-              failed = true;
-              ok = send(Dump(openai::ToHttpError(e.status).body));
-            }
-          } else {
-            completion_tokens += static_cast<int64_t>(e.delta.token_ids.size());
-            if (e.index % plan.n == 0) prompt_tokens += e.delta.prompt_tokens;
-            const json chunk =
-                chat ? openai::ChatChunk(id, created, plan, e.index, e.delta, !started[e.index],
-                                         tokenizer)
-                     : openai::CompletionChunk(id, created, plan, e.index, e.delta, tokenizer);
-            started[e.index] = true;
-            ok = send(Dump(chunk));
-          }
-          if (!ok) {  // the client went away: stop generating
-            generation->Cancel();
-            return false;
-          }
-        }
-        // Usage is true or absent: after a failed choice its prompt tokens were never reported.
-        if (plan.include_usage && !failed) {
-          send(Dump(openai::UsageChunk(id, created, plan, chat, prompt_tokens, completion_tokens)));
-        }
-        send("[DONE]");
-        sink.done();
-        return true;
-      });
+  BeginStream();
+  // Usage is true or absent: after a failed choice its prompt tokens were never reported.
+  if (plan_.include_usage && failed_.ok()) {
+    ex_->Write(Event(Dump(
+        openai::UsageChunk(id_, created_, plan_, chat_, prompt_tokens_, completion_tokens_))));
+  }
+  ex_->Write(Event("[DONE]"));
+  ex_->End();
 }
 
 }  // namespace
+
+class OpenAiServer::Impl {
+ public:
+  explicit Impl(OpenAiServerOptions o)
+      : options(std::move(o)),
+        stub(v1::Preft::NewStub(options.router)),
+        health(grpc::health::v1::Health::NewStub(options.router)) {}
+
+  void Handle(const Exchange& ex);
+
+  const OpenAiServerOptions options;
+  const std::unique_ptr<v1::Preft::Stub> stub;
+  const std::unique_ptr<grpc::health::v1::Health::Stub> health;
+  CallTracker calls;
+  std::unique_ptr<http::EventServer> server;
+
+ private:
+  void Complete(const Exchange& ex, bool chat);
+  // A unary call whose result answers `ex`: `start(ctx, request, response, done)` makes the
+  // callback call, `ok(response)` answers on success; errors answer themselves.
+  template <typename Request, typename Response, typename StartFn, typename OkFn>
+  void Unary(const Exchange& ex, Request request, absl::Duration timeout, StartFn start, OkFn ok);
+};
+
+template <typename Request, typename Response, typename StartFn, typename OkFn>
+void OpenAiServer::Impl::Unary(const Exchange& ex, Request request, absl::Duration timeout,
+                               StartFn start, OkFn ok) {
+  struct Call {
+    grpc::ClientContext ctx;
+    Request request;
+    Response response;
+  };
+  auto call = std::make_shared<Call>();
+  call->request = std::move(request);
+  Prepare(ex->request(), timeout, &call->ctx);
+  ex->OnClientGone([weak = std::weak_ptr<Call>(call)] {
+    if (auto c = weak.lock()) c->ctx.TryCancel();
+  });
+  calls.Begin();
+  start(&call->ctx, &call->request, &call->response,
+        [this, ex, call, ok = std::move(ok)](grpc::Status s) {
+          if (s.ok()) {
+            ok(call->response, *ex);
+          } else {
+            SendError(*ex, rpc::FromGrpcStatus(s));
+          }
+          calls.End();
+        });
+}
+
+void OpenAiServer::Impl::Complete(const Exchange& ex, bool chat) {
+  absl::StatusOr<json> body = ParseBody(ex->request());
+  if (!body.ok()) return SendError(*ex, body.status());
+  absl::StatusOr<openai::Plan> plan;
+  if (!chat) {
+    plan = openai::ParseCompletion(*body);
+  } else {
+    absl::StatusOr<json> messages = openai::ChatMessages(*body);
+    if (!messages.ok()) return SendError(*ex, messages.status());
+    if (!options.render_chat || options.tokenizer == nullptr) {
+      return SendError(*ex, absl::InvalidArgumentError(
+                                "the base model has no chat template (tokenizer_config.json "
+                                "chat_template): use /v1/completions"));
+    }
+    absl::StatusOr<std::string> prompt = options.render_chat(*messages);
+    if (!prompt.ok()) return SendError(*ex, prompt.status());
+    // The template wrote the special tokens (BOS included): add none.
+    absl::StatusOr<std::vector<int32_t>> ids =
+        options.tokenizer->Encode(*prompt, /*add_special_tokens=*/false);
+    if (!ids.ok()) return SendError(*ex, ids.status());
+    plan = openai::ParseChat(*body, *ids);
+  }
+  if (!plan.ok()) return SendError(*ex, plan.status());
+  std::make_shared<Generation>(stub.get(), &calls, ex, *std::move(plan), chat, options.tokenizer,
+                               options.timeout)
+      ->Start();
+}
+
+// Runs on the server's handler pool: parsing, templates and tokenising happen here; every
+// wait is a callback.
+void OpenAiServer::Impl::Handle(const Exchange& ex) {
+  const http::HttpRequest& r = ex->request();
+  const char* method = nullptr;
+  for (const auto& [path, m] : kRoutes) {
+    if (r.path == path) method = m;
+  }
+  if (method == nullptr) {
+    return SendError(*ex, absl::NotFoundError(absl::StrCat("no route ", r.method, " ", r.path)));
+  }
+  if (r.method != method) {
+    const openai::HttpError e = openai::ToHttpError(absl::InvalidArgumentError(
+        absl::StrCat("method ", r.method, " is not allowed on ", r.path, "; use ", method)));
+    return ex->Reply(405, "application/json", Dump(e.body), {{"Allow", method}});
+  }
+  if (r.path == "/v1/completions") return Complete(ex, /*chat=*/false);
+  if (r.path == "/v1/chat/completions") return Complete(ex, /*chat=*/true);
+  if (r.path == "/health") {
+    Unary<grpc::health::v1::HealthCheckRequest, grpc::health::v1::HealthCheckResponse>(
+        ex, {}, absl::Seconds(5),
+        [this](auto* ctx, auto* req, auto* resp, auto done) {
+          health->async()->Check(ctx, req, resp, std::move(done));
+        },
+        [](const grpc::health::v1::HealthCheckResponse& out, http::HttpExchange& answer) {
+          const bool serving = out.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+          answer.Reply(serving ? 200 : 503, "application/json",
+                       serving ? "{}" : R"({"status":"not serving"})");
+        });
+    return;
+  }
+  if (r.path == "/v1/models") {
+    Unary<v1::ListModelsRequest, v1::ListModelsResponse>(
+        ex, {}, options.timeout,
+        [this](auto* ctx, auto* req, auto* resp, auto done) {
+          stub->async()->ListModels(ctx, req, resp, std::move(done));
+        },
+        [](const v1::ListModelsResponse& models, http::HttpExchange& answer) {
+          answer.Reply(200, "application/json",
+                       Dump(openai::ModelsBody(models, static_cast<int64_t>(std::time(nullptr)))));
+        });
+    return;
+  }
+  // vLLM's runtime adapter API: register (and load) a folder under the adapter root; unload
+  // and forget. The admin token applies.
+  absl::StatusOr<json> body = ParseBody(r);
+  if (!body.ok()) return SendError(*ex, body.status());
+  const std::string name = StringField(*body, "lora_name");
+  if (r.path == "/v1/load_lora_adapter") {
+    const std::string path = StringField(*body, "lora_path");
+    if (name.empty() || path.empty()) {
+      return SendError(*ex, absl::InvalidArgumentError(
+                                "'lora_name' and 'lora_path' are required strings"));
+    }
+    v1::RegisterAdapterRequest req;
+    req.set_name(name);
+    req.set_path(path);
+    req.set_load(true);
+    Unary<v1::RegisterAdapterRequest, v1::RegisterAdapterResponse>(
+        ex, std::move(req), options.timeout,
+        [this](auto* ctx, auto* req, auto* resp, auto done) {
+          stub->async()->RegisterAdapter(ctx, req, resp, std::move(done));
+        },
+        [name](const v1::RegisterAdapterResponse&, http::HttpExchange& answer) {
+          answer.Reply(200, "text/plain",
+                       absl::StrCat("Success: LoRA adapter '", name, "' added successfully."));
+        });
+    return;
+  }
+  if (name.empty()) {
+    return SendError(*ex, absl::InvalidArgumentError("'lora_name' is a required string"));
+  }
+  v1::UnloadAdapterRequest req;
+  req.set_name(name);
+  req.set_unregister(true);
+  Unary<v1::UnloadAdapterRequest, v1::UnloadAdapterResponse>(
+      ex, std::move(req), options.timeout,
+      [this](auto* ctx, auto* req, auto* resp, auto done) {
+        stub->async()->UnloadAdapter(ctx, req, resp, std::move(done));
+      },
+      [name](const v1::UnloadAdapterResponse&, http::HttpExchange& answer) {
+        answer.Reply(200, "text/plain",
+                     absl::StrCat("Success: LoRA adapter '", name, "' removed successfully."));
+      });
+}
 
 absl::StatusOr<ChatRenderer> ChatRendererFor(const std::string& model_dir) {
   absl::StatusOr<model::ChatTemplate> t = model::ChatTemplate::FromModelDir(model_dir);
@@ -240,163 +431,38 @@ absl::StatusOr<ChatRenderer> ChatRendererFor(const std::string& model_dir) {
   });
 }
 
-OpenAiServer::OpenAiServer(OpenAiServerOptions options)
-    : options_(std::move(options)), server_(std::make_unique<httplib::Server>()) {}
-
-OpenAiServer::~OpenAiServer() {
-  server_->stop();
-  if (thread_.joinable()) thread_.join();
-}
+OpenAiServer::OpenAiServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(OpenAiServerOptions options) {
   if (options.router == nullptr) return absl::InvalidArgumentError("OpenAI server: no router channel");
-  std::unique_ptr<OpenAiServer> s(new OpenAiServer(std::move(options)));
-  const int threads = std::max(1, s->options_.threads);
-  s->server_->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
-  s->server_->set_payload_max_length(static_cast<size_t>(s->options_.max_body_bytes));
-  s->Routes();
-  absl::StatusOr<std::string> bound = http::Bind(*s->server_, s->options_.address);
-  if (!bound.ok()) return bound.status();
-  s->address_ = *std::move(bound);
-  httplib::Server* server = s->server_.get();
-  s->thread_ = std::thread([server] { server->listen_after_bind(); });
-  return s;
+  auto impl = std::make_unique<Impl>(std::move(options));
+  http::EventServerOptions h = impl->options.http;
+  h.always_served = {"/health"};
+  // Errors the server answers itself (413, 431, 503, ...) are OpenAI-shaped too.
+  h.error_body = [](int status, const std::string& message) {
+    return Dump(openai::ToHttpError(absl::Status(status >= 500 ? absl::StatusCode::kUnavailable
+                                                               : absl::StatusCode::kInvalidArgument,
+                                                 message))
+                    .body);
+  };
+  Impl* raw = impl.get();
+  PREFT_ASSIGN_OR_RETURN(raw->server, http::EventServer::Start(std::move(h), [raw](Exchange ex) {
+                           raw->Handle(ex);
+                         }));
+  return std::unique_ptr<OpenAiServer>(new OpenAiServer(std::move(impl)));
 }
 
-void OpenAiServer::Routes() {
-  auto stub = std::shared_ptr<v1::Preft::Stub>(v1::Preft::NewStub(options_.router));
-  const OpenAiServerOptions* o = &options_;
+const std::string& OpenAiServer::address() const { return impl_->server->address(); }
 
-  server_->Post("/v1/completions", [stub, o](const httplib::Request& req, httplib::Response& res) {
-    absl::StatusOr<json> body = ParseBody(req);
-    if (!body.ok()) return SendError(res, body.status());
-    absl::StatusOr<openai::Plan> plan = openai::ParseCompletion(*body);
-    if (!plan.ok()) return SendError(res, plan.status());
-    Serve(stub.get(), *o, *plan, /*chat=*/false, req, res);
-  });
+void OpenAiServer::Stop(absl::Duration grace) { impl_->server->Stop(grace); }
 
-  server_->Post("/v1/chat/completions",
-                [stub, o](const httplib::Request& req, httplib::Response& res) {
-                  absl::StatusOr<json> body = ParseBody(req);
-                  if (!body.ok()) return SendError(res, body.status());
-                  absl::StatusOr<json> messages = openai::ChatMessages(*body);
-                  if (!messages.ok()) return SendError(res, messages.status());
-                  if (!o->render_chat || o->tokenizer == nullptr) {
-                    return SendError(res, absl::InvalidArgumentError(
-                                              "the base model has no chat template "
-                                              "(tokenizer_config.json chat_template): use "
-                                              "/v1/completions"));
-                  }
-                  absl::StatusOr<std::string> prompt = o->render_chat(*messages);
-                  if (!prompt.ok()) return SendError(res, prompt.status());
-                  // The template wrote the special tokens (BOS included): add none.
-                  absl::StatusOr<std::vector<int32_t>> ids =
-                      o->tokenizer->Encode(*prompt, /*add_special_tokens=*/false);
-                  if (!ids.ok()) return SendError(res, ids.status());
-                  absl::StatusOr<openai::Plan> plan = openai::ParseChat(*body, *ids);
-                  if (!plan.ok()) return SendError(res, plan.status());
-                  Serve(stub.get(), *o, *plan, /*chat=*/true, req, res);
-                });
+http::EventServer::Stats OpenAiServer::stats() const { return impl_->server->stats(); }
 
-  server_->Get("/v1/models", [stub, o](const httplib::Request& req, httplib::Response& res) {
-    grpc::ClientContext ctx;
-    Prepare(req, o->timeout, &ctx);
-    v1::ListModelsResponse models;
-    const absl::Status s =
-        rpc::FromGrpcStatus(stub->ListModels(&ctx, v1::ListModelsRequest(), &models));
-    if (!s.ok()) return SendError(res, s);
-    res.set_content(Dump(openai::ModelsBody(models, static_cast<int64_t>(std::time(nullptr)))),
-                    "application/json");
-  });
-
-  // vLLM's runtime adapter API: register (and load) a folder under the adapter root; unload
-  // and forget. The admin token applies.
-  server_->Post("/v1/load_lora_adapter",
-                [stub, o](const httplib::Request& req, httplib::Response& res) {
-                  absl::StatusOr<json> body = ParseBody(req);
-                  if (!body.ok()) return SendError(res, body.status());
-                  const std::string name = StringField(*body, "lora_name");
-                  const std::string path = StringField(*body, "lora_path");
-                  if (name.empty() || path.empty()) {
-                    return SendError(res, absl::InvalidArgumentError(
-                                              "'lora_name' and 'lora_path' are required strings"));
-                  }
-                  grpc::ClientContext ctx;
-                  Prepare(req, o->timeout, &ctx);
-                  v1::RegisterAdapterRequest r;
-                  r.set_name(name);
-                  r.set_path(path);
-                  r.set_load(true);
-                  v1::RegisterAdapterResponse out;
-                  const absl::Status s = rpc::FromGrpcStatus(stub->RegisterAdapter(&ctx, r, &out));
-                  if (!s.ok()) return SendError(res, s);
-                  res.set_content(absl::StrCat("Success: LoRA adapter '", name,
-                                               "' added successfully."),
-                                  "text/plain");
-                });
-  server_->Post("/v1/unload_lora_adapter",
-                [stub, o](const httplib::Request& req, httplib::Response& res) {
-                  absl::StatusOr<json> body = ParseBody(req);
-                  if (!body.ok()) return SendError(res, body.status());
-                  const std::string name = StringField(*body, "lora_name");
-                  if (name.empty()) {
-                    return SendError(res,
-                                     absl::InvalidArgumentError("'lora_name' is a required string"));
-                  }
-                  grpc::ClientContext ctx;
-                  Prepare(req, o->timeout, &ctx);
-                  v1::UnloadAdapterRequest r;
-                  r.set_name(name);
-                  r.set_unregister(true);
-                  v1::UnloadAdapterResponse out;
-                  const absl::Status s = rpc::FromGrpcStatus(stub->UnloadAdapter(&ctx, r, &out));
-                  if (!s.ok()) return SendError(res, s);
-                  res.set_content(absl::StrCat("Success: LoRA adapter '", name,
-                                               "' removed successfully."),
-                                  "text/plain");
-                });
-
-  // Errors the routes above did not write (no route, wrong method) and exceptions get
-  // OpenAI-shaped bodies too.
-  server_->set_error_handler([](const httplib::Request& req, httplib::Response& res) {
-    if (!res.body.empty()) return;
-    if (res.status == 404) {
-      for (const auto& [path, method] : kRoutes) {
-        if (req.path != path) continue;
-        res.status = 405;
-        res.set_header("Allow", method);
-        const openai::HttpError e = openai::ToHttpError(absl::InvalidArgumentError(
-            absl::StrCat("method ", req.method, " is not allowed on ", path, "; use ", method)));
-        res.set_content(Dump(e.body), "application/json");
-        return;
-      }
-      const openai::HttpError e = openai::ToHttpError(
-          absl::NotFoundError(absl::StrCat("no route ", req.method, " ", req.path)));
-      res.set_content(Dump(e.body), "application/json");
-      return;
-    }
-    const std::string what = res.status == 413 ? "the request body is over the size limit"
-                                               : absl::StrCat("HTTP ", res.status);
-    const openai::HttpError e = openai::ToHttpError(absl::Status(
-        res.status >= 500 ? absl::StatusCode::kInternal : absl::StatusCode::kInvalidArgument,
-        what));
-    res.set_content(Dump(e.body), "application/json");
-  });
-  server_->set_exception_handler(
-      [](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
-        SendError(res, absl::InternalError("the request could not be handled"));
-      });
-
-  server_->Get("/health", [o](const httplib::Request&, httplib::Response& res) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-    grpc::health::v1::HealthCheckResponse out;
-    const grpc::Status s = grpc::health::v1::Health::NewStub(o->router)->Check(
-        &ctx, grpc::health::v1::HealthCheckRequest(), &out);
-    const bool serving = s.ok() && out.status() == grpc::health::v1::HealthCheckResponse::SERVING;
-    res.status = serving ? 200 : 503;
-    res.set_content(serving ? "{}" : R"({"status":"not serving"})", "application/json");
-  });
+OpenAiServer::~OpenAiServer() {
+  // Closing every connection cancels the calls behind them; the server returns once each
+  // exchange is released, which the calls do as they end.
+  impl_->server.reset();
+  impl_->calls.WaitIdle();
 }
 
 }  // namespace preft::router

@@ -13,17 +13,13 @@
 #include <functional>
 #include <memory>
 #include <string>
-#include <thread>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/http/event_server.h"
 #include "common/model/tokenizer.h"
 #include "grpcpp/channel.h"
 #include "nlohmann/json.hpp"
-
-namespace httplib {
-class Server;
-}
 
 namespace preft::router {
 
@@ -34,36 +30,39 @@ using ChatRenderer = std::function<absl::StatusOr<std::string>(const nlohmann::j
 absl::StatusOr<ChatRenderer> ChatRendererFor(const std::string& model_dir);
 
 struct OpenAiServerOptions {
-  std::string address = "127.0.0.1:0";  // host:port; port 0 picks one
+  // Address, threads, deadlines, body limit and connection caps of the HTTP server
+  // (http::EventServerOptions); `http.always_served` is set to /health. Bodies declaring more
+  // than `http.max_body_bytes` are answered 413 before they are read (the router's
+  // --max-request-bytes, as its gRPC messages).
+  http::EventServerOptions http;
   std::shared_ptr<grpc::Channel> router;
   const model::Tokenizer* tokenizer = nullptr;  // names tokens in logprobs; may be null
   // Renders chat messages ([{role, content}]) to the prompt text (model::ChatTemplate); null, or
   // no tokenizer: chat is refused (400).
   ChatRenderer render_chat;
-  int threads = 64;  // concurrent HTTP requests (a stream holds one)
   absl::Duration timeout = absl::Minutes(10);  // per request
-  // Bodies declaring more are answered 413 before they are read (the router's
-  // --max-request-bytes, as its gRPC messages).
-  int64_t max_body_bytes = 16 << 20;
 };
 
+// Serves the API on an event-driven server (http::EventServer): a streamed completion is a
+// callback-driven gRPC stream per choice and holds no thread while it waits for tokens.
 class OpenAiServer {
  public:
   // InvalidArgument for a malformed address or no channel; Unavailable when it cannot bind.
   static absl::StatusOr<std::unique_ptr<OpenAiServer>> Start(OpenAiServerOptions options);
-  // Stops accepting, cancels streams in flight and joins.
+  // Stop(zero): cancels streams in flight, waits for their calls to end.
   ~OpenAiServer();
 
-  const std::string& address() const { return address_; }
+  const std::string& address() const;
+  // Stops accepting; responses in progress may end until `grace` passes, then the rest are
+  // cancelled. Returns when every call it made has ended.
+  void Stop(absl::Duration grace);
+  http::EventServer::Stats stats() const;
+
+  class Impl;
 
  private:
-  explicit OpenAiServer(OpenAiServerOptions options);
-  void Routes();
-
-  const OpenAiServerOptions options_;
-  std::unique_ptr<httplib::Server> server_;
-  std::thread thread_;
-  std::string address_;
+  explicit OpenAiServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace preft::router

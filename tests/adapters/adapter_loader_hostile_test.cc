@@ -481,5 +481,40 @@ TEST(AdapterLoaderHostileTest, UnsupportedOrBadDireft) {
   ExpectError(dir, invalid, "unexpected tensor 'layers.0.direft.rotate_layer.weight'");
 }
 
+// A confined load (every client-named folder) reads nothing through a symbolic link, even one
+// that appeared after the path was checked: a folder swapped for a link, or a file that is one.
+// An unconfined load (local use) follows them, as a Hugging Face cache needs.
+TEST(AdapterLoaderHostileTest, AConfinedLoadFollowsNoLinkAndStaysUnderTheRoot) {
+  namespace fs = std::filesystem;
+  const fs::path root = fs::canonical(TempDir("confined_root"));
+  const std::string elsewhere = CopyFixture("lora", "confined_elsewhere");
+  fs::copy(elsewhere, root / "real");
+  LoadOptions confined;
+  confined.confine_to = root.string();
+  ASSERT_TRUE(LoadAdapter((root / "real").string(), TinyConfig(), confined).ok());
+
+  // The folder, checked while real, is now a link to a folder outside the root.
+  fs::create_directory_symlink(elsewhere, root / "swapped");
+  ExpectError((root / "swapped").string(), StatusCode::kInvalidArgument, "symbolic link",
+              TinyConfig(), confined);
+  EXPECT_TRUE(LoadAdapter((root / "swapped").string(), TinyConfig()).ok());
+
+  // A weights file that links to another adapter's weights, inside the root.
+  fs::create_directories(root / "linked");
+  fs::copy(root / "real" / "adapter_config.json", root / "linked");
+  fs::create_symlink(root / "real" / "adapter_model.safetensors",
+                     root / "linked" / "adapter_model.safetensors");
+  ExpectError((root / "linked").string(), StatusCode::kInvalidArgument,
+              "linked/adapter_model.safetensors: a symbolic link", TinyConfig(), confined);
+  EXPECT_TRUE(LoadAdapter((root / "linked").string(), TinyConfig()).ok());
+
+  ExpectError(elsewhere, StatusCode::kInvalidArgument, "outside the adapter root", TinyConfig(),
+              confined);
+  ExpectError((root / "real" / ".." / ".." / fs::path(elsewhere).filename()).string(),
+              StatusCode::kInvalidArgument, "outside", TinyConfig(), confined);
+  ExpectError((root / "missing").string(), StatusCode::kNotFound, "adapter folder not found",
+              TinyConfig(), confined);
+}
+
 }  // namespace
 }  // namespace preft::adapters

@@ -113,10 +113,11 @@ absl::StatusOr<std::unique_ptr<EmbeddedCluster>> EmbeddedCluster::Start(
   PREFT_ASSIGN_OR_RETURN(c->router_server_, rpc::Server::Start(so));
   if (!o.http_listen.empty()) {
     router::OpenAiServerOptions h;
-    h.address = o.http_listen;
+    h.http.address = o.http_listen;
     h.router = c->router_server_->grpc_server()->InProcessChannel(grpc::ChannelArguments());
     h.tokenizer = c->tokenizer_.get();
-    h.max_body_bytes = o.max_request_bytes;
+    h.http.max_body_bytes = o.max_request_bytes;
+    h.timeout = o.http_request_timeout;
     PREFT_ASSIGN_OR_RETURN(h.render_chat, router::ChatRendererFor(o.model_dir));
     PREFT_ASSIGN_OR_RETURN(c->http_, router::OpenAiServer::Start(std::move(h)));
   }

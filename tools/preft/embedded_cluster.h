@@ -51,6 +51,7 @@ struct EmbeddedClusterOptions {
   absl::Duration poll_interval = absl::Milliseconds(100);  // the router's worker status polls
   int max_request_bytes = 16 << 20;  // the router's; larger messages are RESOURCE_EXHAUSTED
   std::string http_listen;           // the OpenAI-compatible HTTP API; "" for none
+  absl::Duration http_request_timeout = absl::Minutes(10);  // each HTTP request's deadline
 };
 
 class EmbeddedCluster {

@@ -48,6 +48,8 @@ class EmbeddedClusterTest : public ::testing::Test {
   }
 
   void SetUp() override {
+    // The registry is durable (it lives in the root): each test starts with none.
+    for (const char* state : {".preft-registry", ".preft-versions"}) fs::remove_all(*root_ / state);
     EmbeddedClusterOptions o;
     o.model_dir = testing::TinyLlamaFixture();
     o.adapter_root = root_->string();
@@ -73,7 +75,8 @@ class EmbeddedClusterTest : public ::testing::Test {
       req.set_name(a);
       req.set_path(a);
       v1::RegisterAdapterResponse r;
-      ASSERT_TRUE(stub_->RegisterAdapter(&ctx, req, &r).ok()) << a;
+      const grpc::Status registered = stub_->RegisterAdapter(&ctx, req, &r);
+      ASSERT_TRUE(registered.ok()) << a << ": " << registered.error_message();
     }
   }
 

@@ -2,7 +2,10 @@
 // driven through the public API: outputs equal the engine's, errors carry precise codes, and
 // cancellation, abort and drain free everything on both tiers.
 
+#include <arpa/inet.h>
 #include <httplib.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #include "clients/cpp/preft_client.h"
 #include "absl/strings/numbers.h"
@@ -691,6 +694,66 @@ TEST_F(HttpClusterTest, AClientLeavingMidStreamStopsItsGeneration) {
   }
   EXPECT_EQ(Counter("preft:router_requests_total"), 1);
   EXPECT_LT(Counter("preft:router_generation_tokens_total"), 1500);
+}
+
+// 200 clients that send their headers a line at a time hold no thread of the front door:
+// /health and a completion are answered while they trickle (the old thread-per-connection
+// server answered neither until they left).
+TEST_F(HttpClusterTest, SlowClientsDoNotHoldTheFrontDoor) {
+  const std::string address = cluster_->http_address();
+  const int port = std::stoi(address.substr(address.rfind(':') + 1));
+  std::vector<int> slow;
+  for (int i = 0; i < 200; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    ::inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    ::send(fd, "POST /v1/completions HTTP/1.1\r\n", 31, MSG_NOSIGNAL);
+    slow.push_back(fd);
+  }
+  for (int round = 0; round < 3; ++round) {
+    for (int fd : slow) ::send(fd, "X-Slow: 1\r\n", 11, MSG_NOSIGNAL);
+    const absl::Time asked = absl::Now();
+    EXPECT_EQ(Send("GET", "/health", "", "").status, 200);
+    const Reply r = Post("/v1/completions",
+                         {{"model", "tiny-llama"}, {"prompt", "hi"}, {"max_tokens", 3}}, kApi);
+    EXPECT_EQ(r.status, 200) << r.body;
+    EXPECT_LT(absl::Now() - asked, absl::Seconds(2));
+    absl::SleepFor(absl::Milliseconds(300));
+  }
+  for (int fd : slow) ::close(fd);
+  ExpectNoLeaks();
+}
+
+// A stream that fails after its first tokens (here: the request's deadline) ends with an error
+// event and [DONE]; the usage chunk, whose prompt tokens were never reported, is left out
+// rather than sent with zeros.
+class ShortDeadlineHttpTest : public HttpClusterTest {
+  void Configure(EmbeddedClusterOptions* o) override {
+    HttpClusterTest::Configure(o);
+    o->http_request_timeout = absl::Milliseconds(40);
+  }
+};
+
+TEST_F(ShortDeadlineHttpTest, AStreamFailingMidWaySendsAnErrorAndNoUsage) {
+  const nlohmann::json body = {{"model", "tiny-llama"}, {"prompt", "a long one"},
+                               {"max_tokens", 1500},      {"ignore_eos", true},
+                               {"stream", true},          {"stream_options", {{"include_usage", true}}}};
+  // The deadline must fall after the first token and before the last (1,500 tokens take about
+  // 100 ms here): a busy machine may miss the first; try a few times.
+  Reply failed;
+  for (int attempt = 0; attempt < 5 && failed.status == 0; ++attempt) {
+    const Reply r = Post("/v1/completions", body, kApi, [](const std::string&) { return true; });
+    if (r.status == 200 && r.body.find("data: {\"error\"") != std::string::npos) failed = r;
+  }
+  ASSERT_EQ(failed.status, 200) << "no stream failed after its first token";
+  EXPECT_NE(failed.body.find("\"choices\""), std::string::npos);
+  EXPECT_NE(failed.body.find("Deadline Exceeded"), std::string::npos);
+  EXPECT_EQ(failed.body.find("\"usage\""), std::string::npos);
+  EXPECT_EQ(failed.body.substr(failed.body.size() - 14), "data: [DONE]\n\n");
+  ExpectNoLeaks();
 }
 
 // The C++ SDK (clients/cpp) against the cluster.

@@ -443,6 +443,28 @@ TEST_F(MultiProcessClusterTest, CallsAfterARoutersSigtermAreUnavailableDraining)
   router_->Wait();
 }
 
+// An idle prefill worker told SIGTERM still answers for --drain-min-s (1 s by default), and
+// what it answers is UNAVAILABLE "draining" (routers retry elsewhere), not a refused connection
+// or a bare CANCELLED from a server already going down.
+TEST_F(MultiProcessClusterTest, CallsAfterAWorkersSigtermAreUnavailableDraining) {
+  prefill_[1]->Signal(SIGTERM);
+  absl::SleepFor(absl::Milliseconds(200));
+  auto stub = worker::v1::PrefillWorker::NewStub(
+      grpc::CreateChannel(prefill_addresses_[1], grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  worker::v1::PrefillRequest req;
+  worker::v1::PrefillResponse resp;
+  const grpc::Status s = stub->Prefill(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+  EXPECT_NE(s.error_message().find("draining"), std::string::npos) << s.error_message();
+  // Meanwhile requests through the router go to the other worker.
+  for (const auto& o : RunAll({Workload(1, 4), Workload(2, 4)}, 2)) {
+    EXPECT_TRUE(o.status.ok()) << o.status.error_message();
+  }
+  EXPECT_EQ(prefill_[1]->Wait(), 0);
+}
+
 // SIGTERM (Kubernetes preStop) on a decode worker mid-stream: it stops taking reservations,
 // its streams run to the end with the right tokens, it exits 0; new requests go elsewhere.
 TEST_F(MultiProcessClusterTest, SigtermDrainsADecodeWorker) {
