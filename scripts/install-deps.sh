@@ -24,7 +24,7 @@ done
 RUNTIME_PACKAGES=(
   libgrpc++1.51 libgrpc29 libprotobuf32 libabsl20220623 libre2-9 libc-ares2 libssl3
   libucx0 libnuma1 libprometheus-cpp-core1.0 libcpp-httplib0.11 libbrotli1
-  libopenblas0-pthread libgfortran5 libquadmath0 libgomp1 libutf8proc2
+  libopenblas0-pthread libgfortran5 libquadmath0 libgomp1 libutf8proc2 libpq5
 )
 CUDA_PACKAGES=(cuda-nvcc-13-0 cuda-cudart-dev-13-0 cuda-cccl-13-0 libcublas-dev-13-0)
 CUDA_RUNTIME_PACKAGES=(cuda-cudart-13-0 libcublas-13-0)
@@ -34,7 +34,7 @@ DEV_PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   libabsl-dev libucx-dev ucx-utils prometheus-cpp-dev prometheus openssl
   libopenblas-dev nlohmann-json3-dev libpcre2-dev libcpp-httplib-dev libcli11-dev libutf8proc-dev
-  libboost-dev
+  libboost-dev libpq-dev postgresql
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev
   python3 python3-numpy python3-grpcio python3-grpc-tools python3-jinja2 gnuplot-nox

@@ -35,12 +35,13 @@ adapters::LoadOptions Confined(adapters::LoadOptions load, const std::string& ro
 }  // namespace
 
 AdapterRegistry::AdapterRegistry(const model::ModelConfig& base, std::string base_name,
-                                 std::string root, adapters::LoadOptions load)
+                                 std::string root, adapters::LoadOptions load,
+                                 std::unique_ptr<RegistryStore> store)
     : base_(base),
       base_name_(std::move(base_name)),
       root_(std::move(root)),
       load_(Confined(std::move(load), root_)),
-      store_(root_) {
+      store_(store != nullptr ? std::move(store) : std::make_unique<FileRegistryStore>(root_)) {
   std::error_code ec;
   const std::filesystem::path canonical = std::filesystem::canonical(root_, ec);
   canonical_root_ = ec ? root_ : canonical.string();
@@ -108,13 +109,14 @@ absl::StatusOr<RegisteredAdapter> AdapterRegistry::Register(const std::string& n
     return absl::InvalidArgumentError(
         absl::StrCat("adapter name '", name, "' is the base model's name"));
   }
-  if (store_.CurrentVersion(name) > 0) {
+  PREFT_ASSIGN_OR_RETURN(const int64_t existing, store_->CurrentVersion(name));
+  if (existing > 0) {
     return absl::AlreadyExistsError(absl::StrCat("adapter '", name, "' is already registered"));
   }
   PREFT_ASSIGN_OR_RETURN(RegisteredAdapter a, Inspect(name, path));
   a.registered_path = path;
   a.version = 1;
-  const absl::Status created = store_.Create(ToRecord(a, path));
+  const absl::Status created = store_->Create(ToRecord(a, path));
   if (absl::IsAlreadyExists(created)) {  // another router registered it meanwhile
     return absl::AlreadyExistsError(absl::StrCat("adapter '", name, "' is already registered"));
   }
@@ -123,9 +125,9 @@ absl::StatusOr<RegisteredAdapter> AdapterRegistry::Register(const std::string& n
 }
 
 absl::StatusOr<RegisteredAdapter> AdapterRegistry::Get(const std::string& name) const {
-  // One directory listing tells whether the cached record is still the current one (another
-  // router may have updated or removed it).
-  const int64_t version = store_.CurrentVersion(name);
+  // One directory listing (or one indexed query) tells whether the cached record is still the
+  // current one (another router may have updated or removed it).
+  PREFT_ASSIGN_OR_RETURN(const int64_t version, store_->CurrentVersion(name));
   absl::MutexLock lock(&mu_);
   if (version == 0) {
     cache_.erase(name);
@@ -133,22 +135,23 @@ absl::StatusOr<RegisteredAdapter> AdapterRegistry::Get(const std::string& name) 
   }
   auto it = cache_.find(name);
   if (it != cache_.end() && it->second.version == version) return it->second;
-  PREFT_ASSIGN_OR_RETURN(RegistryRecord r, store_.Read(name, version));
+  PREFT_ASSIGN_OR_RETURN(RegistryRecord r, store_->Read(name, version));
   RegisteredAdapter a = FromRecord(r);
   cache_[name] = a;
   return a;
 }
 
 absl::Status AdapterRegistry::Unregister(const std::string& name) {
-  PREFT_RETURN_IF_ERROR(store_.Remove(name));
+  PREFT_RETURN_IF_ERROR(store_->Remove(name));
   absl::MutexLock lock(&mu_);
   cache_.erase(name);
   return absl::OkStatus();
 }
 
-std::vector<RegisteredAdapter> AdapterRegistry::List() const {
+absl::StatusOr<std::vector<RegisteredAdapter>> AdapterRegistry::List() const {
   std::vector<RegisteredAdapter> out;
-  for (const RegistryRecord& r : store_.List()) out.push_back(FromRecord(r));
+  PREFT_ASSIGN_OR_RETURN(const std::vector<RegistryRecord> records, store_->List());
+  for (const RegistryRecord& r : records) out.push_back(FromRecord(r));
   return out;
 }
 
@@ -193,7 +196,7 @@ absl::StatusOr<RegisteredAdapter> AdapterRegistry::Update(
     }
     next->registered_path = current.registered_path;
     next->version = version;
-    const absl::Status created = store_.Create(ToRecord(*next, relative.string()));
+    const absl::Status created = store_->Create(ToRecord(*next, relative.string()));
     if (created.ok()) return FromRecord(ToRecord(*next, relative.string()));
     fs::remove_all(dir, ec);
     if (!absl::IsAlreadyExists(created)) return created;

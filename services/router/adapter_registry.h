@@ -40,8 +40,9 @@ struct RegisteredAdapter {
 // Thread-safe.
 class AdapterRegistry {
  public:
+  // `store`: where records live (OpenRegistryStore); null: the files in `root`.
   AdapterRegistry(const model::ModelConfig& base, std::string base_name, std::string root,
-                  adapters::LoadOptions load);
+                  adapters::LoadOptions load, std::unique_ptr<RegistryStore> store = nullptr);
 
   // InvalidArgument for a bad name or a path outside the root, AlreadyExists for a taken name,
   // the loader's error for a bad adapter.
@@ -49,13 +50,13 @@ class AdapterRegistry {
   // NotFound if unknown. Reflects other routers' registrations, updates and removals.
   absl::StatusOr<RegisteredAdapter> Get(const std::string& name) const;
   absl::Status Unregister(const std::string& name);
-  std::vector<RegisteredAdapter> List() const;  // by name
+  absl::StatusOr<std::vector<RegisteredAdapter>> List() const;  // by name
 
   // Adapters loaded ahead of traffic, kept with the registry (durable, shared by routers).
   absl::Status SetPreload(const std::string& name, bool preload) {
-    return store_.SetPreload(name, preload);
+    return store_->SetPreload(name, preload);
   }
-  std::vector<std::string> Preloaded() const { return store_.Preloaded(); }
+  absl::StatusOr<std::vector<std::string>> Preloaded() const { return store_->Preloaded(); }
 
   // A new version from files (file name -> bytes). FailedPrecondition when `expected_version`
   // is set and is not the current one; InvalidArgument for a file name with a path in it.
@@ -73,7 +74,7 @@ class AdapterRegistry {
   const std::string root_;
   std::string canonical_root_;  // root_ resolved once (workers get absolute version folders)
   const adapters::LoadOptions load_;
-  const RegistryStore store_;
+  const std::unique_ptr<RegistryStore> store_;
   mutable absl::Mutex mu_;
   // Records read from the store, by name: reused while their version is the current one.
   mutable std::map<std::string, RegisteredAdapter> cache_ ABSL_GUARDED_BY(mu_);

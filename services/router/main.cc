@@ -70,6 +70,11 @@ int main(int argc, char** argv) {
   app.add_flag("--colocated", colocated, "no prefill tier: send whole requests to decode workers started with --colocated (one engine runs prompt and decode)");
   app.add_option("--decode", decode, "decode workers: host:port or dns:NAME:PORT (repeatable, comma-separated)")->required();
   app.add_option("--adapter-root", adapter_root, "folder adapters are registered from (shared with the workers)");
+  std::string registry_url = "file";
+  app.add_option("--registry", registry_url,
+                 "where registrations and versions live, shared by every router: file (in the "
+                 "adapter root) or a postgresql:// URI (password from ~/.pgpass or PGPASSWORD)")
+      ->capture_default_str();
   app.add_option("--base-name", base_name, "the base model's name in requests (default: the model folder's name)");
   app.add_option("--max-rank", max_rank, "highest adapter rank accepted")->check(CLI::PositiveNumber);
   app.add_option("--lease-ms", lease_ms, "KV reservation lease")->check(CLI::PositiveNumber);
@@ -150,7 +155,13 @@ int main(int argc, char** argv) {
   router::WorkerPool pool(pool_options);
   adapters::LoadOptions load;
   load.max_rank = max_rank;
-  router::AdapterRegistry registry(*config, base_name, adapter_root, load);
+  absl::StatusOr<std::unique_ptr<router::RegistryStore>> store =
+      router::OpenRegistryStore(registry_url, adapter_root);
+  if (!store.ok()) {
+    std::fprintf(stderr, "preft-router: --registry: %s\n", store.status().ToString().c_str());
+    return store.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  router::AdapterRegistry registry(*config, base_name, adapter_root, load, *std::move(store));
   router::RouterOptions options;
   options.base_name = base_name;
   options.base_dtype = absl::AsciiStrToLower(kernels::DTypeName(config->torch_dtype));

@@ -8,11 +8,13 @@
 #include <filesystem>
 #include <random>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/base/mapped_file.h"
 #include "common/base/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "services/router/registry_postgres.h"
 
 namespace preft::router {
 namespace {
@@ -49,11 +51,11 @@ json ToJson(const RegistryRecord& r) {
 
 }  // namespace
 
-std::string RegistryStore::Folder(const std::string& name) const {
+std::string FileRegistryStore::Folder(const std::string& name) const {
   return (fs::path(root_) / kFolder / name).string();
 }
 
-absl::Status RegistryStore::Create(const RegistryRecord& r) const {
+absl::Status FileRegistryStore::Create(const RegistryRecord& r) const {
   const std::string folder = Folder(r.name);
   std::error_code ec;
   fs::create_directories(folder, ec);
@@ -72,7 +74,7 @@ absl::Status RegistryStore::Create(const RegistryRecord& r) const {
   return absl::InternalError(absl::StrCat("adapter registry: ", std::strerror(err)));
 }
 
-int64_t RegistryStore::CurrentVersion(const std::string& name) const {
+absl::StatusOr<int64_t> FileRegistryStore::CurrentVersion(const std::string& name) const {
   std::error_code ec;
   int64_t best = 0;
   for (const auto& entry : fs::directory_iterator(Folder(name), ec)) {
@@ -81,8 +83,8 @@ int64_t RegistryStore::CurrentVersion(const std::string& name) const {
   return best;
 }
 
-absl::StatusOr<RegistryRecord> RegistryStore::Read(const std::string& name,
-                                                   int64_t version) const {
+absl::StatusOr<RegistryRecord> FileRegistryStore::Read(const std::string& name,
+                                                       int64_t version) const {
   const std::string file = absl::StrCat(Folder(name), "/v", version, ".json");
   PREFT_ASSIGN_OR_RETURN(std::string text, base::ReadFileToString(file));
   const json j = json::parse(text, nullptr, false);
@@ -104,14 +106,14 @@ absl::StatusOr<RegistryRecord> RegistryStore::Read(const std::string& name,
 }
 
 absl::StatusOr<RegistryRecord> RegistryStore::Current(const std::string& name) const {
-  const int64_t version = CurrentVersion(name);
+  PREFT_ASSIGN_OR_RETURN(const int64_t version, CurrentVersion(name));
   if (version == 0) {
     return absl::NotFoundError(absl::StrCat("adapter '", name, "' is not registered"));
   }
   return Read(name, version);
 }
 
-std::vector<RegistryRecord> RegistryStore::List() const {
+absl::StatusOr<std::vector<RegistryRecord>> FileRegistryStore::List() const {
   std::vector<std::string> names;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(fs::path(root_) / kFolder, ec)) {
@@ -126,11 +128,11 @@ std::vector<RegistryRecord> RegistryStore::List() const {
   return out;
 }
 
-absl::Status RegistryStore::Remove(const std::string& name) const {
+absl::Status FileRegistryStore::Remove(const std::string& name) const {
   const std::string folder = Folder(name);
   const std::string gone = absl::StrCat(root_, "/", kFolder, "/.removed-", name, "-", Nonce());
   std::error_code ec;
-  if (CurrentVersion(name) == 0) {
+  if (*CurrentVersion(name) == 0) {
     return absl::NotFoundError(absl::StrCat("adapter '", name, "' is not registered"));
   }
   fs::rename(folder, gone, ec);  // atomic: readers see all of it or none
@@ -144,8 +146,8 @@ absl::Status RegistryStore::Remove(const std::string& name) const {
   return absl::OkStatus();
 }
 
-absl::Status RegistryStore::SetPreload(const std::string& name, bool preload) const {
-  if (CurrentVersion(name) == 0) {
+absl::Status FileRegistryStore::SetPreload(const std::string& name, bool preload) const {
+  if (*CurrentVersion(name) == 0) {
     return absl::NotFoundError(absl::StrCat("adapter '", name, "' is not registered"));
   }
   const std::string marker = Folder(name) + "/preload";
@@ -158,13 +160,26 @@ absl::Status RegistryStore::SetPreload(const std::string& name, bool preload) co
   return base::WriteStringToFile(marker, "");
 }
 
-std::vector<std::string> RegistryStore::Preloaded() const {
+absl::StatusOr<std::vector<std::string>> FileRegistryStore::Preloaded() const {
   std::vector<std::string> out;
-  for (const RegistryRecord& r : List()) {
+  PREFT_ASSIGN_OR_RETURN(const std::vector<RegistryRecord> all, List());
+  for (const RegistryRecord& r : all) {
     std::error_code ec;
     if (fs::exists(Folder(r.name) + "/preload", ec)) out.push_back(r.name);
   }
   return out;
+}
+
+absl::StatusOr<std::unique_ptr<RegistryStore>> OpenRegistryStore(const std::string& url,
+                                                                 const std::string& root) {
+  if (url.empty() || url == "file") return std::make_unique<FileRegistryStore>(root);
+  if (absl::StartsWith(url, "postgresql://") || absl::StartsWith(url, "postgres://")) {
+    PREFT_ASSIGN_OR_RETURN(std::unique_ptr<PostgresRegistryStore> pg,
+                           PostgresRegistryStore::Connect(url));
+    return std::unique_ptr<RegistryStore>(std::move(pg));
+  }
+  return absl::InvalidArgumentError(
+      "the registry is \"file\" (the adapter root) or a postgresql:// URI");
 }
 
 }  // namespace preft::router

@@ -7,9 +7,11 @@
 // link() fails when the name exists, so creating version N+1 is a compare-and-swap on a shared
 // POSIX volume: of two routers updating the same adapter at once, exactly one wins. The current
 // version is the highest file. Removing a name renames its folder away first, so it vanishes at
-// once for every reader.
+// once for every reader. Where the root's volume lacks POSIX link() semantics (object-store
+// FUSE mounts), the same records go to PostgreSQL (registry_postgres.h).
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -30,33 +32,52 @@ struct RegistryRecord {
   int64_t bytes = 0;
 };
 
-// Thread-safe (the file system is the only state); safe across processes sharing the root.
+// Where registrations live. Thread-safe, and safe across processes (routers) sharing it.
 class RegistryStore {
  public:
-  explicit RegistryStore(std::string root) : root_(std::move(root)) {}
-
-  // AlreadyExists when `r.version` of `r.name` exists (for version 1: the name is taken);
-  // Internal for a file system failure.
-  absl::Status Create(const RegistryRecord& r) const;
+  virtual ~RegistryStore() = default;
+  // AlreadyExists when `r.version` of `r.name` exists (for version 1: the name is taken).
+  virtual absl::Status Create(const RegistryRecord& r) const = 0;
   // The highest version of `name`; NotFound when it has none.
   absl::StatusOr<RegistryRecord> Current(const std::string& name) const;
-  // The highest version of `name`, or 0 (cheap: one directory listing).
-  int64_t CurrentVersion(const std::string& name) const;
+  // The highest version of `name`, or 0 (cheap: checked on every lookup).
+  virtual absl::StatusOr<int64_t> CurrentVersion(const std::string& name) const = 0;
   // Version `version` of `name` (NotFound when absent, DataLoss when unreadable).
-  absl::StatusOr<RegistryRecord> Read(const std::string& name, int64_t version) const;
+  virtual absl::StatusOr<RegistryRecord> Read(const std::string& name, int64_t version) const = 0;
   // Every name's current record, by name.
-  std::vector<RegistryRecord> List() const;
-  // NotFound when `name` has no record.
-  absl::Status Remove(const std::string& name) const;
-  // Whether `name` is loaded ahead of traffic (a `preload` file beside its records), so that a
-  // worker that rejoins gets it again, whichever router sees the rejoin and after restarts.
-  absl::Status SetPreload(const std::string& name, bool preload) const;
-  std::vector<std::string> Preloaded() const;
+  virtual absl::StatusOr<std::vector<RegistryRecord>> List() const = 0;
+  // NotFound when `name` has no record; its preload mark goes with it.
+  virtual absl::Status Remove(const std::string& name) const = 0;
+  // Whether `name` is loaded ahead of traffic, so that a worker that rejoins gets it again,
+  // whichever router sees the rejoin and after restarts. NotFound for an unknown name.
+  virtual absl::Status SetPreload(const std::string& name, bool preload) const = 0;
+  virtual absl::StatusOr<std::vector<std::string>> Preloaded() const = 0;
+};
+
+// The default store: files in the adapter root (see above). Errors are Internal.
+class FileRegistryStore final : public RegistryStore {
+ public:
+  explicit FileRegistryStore(std::string root) : root_(std::move(root)) {}
+
+  absl::Status Create(const RegistryRecord& r) const override;
+  absl::StatusOr<int64_t> CurrentVersion(const std::string& name) const override;
+  absl::StatusOr<RegistryRecord> Read(const std::string& name, int64_t version) const override;
+  absl::StatusOr<std::vector<RegistryRecord>> List() const override;
+  absl::Status Remove(const std::string& name) const override;
+  absl::Status SetPreload(const std::string& name, bool preload) const override;
+  absl::StatusOr<std::vector<std::string>> Preloaded() const override;
 
  private:
   std::string Folder(const std::string& name) const;
 
   const std::string root_;
 };
+
+// The store `url` names: "" or "file" for the files in `root`; a PostgreSQL connection URI
+// ("postgresql://user@host:5432/db", libpq's syntax, a password from ~/.pgpass or PGPASSWORD)
+// for PostgresRegistryStore. InvalidArgument for anything else; Unavailable when the database
+// cannot be reached (the message never repeats the URI, which may hold a password).
+absl::StatusOr<std::unique_ptr<RegistryStore>> OpenRegistryStore(const std::string& url,
+                                                                 const std::string& root);
 
 }  // namespace preft::router

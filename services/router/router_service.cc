@@ -48,7 +48,9 @@ RouterService::RouterService(const model::ModelConfig& config, const model::Toke
     // Adapters an admin loaded ahead of traffic (RegisterAdapter(load), LoadAdapter), as the
     // registry keeps them: loaded again onto the rejoining worker, off the polling thread.
     impl->Spawn([impl, w] {
-      for (const std::string& name : impl->registry->Preloaded()) {
+      const absl::StatusOr<std::vector<std::string>> preloaded = impl->registry->Preloaded();
+      if (!preloaded.ok()) return;  // the registry is unreachable: requests load on demand
+      for (const std::string& name : *preloaded) {
         absl::StatusOr<RegisteredAdapter> a = impl->registry->Get(name);
         if (!a.ok()) continue;  // unregistered meanwhile
         worker::v1::WorkerAdapterRequest req;
@@ -237,9 +239,11 @@ grpc::ServerUnaryReactor* RouterService::ListModels(grpc::CallbackServerContext*
   base->set_dtype(impl_->options.base_dtype);
   base->set_vocab_size(static_cast<int32_t>(impl_->config.vocab_size));
   base->set_max_context_tokens(static_cast<int32_t>(impl_->config.max_position_embeddings));
-  for (const RegisteredAdapter& a : impl_->registry->List())
-    *response->add_adapters() = ToInfo(a, impl_->pool);
-  reactor->Finish(grpc::Status::OK);
+  const absl::StatusOr<std::vector<RegisteredAdapter>> all = impl_->registry->List();
+  if (all.ok()) {
+    for (const RegisteredAdapter& a : *all) *response->add_adapters() = ToInfo(a, impl_->pool);
+  }
+  reactor->Finish(rpc::ToGrpcStatus(all.status()));
   return reactor;
 }
 
@@ -312,9 +316,11 @@ grpc::ServerUnaryReactor* RouterService::ListAdapters(grpc::CallbackServerContex
     reactor->Finish(rpc::ToGrpcStatus(a.status()));
     return reactor;
   }
-  for (const RegisteredAdapter& a : impl_->registry->List())
-    *response->add_adapters() = ToInfo(a, impl_->pool);
-  reactor->Finish(grpc::Status::OK);
+  const absl::StatusOr<std::vector<RegisteredAdapter>> all = impl_->registry->List();
+  if (all.ok()) {
+    for (const RegisteredAdapter& a : *all) *response->add_adapters() = ToInfo(a, impl_->pool);
+  }
+  reactor->Finish(rpc::ToGrpcStatus(all.status()));
   return reactor;
 }
 

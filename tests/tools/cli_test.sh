@@ -75,6 +75,13 @@ fi
 expect 2 "excludes" -- serve --colocated --prefill-workers 2
 expect_of "$router" 2 "--colocated runs whole requests on the decode workers: give no --prefill workers \(got a:1\)" -- --model "$work/m" --colocated --prefill a:1 --decode b:2
 expect_of "$router" 2 "--prefill is required \(or --colocated" -- --model "$work/m" --decode b:2
+expect_of "$router" 2 "--registry: .*\"file\" \(the adapter root\) or a postgresql:// URI" -- --model "$work/m" --prefill a:1 --decode b:2 --registry mysql://x
+# An unreachable database: exit 1 naming libpq's reason, never the URI's password.
+expect_of "$router" 1 "--registry: UNAVAILABLE: adapter registry database: " -- --model "$work/m" --prefill a:1 --decode b:2 --registry "postgresql://preft:s3cret@127.0.0.1:1/db"
+checks=$((checks + 1))
+if grep -q "s3cret" "$work/err"; then
+  echo "FAIL: preft-router printed the registry password"; failures=$((failures + 1))
+fi
 expect_of "$decode" 2 "--colocated needs --adapter-root" -- --model "$work/m" --colocated
 expect_of "$decode" 2 "--colocated moves no KV between processes: leave out --transport \(or give inproc\), not ucx" -- --model "$work/m" --colocated --adapter-root "$work" --transport ucx
 expect_of "$decode" 2 "excludes" -- --model "$work/m" --colocated --adapters all-positions --adapter-root "$work"
