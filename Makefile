@@ -24,7 +24,12 @@ build: configure
 test: build fuzz
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)
 
-demo: build
+# The demo runs the preft CLI only (`preft serve` embeds the router and both workers): it builds
+# that target and what it links, not every test, benchmark and fuzzer (`make test` does).
+DEMO_TARGETS ?= preft
+demo: configure
+	@echo "== building $(DEMO_TARGETS) in $(BUILD_DIR) ($(JOBS) jobs; [done/total] objects below)"
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target $(DEMO_TARGETS)
 	bash scripts/demo.sh $(BUILD_DIR) $(DEMO_MODEL)
 
 # libFuzzer targets need clang; each runs briefly on its seed corpus.

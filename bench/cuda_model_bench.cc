@@ -33,6 +33,7 @@
 #include "common/model/cuda_backend.h"
 #include "common/model/device_model.h"
 #include "common/model/make_model.h"
+#include "common/kv/blocks.h"
 
 namespace {
 
@@ -159,7 +160,7 @@ struct Seq {
 // blocks of `block_tokens`, room for `total` tokens.
 std::vector<Seq> MakeSeqs(int64_t count, int64_t prompt, int64_t total, int64_t block_tokens,
                           int64_t vocab) {
-  const int64_t per = (total + block_tokens - 1) / block_tokens;
+  const int64_t per = preft::kv::BlocksFor(total, block_tokens);
   std::vector<Seq> seqs(count);
   uint64_t rng = 12345;
   for (int64_t i = 0; i < count; ++i) {

@@ -12,7 +12,8 @@ Everything runs on 127.0.0.1: 2 decode workers, 2 prefill workers (KV over UCX s
 retried on the other router (at most 3 tries in all, as a client library would).
 
 Every request ends in exactly one class:
-  correct  - its tokens equal the same request's solo run (made before any fault)
+  correct  - its tokens equal the same request's solo run (made before any fault); `retried`
+             counts those that needed a second or third try
   wrong    - it completed with other tokens (target 0)
   failed   - an error with a retryable code and a message, after the retries (clients can act)
   lost     - anything else: a stream that ended without a finish, no answer before the
@@ -159,7 +160,7 @@ def main():
                              temperature=0.0 if i % 3 else 0.8, seed=i))
     solo = [clients[0].generate(**r).token_ids for r in requests]
 
-    counts = {"sent": 0, "correct": 0, "wrong": 0, "failed": 0, "lost": 0}
+    counts = {"sent": 0, "correct": 0, "wrong": 0, "failed": 0, "lost": 0, "retried": 0}
     failures, lost_examples = {}, []
     lock = threading.Lock()
     stop_at = time.time() + args.minutes * 60
@@ -169,8 +170,9 @@ def main():
         while time.time() < stop_at:
             i = local.randrange(len(requests))
             first = local.randrange(2)
-            outcome, detail = None, ""
+            outcome, detail, tries = None, "", 0
             for attempt in range(3):
+                tries = attempt + 1
                 c = clients[(first + attempt) % 2]
                 try:
                     out = c.generate(**requests[i])
@@ -195,6 +197,7 @@ def main():
             with lock:
                 counts["sent"] += 1
                 counts[outcome] += 1
+                counts["retried"] += tries > 1
                 if outcome == "failed":
                     failures[detail] = failures.get(detail, 0) + 1
                 if outcome in ("lost", "wrong") and len(lost_examples) < 10:
@@ -246,7 +249,7 @@ def main():
     print(f"| soak | {args.minutes:g} min, kill -9 every {args.kill_every:g} s, "
           f"{args.clients} clients |")
     print("|---|---|")
-    for k in ["sent", "correct", "failed", "lost", "wrong"]:
+    for k in ["sent", "correct", "retried", "failed", "lost", "wrong"]:
         print(f"| {k} | {counts[k]} |")
     print(f"| kills | {len(kills)}: {', '.join(kills)} |")
     print(f"| KV blocks leaked | {'0' if not leaked else leaked} |")

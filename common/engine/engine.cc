@@ -11,6 +11,7 @@
 #include "common/base/status_macros.h"
 #include "common/engine/sampler.h"
 #include "common/kernels/cpu/threads.h"
+#include "common/kv/blocks.h"
 
 namespace preft::engine {
 
@@ -176,7 +177,7 @@ absl::Status Engine::AddImported(std::unique_ptr<Sequence> seq) {
   }
   // The transport wrote the host cache: a device cache takes from there the blocks that hold
   // the prompt (the rest of the reservation waits for generated tokens).
-  const int64_t filled = (seq->num_prompt + bt - 1) / bt;
+  const int64_t filled = kv::BlocksFor(seq->num_prompt, bt);
   PREFT_RETURN_IF_ERROR(
       backend_->KvFromHost(std::vector<int32_t>(in.blocks.begin(), in.blocks.begin() + filled)));
   seq->blocks = in.blocks;

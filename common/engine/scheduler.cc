@@ -2,12 +2,12 @@
 
 #include <algorithm>
 
+#include "common/kv/blocks.h"
+
 namespace preft::engine {
 namespace {
 
-int64_t BlocksFor(int64_t tokens, int64_t block_tokens) {
-  return (tokens + block_tokens - 1) / block_tokens;
-}
+using kv::BlocksFor;
 
 }  // namespace
 

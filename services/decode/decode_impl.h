@@ -73,7 +73,6 @@ struct DecodeService::Impl {
     absl::Duration lease;
   };
 
-  static int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
   explicit Impl(const DecodeServiceOptions& o) : options(o) {
     std::random_device rd;

@@ -13,6 +13,7 @@
 #include "services/wire/grpc_kv_transport.h"
 #include "common/rpc/status.h"
 #include "services/decode/decode_impl.h"
+#include "common/kv/blocks.h"
 
 namespace preft::decode {
 
@@ -105,7 +106,7 @@ absl::Status DecodeService::Impl::BeginStart(const std::shared_ptr<StartStream>&
         absl::StrCat("adapter '", req.adapter(), "' is given without adapter_path"));
   }
   const int64_t max_new = std::min<int64_t>(sampling.max_tokens, context - num_prompt);
-  const int64_t need = CeilDiv(num_prompt + max_new, block_tokens);
+  const int64_t need = kv::BlocksFor(num_prompt + max_new, block_tokens);
 
   engine::Request request;
   request.id = req.request_id();
@@ -474,7 +475,7 @@ grpc::ServerUnaryReactor* DecodeService::LoadAdapter(
     reactor->Finish(grpc::Status(
         grpc::StatusCode::FAILED_PRECONDITION,
         "this decode worker runs no adapters (a PreFT decode tier); start it with --colocated "
-        "or --all-position-adapters to load them"));
+        "or --adapters all-positions to load them"));
     return reactor;
   }
   // Leased like a request's adapter, then released at once: it stays resident until evicted.

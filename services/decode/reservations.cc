@@ -10,6 +10,7 @@
 #include "common/base/status_macros.h"
 #include "common/rpc/status.h"
 #include "services/decode/decode_impl.h"
+#include "common/kv/blocks.h"
 
 namespace preft::decode {
 namespace {
@@ -49,7 +50,7 @@ absl::StatusOr<DecodeService::Impl::ReservePlan> DecodeService::Impl::PlanReserv
   ReservePlan plan;
   // At least the first token, at most the context (the engine stops there).
   plan.max_new_tokens = std::clamp<int64_t>(req.max_new_tokens(), 1, context - req.num_tokens());
-  plan.blocks = CeilDiv(req.num_tokens() + plan.max_new_tokens, block_tokens);
+  plan.blocks = kv::BlocksFor(req.num_tokens() + plan.max_new_tokens, block_tokens);
   plan.lease = req.lease_ms() == 0
                    ? options.default_lease
                    : std::min(absl::Milliseconds(req.lease_ms()), options.max_lease);

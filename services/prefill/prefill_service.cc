@@ -27,6 +27,7 @@
 #include "services/wire/convert.h"
 #include "services/wire/kv_path.h"
 #include "common/rpc/status.h"
+#include "common/kv/blocks.h"
 
 namespace preft::prefill {
 
@@ -165,7 +166,6 @@ class PrefillReactor final : public grpc::ServerUnaryReactor {
 
 int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
 
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
@@ -190,7 +190,7 @@ absl::Status PrefillService::Impl::Call::Validate() const {
                                                    "; this prefill worker's blocks hold ",
                                                    impl_->block_tokens, " tokens"));
   }
-  const int64_t need = CeilDiv(r.prompt_ids_size(), impl_->block_tokens);
+  const int64_t need = kv::BlocksFor(r.prompt_ids_size(), impl_->block_tokens);
   if (r.block_ids_size() < need) {
     return absl::InvalidArgumentError(absl::StrCat(
         "block_ids has ", r.block_ids_size(), " ids; a prompt of ", r.prompt_ids_size(),
@@ -322,7 +322,7 @@ void PrefillService::Impl::Call::OnPrefilled(const engine::PrefilledPrompt& p) {
     result_.set_compute_us(Micros(prefilled_ - added_));
   }
   // The prompt's own blocks (the engine may hold one more for the token it sampled).
-  const int64_t n = std::min<int64_t>(CeilDiv(p.num_tokens, impl_->block_tokens),
+  const int64_t n = std::min<int64_t>(kv::BlocksFor(p.num_tokens, impl_->block_tokens),
                                       static_cast<int64_t>(p.blocks.size()));
   transport::BlockTransfer t;
   t.reservation_id = request_.reservation_id();

@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <tuple>
 
+#include "common/kv/blocks.h"
+
 namespace preft::router {
 
 int64_t BlocksNeeded(int64_t prompt_tokens, int64_t max_new_tokens, int64_t block_tokens) {
-  return (prompt_tokens + max_new_tokens + block_tokens - 1) / block_tokens;
+  return kv::BlocksFor(prompt_tokens + max_new_tokens, block_tokens);
 }
 
 std::vector<size_t> RankDecode(const std::vector<DecodeView>& workers, int64_t blocks_needed) {

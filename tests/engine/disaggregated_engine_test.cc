@@ -16,6 +16,7 @@
 #include "common/engine/engine_loop.h"
 #include "tests/engine/tiny_engine_fixture.h"
 #include "tests/testing/cacheless_backend.h"
+#include "common/kv/blocks.h"
 
 namespace preft::engine {
 namespace {
@@ -64,7 +65,7 @@ class DisaggregatedEngineTest : public TinyEngineTest {
       EXPECT_EQ(p.request_id, requests[i].id);  // same prompt lengths finish in order
       const int64_t bt = 16;
       const int64_t total = p.num_tokens + requests[i].sampling.max_tokens;
-      auto blocks = decode.ReserveBlocks((total + bt - 1) / bt);
+      auto blocks = decode.ReserveBlocks(kv::BlocksFor(total, bt));
       EXPECT_TRUE(blocks.ok()) << blocks.status();
       const std::vector<int32_t> dst(blocks->begin(), blocks->begin() + p.blocks.size());
       CopyBlocks(prefill, p.blocks, decode, dst);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/kernels/cpu/cpu_features.h"
+#include "common/base/math.h"
 
 namespace preft::kernels::cpu {
 namespace {
@@ -67,7 +68,7 @@ void AttendDirect(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, in
   const int64_t d = l.head_dim, bt = l.block_tokens;
   const int64_t group = num_heads / l.num_kv_heads;
   const int64_t ctx = seq.context_len;
-  const int64_t stride = (ctx + bt - 1) / bt * bt;  // scores of one head, whole blocks
+  const int64_t stride = base::RoundUp(ctx, bt);  // scores of one head, whole blocks
   scores.resize(group * stride);
   for (int64_t t = t_begin; t < t_end; ++t) {
     const int64_t visible = ctx - seq.num_new + t + 1;
@@ -131,7 +132,7 @@ void AttendGroupAvx512(const AttentionSeq& seq, const PagedKvLayout& l, int64_t 
                        int64_t window, std::vector<float>& scores) {
   const int64_t d = l.head_dim, bt = l.block_tokens;
   const int64_t ctx = seq.context_len;
-  const int64_t stride = (ctx + bt - 1) / bt * bt;
+  const int64_t stride = base::RoundUp(ctx, bt);
   scores.resize(G * stride);
   float qs[G * kMaxDirectHeadDim];
   for (int64_t t = t_begin; t < t_end; ++t) {

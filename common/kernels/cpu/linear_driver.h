@@ -8,11 +8,12 @@
 #include <cstdint>
 
 #include "common/kernels/dtype.h"
+#include "common/base/math.h"
 
 namespace preft::kernels::cpu {
 
-inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-inline int64_t RoundUp(int64_t a, int64_t b) { return CeilDiv(a, b) * b; }
+using base::CeilDiv;
+using base::RoundUp;
 
 // Elements of k per block of the w-broadcast GEMM and of its GEMV twin (LinearBf16Avx512Lanes):
 // each output sums the pairs of a block in order and adds the blocks into y in order, so this

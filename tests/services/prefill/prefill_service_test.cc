@@ -35,6 +35,7 @@
 #include "proto/preft/v1/worker.grpc.pb.h"
 #include "tests/testing/cacheless_backend.h"
 #include "tests/testing/fixtures.h"
+#include "common/kv/blocks.h"
 
 namespace preft::prefill {
 namespace {
@@ -240,7 +241,7 @@ class PrefillServiceTest : public ::testing::Test {
   // Reserves the blocks the request can ever need on the decode side.
   std::vector<int32_t> Reserve(const Case& c, DecodeSide& d) {
     const int64_t total = static_cast<int64_t>(c.prompt.size()) + c.max_tokens;
-    auto blocks = d.engine->ReserveBlocks((total + kBlockTokens - 1) / kBlockTokens);
+    auto blocks = d.engine->ReserveBlocks(kv::BlocksFor(total, kBlockTokens));
     EXPECT_TRUE(blocks.ok()) << blocks.status();
     return blocks.ok() ? *blocks : std::vector<int32_t>{};
   }
@@ -336,7 +337,7 @@ class PrefillServiceTest : public ::testing::Test {
       // DONE arrives before the answer.
       ASSERT_FALSE(decode_->Notices().empty());
       EXPECT_EQ(decode_->Notices().back(), (std::pair<uint64_t, uint32_t>(100 + i, 1)));
-      const int64_t n = (cases[i].prompt.size() + kBlockTokens - 1) / kBlockTokens;
+      const int64_t n = kv::BlocksFor(cases[i].prompt.size(), kBlockTokens);
       EXPECT_EQ(response.transfer_bytes(),
                 n * decode_->engine->cache()->shape().bytes_per_block_all_layers());
       EXPECT_GT(response.compute_us(), 0);
