@@ -24,7 +24,11 @@ done
 RUNTIME_PACKAGES=(
   libgrpc++1.51 libgrpc29 libprotobuf32 libabsl20220623 libre2-9 libc-ares2 libssl3
   libucx0 libnuma1 libprometheus-cpp-core1.0 libcpp-httplib0.11 libbrotli1
-  libopenblas0-pthread libgfortran5 libquadmath0 libgomp1 libutf8proc2 libpq5
+  libopenblas0-pthread libgfortran5 libquadmath0 libgomp1 libutf8proc2
+  # libpq5 (the router's --registry postgresql://) and what it loads: Kerberos, LDAP, GnuTLS.
+  libpq5 libgssapi-krb5-2 libkrb5-3 libk5crypto3 libcom-err2 libkrb5support0 libkeyutils1
+  libldap-2.5-0 libsasl2-2 libgnutls30 libp11-kit0 libidn2-0 libunistring2 libtasn1-6
+  libnettle8 libhogweed6 libgmp10 libffi8
 )
 CUDA_PACKAGES=(cuda-nvcc-13-0 cuda-cudart-dev-13-0 cuda-cccl-13-0 libcublas-dev-13-0)
 CUDA_RUNTIME_PACKAGES=(cuda-cudart-13-0 libcublas-13-0)

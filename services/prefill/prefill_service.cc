@@ -22,12 +22,13 @@
 #include "absl/time/time.h"
 #include "common/adapters/versioned_adapters.h"
 #include "common/base/status_macros.h"
+#include "common/base/thread_pool.h"
 #include "common/engine/engine_loop.h"
+#include "common/kv/blocks.h"
+#include "common/rpc/status.h"
 #include "services/prefill/prefill_metrics.h"
 #include "services/wire/convert.h"
 #include "services/wire/kv_path.h"
-#include "common/rpc/status.h"
-#include "common/kv/blocks.h"
 
 namespace preft::prefill {
 
@@ -53,8 +54,12 @@ struct PrefillService::Impl {
   // InvalidArgument for an endpoint without address; FailedPrecondition, naming both layouts,
   // when its layout is not ours. `field` names the endpoint in messages.
   absl::Status CheckEndpoint(const TransportEndpoint& endpoint, const std::string& field) const;
-  // The transport's peer for `address`, connected on first use.
-  absl::StatusOr<transport::PeerId> Peer(const std::string& address);
+  // The transport's peer for `address`: `done` runs at once when it is connected, else after a
+  // connect on the connector thread (a connect may take up to the transport's timeout; it must
+  // hold neither a gRPC callback thread nor other calls, to this address or any other). Calls
+  // for an address being connected wait for that one connect.
+  using PeerCallback = std::function<void(absl::StatusOr<transport::PeerId>)>;
+  void Peer(const std::string& address, PeerCallback done);
   // After a failed write: the next call connects again (a failed UCX peer is dropped).
   void ForgetPeer(const std::string& address, transport::PeerId peer);
   void LoadStarted(const std::string& key);
@@ -84,8 +89,11 @@ struct PrefillService::Impl {
 
   absl::Mutex mu;
   bool stopping ABSL_GUARDED_BY(mu) = false;
-  absl::Mutex peers_mu;  // held across Connect: one connection per address
+  absl::Mutex peers_mu;
   std::map<std::string, transport::PeerId> peers ABSL_GUARDED_BY(peers_mu);
+  // Addresses being connected, with the callbacks waiting for them.
+  std::map<std::string, std::vector<PeerCallback>> connecting ABSL_GUARDED_BY(peers_mu);
+  std::unique_ptr<base::ThreadPool> connector = std::make_unique<base::ThreadPool>(1);
   absl::Mutex adapters_mu;
   std::map<std::string, int> loading ABSL_GUARDED_BY(adapters_mu);    // key -> pending Acquires
 };
@@ -110,6 +118,8 @@ class PrefillService::Impl::Call : public std::enable_shared_from_this<Call> {
         arrival_(absl::Now()) {}
 
   void Start();
+  // The rest of Start, once the decode worker's peer is connected (or failed to be).
+  void Connected(absl::StatusOr<transport::PeerId> peer);
   // The client went away: answer CANCELLED now; the engine request is aborted.
   void Cancel();
 
@@ -218,7 +228,13 @@ absl::Status PrefillService::Impl::Call::Validate() const {
 
 void PrefillService::Impl::Call::Start() {
   if (absl::Status s = Validate(); !s.ok()) return Finish(s);
-  absl::StatusOr<transport::PeerId> peer = impl_->Peer(request_.decode_endpoint().address());
+  impl_->Peer(request_.decode_endpoint().address(),
+              [self = shared_from_this()](absl::StatusOr<transport::PeerId> peer) {
+                self->Connected(std::move(peer));
+              });
+}
+
+void PrefillService::Impl::Call::Connected(absl::StatusOr<transport::PeerId> peer) {
   if (!peer.ok()) {
     return Finish(absl::Status(peer.status().code(),
                                absl::StrCat("KV connection to the decode worker failed: ",
@@ -431,6 +447,7 @@ PrefillService::Impl::~Impl() {
   draining = true;
   loop->Call([](engine::Engine&) {});  // what was posted before `stopping` runs
   loop->Stop();
+  connector.reset();  // connects in progress end (their calls answered) before the transport
   transport.reset();
   versioned.reset();
   store.reset();
@@ -459,13 +476,31 @@ absl::Status PrefillService::Impl::CheckEndpoint(const TransportEndpoint& e,
   return absl::OkStatus();
 }
 
-absl::StatusOr<transport::PeerId> PrefillService::Impl::Peer(const std::string& address) {
-  absl::MutexLock lock(&peers_mu);
-  auto it = peers.find(address);
-  if (it != peers.end()) return it->second;
-  PREFT_ASSIGN_OR_RETURN(const transport::PeerId peer, transport->Connect(address));
-  peers[address] = peer;
-  return peer;
+void PrefillService::Impl::Peer(const std::string& address, PeerCallback done) {
+  std::optional<transport::PeerId> known;
+  {
+    absl::MutexLock lock(&peers_mu);
+    auto it = peers.find(address);
+    if (it != peers.end()) {
+      known = it->second;
+    } else {
+      std::vector<PeerCallback>& waiting = connecting[address];
+      waiting.push_back(std::move(done));
+      if (waiting.size() > 1) return;  // a connect to this address is under way
+    }
+  }
+  if (known) return done(*known);
+  connector->Post([this, address] {
+    const absl::StatusOr<transport::PeerId> peer = transport->Connect(address);
+    std::vector<PeerCallback> waiting;
+    {
+      absl::MutexLock lock(&peers_mu);
+      if (peer.ok()) peers[address] = *peer;
+      waiting = std::move(connecting[address]);
+      connecting.erase(address);
+    }
+    for (PeerCallback& callback : waiting) callback(peer);
+  });
 }
 
 void PrefillService::Impl::ForgetPeer(const std::string& address, transport::PeerId peer) {
@@ -624,10 +659,17 @@ grpc::ServerUnaryReactor* PrefillService::Connect(grpc::CallbackServerContext* c
                                                   const worker::v1::ConnectRequest* request,
                                                   worker::v1::ConnectResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::Status s = impl_->CheckEndpoint(request->endpoint(), "endpoint");
-  if (s.ok()) s = impl_->Peer(request->endpoint().address()).status();
-  if (s.ok()) *response->mutable_endpoint() = impl_->endpoint;
-  reactor->Finish(rpc::ToGrpcStatus(s));
+  const absl::Status s = impl_->CheckEndpoint(request->endpoint(), "endpoint");
+  if (!s.ok()) {
+    reactor->Finish(rpc::ToGrpcStatus(s));
+    return reactor;
+  }
+  Impl* impl = impl_.get();
+  impl->Peer(request->endpoint().address(),
+             [impl, reactor, response](absl::StatusOr<transport::PeerId> peer) {
+               if (peer.ok()) *response->mutable_endpoint() = impl->endpoint;
+               reactor->Finish(rpc::ToGrpcStatus(peer.status()));
+             });
   return reactor;
 }
 

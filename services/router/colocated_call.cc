@@ -12,9 +12,9 @@
 
 namespace preft::router {
 
-absl::Status GenerateCall::RunColocated(const std::vector<int32_t>& prompt,
-                                        const std::optional<RegisteredAdapter>& adapter,
-                                        const engine::SamplingParams& sampling) {
+rpc::Task<absl::Status> GenerateCall::RunColocated(const std::vector<int32_t>& prompt,
+                                                  const std::optional<RegisteredAdapter>& adapter,
+                                                  const engine::SamplingParams& sampling) {
   worker::v1::RunRequest req;
   req.set_request_id(id_);
   for (int32_t t : prompt) req.add_prompt_ids(t);
@@ -33,8 +33,11 @@ absl::Status GenerateCall::RunColocated(const std::vector<int32_t>& prompt,
   std::vector<std::string> tried;
   std::string last_error = "none was healthy";
   for (int attempt = 0; attempt < router_->options.max_prefill_attempts;) {
-    if (stopped()) return AbortedResult();
-    PREFT_ASSIGN_OR_RETURN(
+    if (stopped()) {
+      const absl::Status aborted = co_await AbortedResult();
+      co_return aborted;
+    }
+    PREFT_CO_ASSIGN_OR_RETURN(
         const DecodeChoice c,
         DecodeCandidates(static_cast<int64_t>(prompt.size()), sampling.max_tokens));
     std::vector<DecodeView> views = c.views;
@@ -46,11 +49,11 @@ absl::Status GenerateCall::RunColocated(const std::vector<int32_t>& prompt,
     const std::vector<size_t> order = RankDecode(views, 0);
     if (order.empty()) {
       if (absl::Now() >= admission_deadline_) {
-        return absl::UnavailableError(
+        co_return absl::UnavailableError(
             absl::StrCat("no colocated decode worker could run the request (last: ", last_error,
                          ")"));
       }
-      WaitForCapacity();
+      co_await WaitForCapacity();
       if (!tried.empty() && tried.size() >= c.workers.size()) tried.clear();  // all failed once
       continue;
     }
@@ -65,19 +68,21 @@ absl::Status GenerateCall::RunColocated(const std::vector<int32_t>& prompt,
     }
     grpc::ClientContext ctx;
     Track(&ctx);
-    auto reader = w->stub->Run(&ctx, req);
-    const Relayed relayed = Relay(&ctx, reader.get(), finish);
+    rpc::ClientStream<v1::GenerateResponse> stream(
+        [&](auto* reactor) { w->stub->async()->Run(&ctx, &req, reactor); });
+    const Relayed relayed = co_await Relay(&ctx, &stream, finish);
     Untrack();
     const absl::Status& s = relayed.status;
     // Before its first token the request has cost the client nothing: run it elsewhere.
     if (s.ok() || relayed.client_gone || stopped() || completion_tokens_ > 0 ||
         !Retryable(s.code())) {
-      return RelayEnd(relayed, *w);
+      const absl::Status end = co_await RelayEnd(relayed, *w);
+      co_return end;
     }
     ++attempt;
     AttemptFailed("decode", *w, s, &last_error, &tried);
   }
-  return absl::UnavailableError(absl::StrCat("the request failed on ",
+  co_return absl::UnavailableError(absl::StrCat("the request failed on ",
                                              router_->options.max_prefill_attempts,
                                              " decode workers (last: ", last_error, ")"));
 }

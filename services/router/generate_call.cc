@@ -31,28 +31,26 @@ GenerateCall::GenerateCall(RouterService::Impl* router, grpc::CallbackServerCont
     const absl::Duration margin = std::max(absl::Milliseconds(20), (deadline - absl::Now()) / 10);
     admission_deadline_ = std::min(admission_deadline_, deadline - margin);
   }
-  router_->Spawn([this] { Drive(); });
+  Drive();  // runs until its first wait, then from callbacks
 }
 
 void GenerateCall::OnWriteDone(bool ok) {
-  std::lock_guard<std::mutex> lock(mu_);
-  write_pending_ = false;
   write_ok_ = ok;
-  cv_.notify_all();
+  write_.Complete();
 }
 
 void GenerateCall::OnCancel() {
   std::lock_guard<std::mutex> lock(mu_);
   cancelled_ = true;
   if (current_ != nullptr) current_->TryCancel();
-  cv_.notify_all();
+  if (waiting_ != nullptr) waiting_->Cancel();
 }
 
 void GenerateCall::Abort() {
   std::lock_guard<std::mutex> lock(mu_);
   aborted_ = true;
   if (current_ != nullptr) current_->TryCancel();
-  cv_.notify_all();
+  if (waiting_ != nullptr) waiting_->Cancel();
 }
 
 void GenerateCall::Track(grpc::ClientContext* ctx) {
@@ -77,20 +75,36 @@ bool GenerateCall::stopped() {
   return cancelled_ || aborted_;
 }
 
-bool GenerateCall::Write(const v1::GenerateResponse& response) {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (cancelled_) return false;
-  write_pending_ = true;
-  lock.unlock();
-  StartWrite(&response);
-  lock.lock();
-  cv_.wait(lock, [&] { return !write_pending_; });
-  return write_ok_ && !cancelled_;
+rpc::Task<bool> GenerateCall::Write(const v1::GenerateResponse& response) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (cancelled_) co_return false;  // nobody reads
+  }
+  struct Awaiter {
+    GenerateCall* call;
+    const v1::GenerateResponse* msg;
+    bool await_ready() const noexcept { return false; }
+    bool await_suspend(std::coroutine_handle<> h) {
+      call->write_.Reset();
+      call->StartWrite(msg);
+      return call->write_.Suspend(h);
+    }
+    void await_resume() const noexcept {}
+  };
+  co_await Awaiter{this, &response};
+  std::lock_guard<std::mutex> lock(mu_);
+  co_return write_ok_ && !cancelled_;
 }
 
-void GenerateCall::Drive() {
+rpc::Detached GenerateCall::Drive() {
   router_->metrics->Started();
-  absl::Status status = Run();
+  {
+    std::lock_guard<std::mutex> lock(router_->mu);
+    ++router_->threads;  // work in flight: the service's destructor waits for it
+  }
+  // Admission tokenises and may read the registry: CPU and disk work, off the callback thread.
+  co_await rpc::ResumeOn(router_->cpu.get());
+  absl::Status status = co_await Run();
   // Before the client hears the end: it may open its next stream at once, while gRPC destroys
   // this call (and would free the slot) only later.
   slot_ = Access::Slot();
@@ -101,7 +115,10 @@ void GenerateCall::Drive() {
     auto it = router_->active.find(id_);
     if (it != router_->active.end() && it->second == this) router_->active.erase(it);
   }
+  RouterService::Impl* router = router_;
   Finish(rpc::ToGrpcStatus(status));  // `this` may be deleted from here on
+  std::lock_guard<std::mutex> lock(router->mu);
+  if (--router->threads == 0) router->idle.notify_all();
 }
 
 void GenerateCall::ObserveTokens(int n) {
@@ -119,20 +136,20 @@ void GenerateCall::ObserveTokens(int n) {
   last_token_at_ = now;
 }
 
-absl::Status GenerateCall::AbortedResult() {
+rpc::Task<absl::Status> GenerateCall::AbortedResult() {
   bool cancelled;
   {
     std::lock_guard<std::mutex> lock(mu_);
     cancelled = cancelled_;
   }
-  if (cancelled) return absl::CancelledError("cancelled by the client");
+  if (cancelled) co_return absl::CancelledError("cancelled by the client");
   // Abort RPC: an ordinary end with finish ABORT.
   v1::GenerateResponse last;
   last.set_request_id(id_);
   last.mutable_finish()->set_reason(v1::FINISH_REASON_ABORT);
   last.mutable_finish()->mutable_usage()->set_completion_tokens(completion_tokens_);
-  Write(last);
-  return absl::OkStatus();
+  co_await Write(last);
+  co_return absl::OkStatus();
 }
 
 absl::Status GenerateCall::Admit(std::vector<int32_t>* prompt,
@@ -257,19 +274,22 @@ absl::StatusOr<GenerateCall::DecodeChoice> GenerateCall::DecodeCandidates(int64_
   return c;
 }
 
-absl::StatusOr<GenerateCall::Reservation> GenerateCall::Reserve(int64_t prompt_tokens,
-                                                                int64_t max_new) {
+rpc::Task<absl::StatusOr<GenerateCall::Reservation>> GenerateCall::Reserve(int64_t prompt_tokens,
+                                                                          int64_t max_new) {
   std::string last_error = "no decode worker is known";
   for (;;) {
-    if (stopped()) return absl::CancelledError("cancelled");
-    PREFT_ASSIGN_OR_RETURN(const DecodeChoice c, DecodeCandidates(prompt_tokens, max_new));
+    if (stopped()) co_return absl::CancelledError("cancelled");
+    PREFT_CO_ASSIGN_OR_RETURN(const DecodeChoice c, DecodeCandidates(prompt_tokens, max_new));
     const auto& workers = c.workers;
     for (size_t i : RankDecode(c.views, c.blocks)) {
       grpc::ClientContext ctx;
       ReserveDeadline(&ctx);
       const worker::v1::ReserveRequest req = ReserveRequestFor(prompt_tokens, max_new, 0);
       Reservation res;
-      const absl::Status s = rpc::FromGrpcStatus(workers[i]->stub->Reserve(&ctx, req, &res.r));
+      const grpc::Status reserved = co_await rpc::Unary([&](auto done) {
+        workers[i]->stub->async()->Reserve(&ctx, &req, &res.r, std::move(done));
+      });
+      const absl::Status s = rpc::FromGrpcStatus(reserved);
       if (s.ok()) {
         router_->metrics->Routed("decode", "most_free");
         res.worker = workers[i];
@@ -279,41 +299,53 @@ absl::StatusOr<GenerateCall::Reservation> GenerateCall::Reserve(int64_t prompt_t
         }
         if (stopped()) {  // cancelled or aborted while reserving
           Release(res, "cancelled");
-          return absl::CancelledError("cancelled");
+          co_return absl::CancelledError("cancelled");
         }
-        return res;
+        co_return res;
       }
-      if (stopped()) return absl::CancelledError("cancelled");
+      if (stopped()) co_return absl::CancelledError("cancelled");
       last_error = absl::StrCat(workers[i]->address, ": ", s.message());
       router_->metrics->Retried("decode", s);
       if (s.code() == absl::StatusCode::kUnavailable) WorkerPool::MarkUnhealthy(*workers[i]);
-      if (s.code() == absl::StatusCode::kDeadlineExceeded && has_deadline_) return s;
+      if (s.code() == absl::StatusCode::kDeadlineExceeded && has_deadline_) co_return s;
     }
     if (absl::Now() >= admission_deadline_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
+      co_return absl::ResourceExhaustedError(absl::StrCat(
           "no decode worker had room for the request before the deadline (last: ", last_error,
           ")"));
     }
-    WaitForCapacity();
+    co_await WaitForCapacity();
   }
 }
 
-void GenerateCall::WaitForCapacity() {
+rpc::Task<bool> GenerateCall::WaitForCapacity() {
   router_->metrics->WaitingForCapacity(true);
+  grpc::Alarm alarm;
   {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_for(lock, std::chrono::milliseconds(20), [&] { return cancelled_ || aborted_; });
+    std::lock_guard<std::mutex> lock(mu_);
+    if (cancelled_ || aborted_) {
+      router_->metrics->WaitingForCapacity(false);
+      co_return false;
+    }
+    waiting_ = &alarm;
+  }
+  // Cancel() from OnCancel or Abort (under mu_) ends the wait early.
+  const bool waited = co_await rpc::Sleep(absl::Milliseconds(20), &alarm);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    waiting_ = nullptr;
   }
   router_->metrics->WaitingForCapacity(false);
+  co_return waited;
 }
 
-absl::StatusOr<worker::v1::PrefillResponse> GenerateCall::Prefill(
+rpc::Task<absl::StatusOr<worker::v1::PrefillResponse>> GenerateCall::Prefill(
     Reservation* res, const std::vector<int32_t>& prompt,
     const std::optional<RegisteredAdapter>& adapter, const engine::SamplingParams& sampling) {
   std::vector<std::string> tried;
   std::string last_error = "no prefill worker is available";
   for (int attempt = 0; attempt < router_->options.max_prefill_attempts;) {
-    if (stopped()) return absl::CancelledError("cancelled");
+    if (stopped()) co_return absl::CancelledError("cancelled");
     const auto workers = router_->pool->prefill();
     std::vector<PrefillView> views;
     for (const auto& w : workers) {
@@ -333,10 +365,10 @@ absl::StatusOr<worker::v1::PrefillResponse> GenerateCall::Prefill(
         RankPrefill(views, adapter.has_value(), adapter ? adapter->bytes : 0);
     if (order.empty()) {
       if (absl::Now() >= admission_deadline_) {
-        return absl::UnavailableError(
+        co_return absl::UnavailableError(
             absl::StrCat("no prefill worker could run the prompt (last: ", last_error, ")"));
       }
-      WaitForCapacity();
+      co_await WaitForCapacity();
       if (!tried.empty() && tried.size() >= workers.size()) tried.clear();  // all failed once
       continue;
     }
@@ -366,11 +398,13 @@ absl::StatusOr<worker::v1::PrefillResponse> GenerateCall::Prefill(
     grpc::ClientContext ctx;
     Track(&ctx);
     worker::v1::PrefillResponse out;
-    const absl::Status s = rpc::FromGrpcStatus(w->stub->Prefill(&ctx, req, &out));
+    const grpc::Status prefilled = co_await rpc::Unary(
+        [&](auto done) { w->stub->async()->Prefill(&ctx, &req, &out, std::move(done)); });
+    const absl::Status s = rpc::FromGrpcStatus(prefilled);
     Untrack();
-    if (s.ok()) return out;
-    if (stopped()) return absl::CancelledError("cancelled");
-    if (!Retryable(s.code())) return s;  // the request itself is bad: no other worker helps
+    if (s.ok()) co_return out;
+    if (stopped()) co_return absl::CancelledError("cancelled");
+    if (!Retryable(s.code())) co_return s;  // the request itself is bad: no other worker helps
     ++attempt;
     if (ctx.GetServerTrailingMetadata().count(wire::kKvPathFailedKey) > 0) {
       // The decode worker's side of the KV path failed, not this prefill worker: hold that
@@ -384,8 +418,9 @@ absl::StatusOr<worker::v1::PrefillResponse> GenerateCall::Prefill(
                    id_.c_str(), res->worker->address.c_str(), s.ToString().c_str(),
                    absl::FormatDuration(router_->options.kv_path_suspect).c_str());
       res->worker->SuspectKvPath(router_->options.kv_path_suspect);
-      PREFT_RETURN_IF_ERROR(MoveReservation(res, prompt.size(), sampling.max_tokens, s,
-                                            "KV path failed; re-reserving"));
+      const absl::Status moved = co_await MoveReservation(res, prompt.size(), sampling.max_tokens,
+                                                          s, "KV path failed; re-reserving");
+      PREFT_CO_RETURN_IF_ERROR(moved);
       continue;
     }
     AttemptFailed("prefill", *w, s, &last_error, &tried);
@@ -395,51 +430,64 @@ absl::StatusOr<worker::v1::PrefillResponse> GenerateCall::Prefill(
     const worker::v1::ReserveRequest rr = ReserveRequestFor(
         static_cast<int64_t>(prompt.size()), sampling.max_tokens, res->r.reservation_id());
     worker::v1::ReserveResponse next;
-    const absl::Status rs = rpc::FromGrpcStatus(res->worker->stub->Reserve(&rctx, rr, &next));
+    const grpc::Status again = co_await rpc::Unary([&](auto done) {
+      res->worker->stub->async()->Reserve(&rctx, &rr, &next, std::move(done));
+    });
+    const absl::Status rs = rpc::FromGrpcStatus(again);
     if (rs.ok()) {
       res->r = std::move(next);
       continue;
     }
-    if (stopped()) return absl::CancelledError("cancelled");
+    if (stopped()) co_return absl::CancelledError("cancelled");
     // No fresh blocks there right now: queue for room again, on any decode worker.
-    PREFT_RETURN_IF_ERROR(MoveReservation(res, prompt.size(), sampling.max_tokens, s,
-                                          "prefill failed; re-reserving"));
+    const absl::Status moved = co_await MoveReservation(res, prompt.size(), sampling.max_tokens,
+                                                        s, "prefill failed; re-reserving");
+    PREFT_CO_RETURN_IF_ERROR(moved);
   }
-  return absl::UnavailableError(absl::StrCat("prefill failed on ",
+  co_return absl::UnavailableError(absl::StrCat("prefill failed on ",
                                              router_->options.max_prefill_attempts,
                                              " workers (last: ", last_error, ")"));
 }
 
-absl::Status GenerateCall::MoveReservation(Reservation* res, int64_t prompt_tokens,
-                                           int64_t max_new, const absl::Status& failure,
-                                           const std::string& reason) {
+rpc::Task<absl::Status> GenerateCall::MoveReservation(Reservation* res, int64_t prompt_tokens,
+                                                     int64_t max_new, const absl::Status& failure,
+                                                     const std::string& reason) {
   Release(*res, reason);  // its blocks are quarantined there against late writes
-  absl::StatusOr<Reservation> again = Reserve(prompt_tokens, max_new);
+  absl::StatusOr<Reservation> again = co_await Reserve(prompt_tokens, max_new);
   if (!again.ok()) {
-    return absl::Status(again.status().code(),
-                        absl::StrCat("prefill failed (", failure.message(),
-                                     ") and its retry found no KV room: ",
-                                     again.status().message()));
+    co_return absl::Status(again.status().code(),
+                           absl::StrCat("prefill failed (", failure.message(),
+                                        ") and its retry found no KV room: ",
+                                        again.status().message()));
   }
   *res = std::move(again).value();
-  return absl::OkStatus();
+  co_return absl::OkStatus();
 }
 
 void GenerateCall::Release(const Reservation& res, const std::string& reason) {
-  grpc::ClientContext ctx;  // not tracked: it must run even when the call was cancelled
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  worker::v1::ReleaseRequest req;
-  req.set_reservation_id(res.r.reservation_id());
-  req.set_generation(res.r.generation());
-  req.set_reason(reason);
-  worker::v1::ReleaseResponse out;
-  (void)res.worker->stub->Release(&ctx, req, &out);  // lease expiry covers a lost Release
+  // Not tracked (it must run even when the call was cancelled) and not awaited: the call lives
+  // on the heap until its answer, keeping the worker's stub alive.
+  struct Call {
+    grpc::ClientContext ctx;
+    worker::v1::ReleaseRequest req;
+    worker::v1::ReleaseResponse out;
+    std::shared_ptr<DecodeWorker> worker;
+  };
+  auto* call = new Call;
+  call->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  call->req.set_reservation_id(res.r.reservation_id());
+  call->req.set_generation(res.r.generation());
+  call->req.set_reason(reason);
+  call->worker = res.worker;
+  call->worker->stub->async()->Release(&call->ctx, &call->req, &call->out,
+                                       [call](grpc::Status) { delete call; });
 }
 
-absl::Status GenerateCall::Decode(const Reservation& res, const std::vector<int32_t>& prompt,
-                                  const std::optional<RegisteredAdapter>& adapter,
-                                  const engine::SamplingParams& sampling,
-                                  const worker::v1::PrefillResponse& first) {
+rpc::Task<absl::Status> GenerateCall::Decode(const Reservation& res,
+                                            const std::vector<int32_t>& prompt,
+                                            const std::optional<RegisteredAdapter>& adapter,
+                                            const engine::SamplingParams& sampling,
+                                            const worker::v1::PrefillResponse& first) {
   worker::v1::StartRequest req;
   req.set_reservation_id(res.r.reservation_id());
   req.set_generation(res.r.generation());
@@ -459,10 +507,11 @@ absl::Status GenerateCall::Decode(const Reservation& res, const std::vector<int3
   }
   grpc::ClientContext ctx;
   Track(&ctx);
-  auto reader = res.worker->stub->Start(&ctx, req);
+  rpc::ClientStream<v1::GenerateResponse> stream(
+      [&](auto* reactor) { res.worker->stub->async()->Start(&ctx, &req, reactor); });
   std::optional<FinishAdapter> finish;
   if (adapter) finish = FinishAdapter{adapter->name, first.adapter_version(), first.adapter_positions()};
-  const Relayed relayed = Relay(&ctx, reader.get(), finish);
+  const Relayed relayed = co_await Relay(&ctx, &stream, finish);
   Untrack();
   // A Start that ended before it took the reservation (refused, or cancelled before the decode
   // worker saw it) leaves it held: give it back now rather than at lease expiry. A no-op for a
@@ -471,16 +520,19 @@ absl::Status GenerateCall::Decode(const Reservation& res, const std::vector<int3
     Release(res, relayed.status.ok() || relayed.client_gone || stopped() ? "cancelled"
                                                                           : "start failed");
   }
-  return RelayEnd(relayed, *res.worker);
+  const absl::Status end = co_await RelayEnd(relayed, *res.worker);
+  co_return end;
 }
 
-GenerateCall::Relayed GenerateCall::Relay(grpc::ClientContext* ctx,
-                                          grpc::ClientReaderInterface<v1::GenerateResponse>* reader,
-                                          const std::optional<FinishAdapter>& adapter) {
+rpc::Task<GenerateCall::Relayed> GenerateCall::Relay(
+    grpc::ClientContext* ctx, rpc::ClientStream<v1::GenerateResponse>* stream,
+    const std::optional<FinishAdapter>& adapter) {
   Relayed out;
   out.all.set_request_id(id_);
   v1::GenerateResponse msg;
-  while (reader->Read(&msg)) {
+  for (;;) {
+    const bool more = co_await stream->Read(&msg);
+    if (!more) break;
     msg.set_request_id(id_);
     completion_tokens_ += msg.token_ids_size();
     if (msg.token_ids_size() > 0) ObserveTokens(msg.token_ids_size());
@@ -490,9 +542,12 @@ GenerateCall::Relayed GenerateCall::Relay(grpc::ClientContext* ctx,
       msg.mutable_finish()->set_adapter_positions(adapter->positions);
     }
     if (request_.stream()) {
-      if (!Write(msg)) {
-        out.client_gone = true;
-        ctx->TryCancel();
+      if (!out.client_gone) {
+        const bool written = co_await Write(msg);
+        if (!written) {
+          out.client_gone = true;
+          ctx->TryCancel();
+        }
       }
     } else {
       out.all.mutable_token_ids()->MergeFrom(msg.token_ids());
@@ -501,46 +556,50 @@ GenerateCall::Relayed GenerateCall::Relay(grpc::ClientContext* ctx,
       if (msg.has_finish()) *out.all.mutable_finish() = msg.finish();
     }
   }
-  out.status = rpc::FromGrpcStatus(reader->Finish());
-  return out;
+  const grpc::Status finished = co_await stream->Finish();
+  out.status = rpc::FromGrpcStatus(finished);
+  co_return out;
 }
 
-absl::Status GenerateCall::RelayEnd(const Relayed& relayed, DecodeWorker& worker) {
-  if (relayed.client_gone) return absl::CancelledError("the client went away");
-  if (stopped()) return AbortedResult();
+rpc::Task<absl::Status> GenerateCall::RelayEnd(const Relayed& relayed, DecodeWorker& worker) {
+  if (relayed.client_gone) co_return absl::CancelledError("the client went away");
+  if (stopped()) {
+    const absl::Status aborted = co_await AbortedResult();
+    co_return aborted;
+  }
   const absl::Status& s = relayed.status;
   if (!s.ok()) {
     if (s.code() == absl::StatusCode::kUnavailable) {
       WorkerPool::MarkUnhealthy(worker);
-      return absl::UnavailableError(
+      co_return absl::UnavailableError(
           absl::StrCat("decode worker ", worker.address, " failed mid-stream: ", s.message()));
     }
-    return s;
+    co_return s;
   }
-  if (!request_.stream()) Write(relayed.all);
-  return absl::OkStatus();
+  if (!request_.stream()) co_await Write(relayed.all);
+  co_return absl::OkStatus();
 }
 
-absl::Status GenerateCall::Run() {
+rpc::Task<absl::Status> GenerateCall::Run() {
   {
     std::lock_guard<std::mutex> lock(router_->mu);
-    if (router_->draining) return absl::UnavailableError("the router is draining");
+    if (router_->draining) co_return absl::UnavailableError("the router is draining");
     id_ = request_.request_id().empty()
               ? absl::StrCat("req-", ++router_->next_id, "-", router_->rng() % 1000000)
               : request_.request_id();
     if (!router_->active.emplace(id_, this).second) {
       const std::string taken = id_;
       id_.clear();  // not ours to remove
-      return absl::InvalidArgumentError(
+      co_return absl::InvalidArgumentError(
           absl::StrCat("request id '", taken, "' is already running"));
     }
   }
-  PREFT_RETURN_IF_ERROR(router_->access->Authorize(*context_, Scope::kApi));
-  PREFT_ASSIGN_OR_RETURN(slot_, router_->access->OpenStream(*context_));
+  PREFT_CO_RETURN_IF_ERROR(router_->access->Authorize(*context_, Scope::kApi));
+  PREFT_CO_ASSIGN_OR_RETURN(slot_, router_->access->OpenStream(*context_));
   std::vector<int32_t> prompt;
   std::optional<RegisteredAdapter> adapter;
   engine::SamplingParams sampling;
-  PREFT_RETURN_IF_ERROR(Admit(&prompt, &adapter, &sampling));
+  PREFT_CO_RETURN_IF_ERROR(Admit(&prompt, &adapter, &sampling));
   prompt_tokens_ = static_cast<int64_t>(prompt.size());
   if (adapter) {
     const std::optional<model::AdapterPositions> asked =
@@ -552,18 +611,28 @@ absl::Status GenerateCall::Run() {
   RouterMetrics& m = *router_->metrics;
   const absl::Time admitted = absl::Now();
   m.Stage("admit", admitted - arrival_);
-  if (router_->options.colocated) return RunColocated(prompt, adapter, sampling);
+  if (router_->options.colocated) {
+    const absl::Status ran = co_await RunColocated(prompt, adapter, sampling);
+    co_return ran;
+  }
 
   absl::StatusOr<Reservation> res =
-      Reserve(static_cast<int64_t>(prompt.size()), sampling.max_tokens);
-  if (!res.ok()) return stopped() ? AbortedResult() : res.status();
+      co_await Reserve(static_cast<int64_t>(prompt.size()), sampling.max_tokens);
+  if (!res.ok()) {
+    if (!stopped()) co_return res.status();
+    const absl::Status aborted = co_await AbortedResult();
+    co_return aborted;
+  }
   const absl::Time reserved = absl::Now();
   m.QueueTime(reserved - arrival_);
   m.Stage("reserve", reserved - admitted);
-  absl::StatusOr<worker::v1::PrefillResponse> first = Prefill(&*res, prompt, adapter, sampling);
+  absl::StatusOr<worker::v1::PrefillResponse> first =
+      co_await Prefill(&*res, prompt, adapter, sampling);
   if (!first.ok()) {
     Release(*res, stopped() ? "cancelled" : "prefill failed");
-    return stopped() ? AbortedResult() : first.status();
+    if (!stopped()) co_return first.status();
+    const absl::Status aborted = co_await AbortedResult();
+    co_return aborted;
   }
   prefilled_at_ = absl::Now();
   const absl::Duration queue = absl::Microseconds(first->queue_us());
@@ -574,7 +643,8 @@ absl::Status GenerateCall::Run() {
   m.Stage("kv_transfer", transfer);
   m.Stage("prefill_rpc",
           std::max(absl::ZeroDuration(), prefilled_at_ - reserved - queue - compute - transfer));
-  return Decode(*res, prompt, adapter, sampling, *first);
+  const absl::Status decoded = co_await Decode(*res, prompt, adapter, sampling, *first);
+  co_return decoded;
 }
 
 }  // namespace preft::router

@@ -1,12 +1,15 @@
 #pragma once
 
-// One Generate call: a callback reactor whose work (blocking RPCs to the workers) runs on a
-// thread of its own, writing to the client one message at a time.
+// One Generate call: a callback reactor driven by a coroutine (common/rpc/coro.h). Its calls
+// to the workers, its waits for capacity and its writes to the client are awaited callback
+// operations, so a call holds no thread while it waits: admission (tokenising, the registry)
+// runs on the router's CPU pool, the rest on gRPC's callback threads. Retries and deadlines are
+// state in the coroutine's frame.
 
 #include <grpcpp/grpcpp.h>
 
-#include <condition_variable>
 #include <cstdio>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -16,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/engine/engine.h"
 #include "common/engine/sampling_params.h"
+#include "common/rpc/coro.h"
 #include "proto/preft/v1/preft.grpc.pb.h"
 #include "proto/preft/v1/worker.grpc.pb.h"
 #include "services/router/router_impl.h"
@@ -59,40 +63,44 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
     v1::GenerateResponse all;  // non-streaming: everything in one message
   };
 
+  template <typename T>
+  using Task = rpc::Task<T>;
+
   // A worker call failed this way: another worker may succeed.
   static bool Retryable(absl::StatusCode code);
-  void Drive();
+  rpc::Detached Drive();
   // Everything up to the end of the decode stream; returns the call's status.
-  absl::Status Run();
+  Task<absl::Status> Run();
   absl::Status Admit(std::vector<int32_t>* prompt, std::optional<RegisteredAdapter>* adapter,
                      engine::SamplingParams* sampling);
   // FAILED_PRECONDITION when no healthy worker is of the kind the request needs (colocated or
   // not; running adapters for the all-position baseline), INVALID_ARGUMENT when it fits in none.
   absl::StatusOr<DecodeChoice> DecodeCandidates(int64_t prompt_tokens, int64_t max_new);
-  absl::StatusOr<Reservation> Reserve(int64_t prompt_tokens, int64_t max_new);
-  absl::StatusOr<worker::v1::PrefillResponse> Prefill(
+  Task<absl::StatusOr<Reservation>> Reserve(int64_t prompt_tokens, int64_t max_new);
+  Task<absl::StatusOr<worker::v1::PrefillResponse>> Prefill(
       Reservation* res, const std::vector<int32_t>& prompt,
       const std::optional<RegisteredAdapter>& adapter, const engine::SamplingParams& sampling);
-  absl::Status Decode(const Reservation& res, const std::vector<int32_t>& prompt,
-                      const std::optional<RegisteredAdapter>& adapter,
-                      const engine::SamplingParams& sampling,
-                      const worker::v1::PrefillResponse& first);
+  Task<absl::Status> Decode(const Reservation& res, const std::vector<int32_t>& prompt,
+                            const std::optional<RegisteredAdapter>& adapter,
+                            const engine::SamplingParams& sampling,
+                            const worker::v1::PrefillResponse& first);
   // Colocated (colocated_call.cc): Run on a decode worker, relayed; replaces a worker that
   // fails before the first token.
-  absl::Status RunColocated(const std::vector<int32_t>& prompt,
-                            const std::optional<RegisteredAdapter>& adapter,
-                            const engine::SamplingParams& sampling);
+  Task<absl::Status> RunColocated(const std::vector<int32_t>& prompt,
+                                  const std::optional<RegisteredAdapter>& adapter,
+                                  const engine::SamplingParams& sampling);
   // Relays a Start or Run stream to the client (each message as it comes when the client
   // streams); the finish names `adapter`. Call with `ctx` tracked.
-  Relayed Relay(grpc::ClientContext* ctx, grpc::ClientReaderInterface<v1::GenerateResponse>* reader,
-                const std::optional<FinishAdapter>& adapter);
+  Task<Relayed> Relay(grpc::ClientContext* ctx, rpc::ClientStream<v1::GenerateResponse>* stream,
+                      const std::optional<FinishAdapter>& adapter);
   // The call's end after a relayed stream from `worker`.
-  absl::Status RelayEnd(const Relayed& relayed, DecodeWorker& worker);
+  Task<absl::Status> RelayEnd(const Relayed& relayed, DecodeWorker& worker);
+  // Gives the reservation back, not awaited (lease expiry covers a lost Release).
   void Release(const Reservation& res, const std::string& reason);
   // Releases `res` and reserves again on any decode worker (the ranking decides), waiting for
   // room; the error names `failure`, which made the move necessary.
-  absl::Status MoveReservation(Reservation* res, int64_t prompt_tokens, int64_t max_new,
-                               const absl::Status& failure, const std::string& reason);
+  Task<absl::Status> MoveReservation(Reservation* res, int64_t prompt_tokens, int64_t max_new,
+                                     const absl::Status& failure, const std::string& reason);
   int64_t LeaseMs() const;
   // A new reservation (retry_of 0) or the next generation of `retry_of`.
   worker::v1::ReserveRequest ReserveRequestFor(int64_t prompt_tokens, int64_t max_new,
@@ -117,13 +125,14 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
   void ReserveDeadline(grpc::ClientContext* ctx) const;
   void Untrack();
   bool stopped();  // cancelled or aborted
-  // Waits up to 20 ms for a cancel or an abort, counted as waiting for capacity.
-  void WaitForCapacity();
+  // Waits up to 20 ms (a cancel or an abort ends it early), counted as waiting for capacity.
+  Task<bool> WaitForCapacity();
   // Time to first token and inter-token latency for `n` tokens relayed now.
   void ObserveTokens(int n);
-  // Blocks until the write is done; false when the client is gone.
-  bool Write(const v1::GenerateResponse& response);
-  absl::Status AbortedResult();
+  // Writes `response` to the client; false when the client is gone. `response` must live
+  // until the write is done (it does: the awaiting frame holds it).
+  Task<bool> Write(const v1::GenerateResponse& response);
+  Task<absl::Status> AbortedResult();
 
   RouterService::Impl* const router_;
   grpc::CallbackServerContext* const context_;
@@ -134,12 +143,12 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
   bool has_deadline_ = false;
 
   std::mutex mu_;
-  std::condition_variable cv_;
   bool cancelled_ = false;
   bool aborted_ = false;
-  bool write_pending_ = false;
-  bool write_ok_ = true;
   grpc::ClientContext* current_ = nullptr;
+  grpc::Alarm* waiting_ = nullptr;  // a capacity wait in progress (cancel ends it)
+  rpc::Rendezvous write_;           // the write in progress and its end
+  bool write_ok_ = true;
   int32_t completion_tokens_ = 0;
   // Metrics (driver thread only).
   const absl::Time arrival_;

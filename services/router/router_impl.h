@@ -9,6 +9,7 @@
 #include <string>
 #include <thread>
 
+#include "common/base/thread_pool.h"
 #include "services/router/router_metrics.h"
 #include "services/router/router_service.h"
 
@@ -25,16 +26,19 @@ struct RouterService::Impl {
   std::shared_ptr<prometheus::Registry> own_registry;  // when options.metrics is null
   std::unique_ptr<RouterMetrics> metrics;
   std::unique_ptr<Access> access;
+  // CPU work of calls (admission: tokenising, the registry): a few threads, however many calls.
+  std::unique_ptr<base::ThreadPool> cpu;
 
   std::mutex mu;
   std::condition_variable idle;  // threads == 0
-  int64_t threads = 0;           // driver threads of calls in flight
+  int64_t threads = 0;           // work in flight: Generate calls and spawned admin work
   bool draining = false;
   std::map<std::string, GenerateCall*> active;  // by request id
   uint64_t next_id = 0;
   std::mt19937_64 rng{std::random_device{}()};
 
-  // Runs `fn` on its own thread, counted so the destructor can wait for it.
+  // Runs `fn` on its own thread, counted so the destructor can wait for it (rare admin work:
+  // an adapter read from disk, preloads onto a rejoining worker).
   void Spawn(std::function<void()> fn);
 };
 

@@ -39,6 +39,7 @@ RouterService::RouterService(const model::ModelConfig& config, const model::Toke
   }
   impl_->metrics = std::make_unique<RouterMetrics>(*metrics);
   impl_->access = std::make_unique<Access>(impl_->options.access);
+  impl_->cpu = std::make_unique<base::ThreadPool>(impl_->options.cpu_threads);
   Impl* impl = impl_.get();
   pool->OnPrefillRejoin([impl](const std::shared_ptr<PrefillWorker>& w) {
     {

@@ -33,6 +33,9 @@ struct RouterOptions {
   absl::Duration admission_timeout = absl::Seconds(30);
   absl::Duration lease = absl::Seconds(30);  // reservation lease asked of decode workers
   int max_prefill_attempts = 3;  // workers tried per prompt (prefill; colocated: decode)
+  // Threads that admit calls (tokenise, read the registry); every other step of a call is a
+  // callback, so this and gRPC's own few threads are all a router runs, however many streams.
+  int cpu_threads = 2;
   // How long a decode worker stays a last resort (DecodeView::kv_path_suspect) after a prefill
   // worker could not deliver KV to it.
   absl::Duration kv_path_suspect = absl::Seconds(30);
