@@ -79,7 +79,55 @@ async def level(pb, pb_grpc, address, n, max_tokens, settle):
     return got, p50, p99
 
 
-def run_build(build, model, levels, max_tokens, settle, run):
+async def level_http(address, n, max_tokens, settle):
+    """The same over the OpenAI HTTP door: streamed /v1/completions, one connection each."""
+    host, port = address.rsplit(":", 1)
+    first = {}
+    started = time.time()
+    writers = []
+
+    async def one(i):
+        t0 = time.time()
+        try:
+            reader, writer = await asyncio.open_connection(host, int(port))
+        except OSError:
+            return
+        writers.append(writer)
+        body = ('{"model": "model", "prompt": [1, 2, 3, %d], "max_tokens": %d, '
+                '"ignore_eos": true, "stream": true}' % (4 + i % 50, max_tokens))
+        writer.write((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      f"application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+        try:
+            await writer.drain()
+            got = b""
+            while i not in first:
+                chunk = await reader.read(4096)
+                if not chunk:
+                    return
+                got += chunk
+                if b'"text"' in got:
+                    first[i] = time.time() - t0
+            while await reader.read(65536):
+                pass
+        except (OSError, asyncio.CancelledError):
+            pass
+
+    tasks = [asyncio.create_task(one(i)) for i in range(n)]
+    while len(first) < n and time.time() - started < settle:
+        await asyncio.sleep(0.1)
+    got = len(first)
+    ttfts = sorted(first.values())
+    for w in writers:
+        w.close()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    p50 = statistics.median(ttfts) if ttfts else float("nan")
+    p99 = ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else float("nan")
+    return got, p50, p99
+
+
+def run_build(build, model, levels, max_tokens, settle, run, http):
     sys.path.insert(0, os.path.join(build, "clients", "python", "preft_client", "_proto"))
     from preft.v1 import preft_pb2 as pb, preft_pb2_grpc as pb_grpc  # noqa: E402
     decode, daddr = start([os.path.join(build, "services/decode/preft-decode"), "--model", model,
@@ -88,26 +136,27 @@ def run_build(build, model, levels, max_tokens, settle, run):
                           os.path.join(run, "decode.log"))
     router, raddr = start([os.path.join(build, "services/router/preft-router"), "--model", model,
                            "--colocated", "--decode", daddr, "--adapter-root", run,
-                           "--max-prompt-tokens", "0"], os.path.join(run, "router.log"))
-    rows = []
+                           "--http-listen", "127.0.0.1:0"], os.path.join(run, "router.log"))
+    haddr = open(os.path.join(run, "router.log")).read().split("http://")[1].split("/")[0]
     try:
         time.sleep(1)
         idle_threads, idle_rss = proc_status(router.pid)
         for n in levels:
             async def measure():
-                task = asyncio.create_task(level(pb, pb_grpc, raddr, n, max_tokens, settle))
+                task = asyncio.create_task(
+                    level_http(haddr, n, max_tokens, settle) if http
+                    else level(pb, pb_grpc, raddr, n, max_tokens, settle))
                 # Sampled while the streams are open.
-                await asyncio.sleep(min(settle, 2.0) * 0.9)
+                await asyncio.sleep(settle * 0.8)
                 sample = proc_status(router.pid)
                 return await task, sample
             (got, p50, p99), (threads, rss) = asyncio.run(measure())
-            rows.append((n, got, threads, idle_threads, rss, idle_rss, p50, p99))
+            yield (n, got, threads, idle_threads, rss, idle_rss, p50, p99)
     finally:
         router.terminate()
         decode.terminate()
         router.wait()
         decode.wait()
-    return rows
 
 
 def main():
@@ -116,7 +165,8 @@ def main():
     ap.add_argument("--baseline-build", default="")
     ap.add_argument("--levels", default="100,1000")
     ap.add_argument("--max-tokens", type=int, default=400)
-    ap.add_argument("--settle", type=float, default=3.0)
+    ap.add_argument("--settle", type=float, default=6.0)
+    ap.add_argument("--http", action="store_true", help="through the OpenAI HTTP door")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     run = tempfile.mkdtemp(prefix="preft-router-streams-")
@@ -131,8 +181,8 @@ def main():
     for b in builds:
         b = os.path.abspath(b)
         for n, got, threads, idle_t, rss, idle_rss, p50, p99 in run_build(
-                b, model, levels, args.max_tokens, args.settle, run):
-            print(f"| {os.path.basename(b)} | {n} | {got} | {threads} ({idle_t}) | "
+                b, model, levels, args.max_tokens, args.settle, run, args.http):
+            print(f"| {os.path.basename(b)}{' HTTP' if args.http else ''} | {n} | {got} | {threads} ({idle_t}) | "
                   f"{rss / 1024:.0f} ({idle_rss / 1024:.0f}) | {(rss - idle_rss) / n:.1f} | "
                   f"{p50 * 1e3:.1f} | {p99 * 1e3:.1f} |", flush=True)
 
