@@ -229,48 +229,16 @@ worker::v1::ReserveRequest GenerateCall::ReserveRequestFor(int64_t prompt_tokens
 
 absl::StatusOr<GenerateCall::DecodeChoice> GenerateCall::DecodeCandidates(int64_t prompt_tokens,
                                                                          int64_t max_new) {
-  const bool colocated = router_->options.colocated;
   DecodeChoice c;
   c.workers = router_->pool->decode();
-  bool any_healthy = false, any_of_kind = false, any_with_adapters = false;
   for (const auto& w : c.workers) {
     absl::MutexLock lock(&w->mu);
     c.views.push_back(w->view);
-    // A colocated router sends Run, which only colocated workers serve; they refuse Reserve.
-    const bool of_kind = w->view.colocated == colocated;
-    any_healthy |= w->view.healthy;
-    any_of_kind |= w->view.healthy && of_kind;
-    any_with_adapters |= w->view.healthy && of_kind && w->view.adapters;
-    if (!of_kind) c.views.back().healthy = false;
-    // The all-position baseline decodes with the adapter: only workers that run adapters.
-    if (!colocated && needs_decode_adapter_ && !w->view.adapters) c.views.back().healthy = false;
     c.views.back().kv_path_suspect = absl::Now() < w->kv_path_suspect_until;
   }
-  if (any_healthy && !any_of_kind) {
-    return absl::FailedPreconditionError(
-        colocated ? "this router is --colocated (it sends whole requests with Run), but no "
-                    "decode worker is: start them with --colocated"
-                  : "the decode workers are colocated (they run whole requests and refuse "
-                    "Reserve): start the router with --colocated");
-  }
-  // Only when the workers are known (a poll answered): before the first poll, or while every
-  // worker is briefly unhealthy, the request waits for capacity like any other.
-  if (!colocated && needs_decode_adapter_ && any_of_kind && !any_with_adapters) {
-    return absl::FailedPreconditionError(
-        "the request applies its adapter to generated tokens (all positions), but no decode "
-        "worker runs adapters (start them with --adapters all-positions), or ask for "
-        "adapter_positions PROMPT");
-  }
-  const int64_t bt = c.views.empty() ? 16 : std::max<int64_t>(1, c.views[0].block_tokens);
-  c.blocks = BlocksNeeded(prompt_tokens, max_new, bt);
-  bool fits_somewhere = false;
-  for (const DecodeView& v : c.views) fits_somewhere |= v.total_blocks >= c.blocks;
-  if (!c.views.empty() && !fits_somewhere &&
-      std::all_of(c.views.begin(), c.views.end(), [](const DecodeView& v) { return v.healthy; })) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt of ", prompt_tokens, " tokens + max_tokens ", max_new, " needs ", c.blocks,
-        " KV blocks; the largest decode worker has ", c.views[0].total_blocks));
-  }
+  const DecodeNeeds needs{router_->options.colocated, needs_decode_adapter_, prompt_tokens,
+                          max_new};
+  PREFT_ASSIGN_OR_RETURN(c.blocks, EligibleDecode(&c.views, needs));
   return c;
 }
 

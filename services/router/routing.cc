@@ -3,12 +3,53 @@
 #include <algorithm>
 #include <tuple>
 
+#include "absl/strings/str_cat.h"
 #include "common/kv/blocks.h"
 
 namespace preft::router {
 
 int64_t BlocksNeeded(int64_t prompt_tokens, int64_t max_new_tokens, int64_t block_tokens) {
   return kv::BlocksFor(prompt_tokens + max_new_tokens, block_tokens);
+}
+
+absl::StatusOr<int64_t> EligibleDecode(std::vector<DecodeView>* views, const DecodeNeeds& needs) {
+  bool any_healthy = false, any_of_kind = false, any_with_adapters = false;
+  for (DecodeView& v : *views) {
+    // A colocated router sends Run, which only colocated workers serve; they refuse Reserve.
+    const bool of_kind = v.colocated == needs.colocated;
+    any_healthy |= v.healthy;
+    any_of_kind |= v.healthy && of_kind;
+    any_with_adapters |= v.healthy && of_kind && v.adapters;
+    if (!of_kind) v.healthy = false;
+    // The all-position baseline decodes with the adapter: only workers that run adapters.
+    if (!needs.colocated && needs.decode_adapter && !v.adapters) v.healthy = false;
+  }
+  if (any_healthy && !any_of_kind) {
+    return absl::FailedPreconditionError(
+        needs.colocated
+            ? "this router is --colocated (it sends whole requests with Run), but no decode "
+              "worker is: start them with --colocated"
+            : "the decode workers are colocated (they run whole requests and refuse Reserve): "
+              "start the router with --colocated");
+  }
+  if (!needs.colocated && needs.decode_adapter && any_of_kind && !any_with_adapters) {
+    return absl::FailedPreconditionError(
+        "the request applies its adapter to generated tokens (all positions), but no decode "
+        "worker runs adapters (start them with --adapters all-positions), or ask for "
+        "adapter_positions PROMPT");
+  }
+  const int64_t bt = views->empty() ? 16 : std::max<int64_t>(1, (*views)[0].block_tokens);
+  const int64_t blocks = BlocksNeeded(needs.prompt_tokens, needs.max_new_tokens, bt);
+  bool fits_somewhere = false;
+  for (const DecodeView& v : *views) fits_somewhere |= v.total_blocks >= blocks;
+  if (!views->empty() && !fits_somewhere &&
+      std::all_of(views->begin(), views->end(), [](const DecodeView& v) { return v.healthy; })) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt of ", needs.prompt_tokens, " tokens + max_tokens ", needs.max_new_tokens,
+        " needs ", blocks, " KV blocks; the largest decode worker has ",
+        (*views)[0].total_blocks));
+  }
+  return blocks;
 }
 
 std::vector<size_t> RankDecode(const std::vector<DecodeView>& workers, int64_t blocks_needed) {

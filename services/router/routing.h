@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
+
 namespace preft::router {
 
 struct DecodeView {
@@ -43,6 +45,22 @@ struct PrefillView {
 
 // Blocks a request needs on a decode worker: its prompt and every token it may generate.
 int64_t BlocksNeeded(int64_t prompt_tokens, int64_t max_new_tokens, int64_t block_tokens);
+
+// What a request asks of decode workers.
+struct DecodeNeeds {
+  bool colocated = false;       // the router sends Run (colocated workers only), not Reserve
+  bool decode_adapter = false;  // the all-position baseline: the worker must run adapters
+  int64_t prompt_tokens = 0;
+  int64_t max_new_tokens = 0;
+};
+
+// Which decode workers a request may use: marks unfit ones unhealthy in `views` (the other
+// deployment kind; no adapters where the request needs them) and returns the blocks it needs
+// there. FAILED_PRECONDITION, naming the fix, when healthy workers exist but none is of the
+// needed kind (or, all-position, none runs adapters); INVALID_ARGUMENT when every worker is
+// healthy and none is large enough. Before the first poll (no healthy worker) it is no error:
+// the request waits for capacity like any other.
+absl::StatusOr<int64_t> EligibleDecode(std::vector<DecodeView>* views, const DecodeNeeds& needs);
 
 // Indices of decode workers to try, best first: healthy, not draining, with room for
 // `blocks_needed` (by the last report); most free blocks (after this request) first, then the

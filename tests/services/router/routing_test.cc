@@ -23,6 +23,58 @@ TEST(RoutingTest, BlocksCoverPromptAndEveryNewToken) {
   EXPECT_EQ(BlocksNeeded(100, 28, 16), 8);
 }
 
+// Which decode workers a request may use, and the errors that name the fix.
+TEST(RoutingTest, DecodeEligibilityFollowsTheDeploymentAndTheAdapterMode) {
+  auto colocated = [](DecodeView v) {
+    v.colocated = true;
+    return v;
+  };
+  auto with_adapters = [](DecodeView v) {
+    v.adapters = true;
+    return v;
+  };
+  // A request of 10 + 20 tokens needs 2 blocks of 16 where it may run.
+  std::vector<DecodeView> views = {Decode(50, 0), colocated(Decode(50, 0))};
+  auto blocks = EligibleDecode(&views, {.prompt_tokens = 10, .max_new_tokens = 20});
+  ASSERT_TRUE(blocks.ok()) << blocks.status();
+  EXPECT_EQ(*blocks, 2);
+  EXPECT_TRUE(views[0].healthy);
+  EXPECT_FALSE(views[1].healthy);  // the other deployment kind
+  // Only the other kind is up: an error naming the flag to fix, from either side.
+  views = {colocated(Decode(50, 0))};
+  auto wrong = EligibleDecode(&views, {.prompt_tokens = 10, .max_new_tokens = 20});
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(wrong.status().message().find("start the router with --colocated"), std::string::npos);
+  views = {Decode(50, 0)};
+  wrong = EligibleDecode(&views, {.colocated = true, .prompt_tokens = 10, .max_new_tokens = 20});
+  EXPECT_NE(wrong.status().message().find("start them with --colocated"), std::string::npos);
+  // All positions: only workers that run adapters; none does -> the flag to start them with.
+  views = {Decode(50, 0), with_adapters(Decode(50, 0))};
+  ASSERT_TRUE(EligibleDecode(&views, {.decode_adapter = true, .prompt_tokens = 10,
+                                      .max_new_tokens = 20}).ok());
+  EXPECT_FALSE(views[0].healthy);
+  EXPECT_TRUE(views[1].healthy);
+  views = {Decode(50, 0)};
+  wrong = EligibleDecode(&views, {.decode_adapter = true, .prompt_tokens = 10,
+                                  .max_new_tokens = 20});
+  EXPECT_NE(wrong.status().message().find("--adapters all-positions"), std::string::npos);
+  // Colocated workers run the adapter themselves: no adapter flag needed there.
+  views = {colocated(Decode(50, 0))};
+  EXPECT_TRUE(EligibleDecode(&views, {.colocated = true, .decode_adapter = true,
+                                      .prompt_tokens = 10, .max_new_tokens = 20}).ok());
+  // Larger than every worker, all of them up: refused; with one down (it may be larger): wait.
+  views = {Decode(50, 0), Decode(50, 0)};
+  auto big = EligibleDecode(&views, {.prompt_tokens = 1000, .max_new_tokens = 700});
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(big.status().message().find("needs 107 KV blocks; the largest decode worker has 100"),
+            std::string::npos) << big.status();
+  views = {Decode(50, 0), Decode(50, 0, /*healthy=*/false)};
+  EXPECT_TRUE(EligibleDecode(&views, {.prompt_tokens = 1000, .max_new_tokens = 700}).ok());
+  // Before the first poll nobody is healthy: no error, the request waits for capacity.
+  views = {Decode(0, 0, false)};
+  EXPECT_TRUE(EligibleDecode(&views, {.colocated = true, .prompt_tokens = 1}).ok());
+}
+
 TEST(RoutingTest, DecodePrefersMostFreeThenLightestAndSkipsTheUnfit) {
   const std::vector<DecodeView> w = {Decode(10, 0), Decode(50, 9), Decode(50, 2), Decode(3, 0),
                                      Decode(90, 0, /*healthy=*/false),
