@@ -8,7 +8,7 @@ FUZZ_SECONDS ?= 20
 export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := 1
 
-.PHONY: all deps configure build test demo fuzz bench bench-serve clean
+.PHONY: all deps configure build test test-noucx demo fuzz bench bench-serve clean
 
 all: build
 
@@ -32,6 +32,15 @@ demo: configure
 	cmake --build $(BUILD_DIR) -j $(JOBS) --target $(DEMO_TARGETS)
 	bash scripts/demo.sh $(BUILD_DIR) $(DEMO_MODEL)
 
+# The build without UCX (-DPREFT_ENABLE_UCX=OFF: KV over gRPC only), as a machine without
+# libucx-dev gets it: the binaries build and a five-process cluster serves with --transport grpc.
+NOUCX_BUILD_DIR ?= build-noucx
+test-noucx: deps
+	cmake -S . -B $(NOUCX_BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release -DPREFT_ENABLE_UCX=OFF
+	cmake --build $(NOUCX_BUILD_DIR) -j $(JOBS) --target preft preft-router preft-prefill preft-decode
+	PREFT_TRANSPORT=grpc bash tests/tools/local_cluster_test.sh . $(NOUCX_BUILD_DIR) \
+	  $(NOUCX_BUILD_DIR)/local_cluster
+
 # libFuzzer targets need clang; each runs briefly on its seed corpus.
 fuzz: deps
 	bash scripts/fuzz.sh $(FUZZ_BUILD_DIR) $(FUZZ_SECONDS)
@@ -47,4 +56,4 @@ bench-serve: build
 	  --preset qwen2.5-0.5b --out $(BENCH_SERVE_OUT) $(BENCH_SERVE_FLAGS)
 
 clean:
-	rm -rf $(BUILD_DIR) $(FUZZ_BUILD_DIR)
+	rm -rf $(BUILD_DIR) $(FUZZ_BUILD_DIR) $(NOUCX_BUILD_DIR)

@@ -22,8 +22,10 @@
 #include "common/model/cuda_backend.h"
 #endif
 #include "common/transport/inproc_transport.h"
+#ifdef PREFT_HAVE_UCX
 #include "common/transport/ucx/ucx_transport.h"
-#ifdef PREFT_HAVE_CUDA
+#endif
+#ifdef PREFT_HAVE_CUDA_IPC
 #include "common/transport/cuda_ipc/cuda_ipc_transport.h"
 #endif
 
@@ -51,17 +53,25 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir) {
 absl::StatusOr<std::unique_ptr<transport::KvTransport>> MakeTransport(
     const TransportFlags& flags, kv::DeviceKvView device_cache) {
   if (flags.kind == "inproc") return std::make_unique<transport::InprocTransport>();
+#ifdef PREFT_HAVE_UCX
   transport::UcxTransportOptions o;
   o.tls = flags.ucx_tls;
   o.net_devices = flags.ucx_net_devices;
   o.transfer_timeout = absl::Seconds(flags.kv_transfer_timeout_s);
   if (flags.kind == "ucx") return std::make_unique<transport::UcxTransport>(o);
+#else
+  if (flags.kind == "ucx" || flags.kind == "cuda_ipc") {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--transport ", flags.kind, ": this build has no UCX (PREFT_ENABLE_UCX=OFF, or Debian's "
+        "libucx-dev was missing when it was configured); use --transport grpc"));
+  }
+#endif
   if (flags.kind == "cuda_ipc") {
     if (device_cache.base == nullptr) {
       return absl::FailedPreconditionError(
           "--transport cuda_ipc moves KV between GPU caches: run the worker with --device cuda");
     }
-#ifdef PREFT_HAVE_CUDA
+#ifdef PREFT_HAVE_CUDA_IPC
     return std::make_unique<transport::CudaIpcTransport>(
         device_cache, std::make_unique<transport::UcxTransport>(o));
 #else
@@ -143,6 +153,9 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f) {
                  "KV to other workers through host memory, not cuda_ipc)")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
+#ifndef PREFT_HAVE_UCX
+  if (f->transport.kind == "ucx") f->transport.kind = "grpc";  // the default where UCX is absent
+#endif
   app.add_option("--transport", f->transport.kind,
                  "KV transport: ucx, cuda_ipc (GPU to GPU on one node, with --device cuda; "
                  "notices over UCX), grpc or inproc")
