@@ -40,17 +40,25 @@ void GenerateCall::OnWriteDone(bool ok) {
 }
 
 void GenerateCall::OnCancel() {
-  std::lock_guard<std::mutex> lock(mu_);
-  cancelled_ = true;
-  if (current_ != nullptr) current_->TryCancel();
-  if (waiting_ != nullptr) waiting_->Cancel();
+  std::shared_ptr<grpc::Alarm> waiting;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cancelled_ = true;
+    if (current_ != nullptr) current_->TryCancel();
+    waiting = waiting_;
+  }
+  if (waiting != nullptr) waiting->Cancel();
 }
 
 void GenerateCall::Abort() {
-  std::lock_guard<std::mutex> lock(mu_);
-  aborted_ = true;
-  if (current_ != nullptr) current_->TryCancel();
-  if (waiting_ != nullptr) waiting_->Cancel();
+  std::shared_ptr<grpc::Alarm> waiting;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborted_ = true;
+    if (current_ != nullptr) current_->TryCancel();
+    waiting = waiting_;
+  }
+  if (waiting != nullptr) waiting->Cancel();
 }
 
 void GenerateCall::Track(grpc::ClientContext* ctx) {
@@ -288,17 +296,17 @@ rpc::Task<absl::StatusOr<GenerateCall::Reservation>> GenerateCall::Reserve(int64
 
 rpc::Task<bool> GenerateCall::WaitForCapacity() {
   router_->metrics->WaitingForCapacity(true);
-  grpc::Alarm alarm;
+  auto alarm = std::make_shared<grpc::Alarm>();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (cancelled_ || aborted_) {
       router_->metrics->WaitingForCapacity(false);
       co_return false;
     }
-    waiting_ = &alarm;
+    waiting_ = alarm;
   }
-  // Cancel() from OnCancel or Abort (under mu_) ends the wait early.
-  const bool waited = co_await rpc::Sleep(absl::Milliseconds(20), &alarm);
+  // Cancel() from OnCancel or Abort ends the wait early.
+  const bool waited = co_await rpc::Sleep(absl::Milliseconds(20), alarm.get());
   {
     std::lock_guard<std::mutex> lock(mu_);
     waiting_ = nullptr;

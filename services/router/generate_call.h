@@ -146,7 +146,9 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
   bool cancelled_ = false;
   bool aborted_ = false;
   grpc::ClientContext* current_ = nullptr;
-  grpc::Alarm* waiting_ = nullptr;  // a capacity wait in progress (cancel ends it)
+  // A capacity wait in progress: OnCancel and Abort cancel it outside mu_ (its callback may
+  // resume the call, which takes mu_), holding a reference so it outlives that.
+  std::shared_ptr<grpc::Alarm> waiting_;
   rpc::Rendezvous write_;           // the write in progress and its end
   bool write_ok_ = true;
   int32_t completion_tokens_ = 0;

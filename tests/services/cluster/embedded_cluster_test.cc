@@ -127,6 +127,45 @@ TEST_F(EmbeddedClusterTest, NoCapacityWithinTheDeadlineIsResourceExhausted) {
   ExpectNoLeaks();
 }
 
+// A call waiting for KV room (a timer, no thread) ends at once when its client cancels or an
+// Abort names it, not at the admission deadline.
+TEST_F(EmbeddedClusterTest, CancellingOrAbortingAWaitForRoomEndsItAtOnce) {
+  HoldDecodeKv(1600);
+  v1::GenerateRequest r = Request({1, 2, 3}, 1000);
+  r.set_request_id("waiting-one");
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  const absl::Time start = absl::Now();
+  std::thread canceller([&] {
+    absl::SleepFor(absl::Milliseconds(300));
+    ctx.TryCancel();
+  });
+  auto reader = stub_->Generate(&ctx, r);
+  v1::GenerateResponse msg;
+  while (reader->Read(&msg)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  canceller.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1.5));  // the admission timeout is 2 s
+  // Abort: the stream ends OK with finish ABORT.
+  std::thread aborter([&] {
+    absl::SleepFor(absl::Milliseconds(300));
+    grpc::ClientContext actx;
+    v1::AbortRequest a;
+    a.set_request_id("waiting-one");
+    v1::AbortResponse out;
+    EXPECT_TRUE(stub_->Abort(&actx, a, &out).ok());
+  });
+  const absl::Time again = absl::Now();
+  const auto aborted = Generate(stub_.get(), r, 60);
+  aborter.join();
+  EXPECT_TRUE(aborted.status.ok()) << aborted.status.error_message();
+  EXPECT_EQ(aborted.finish.reason(), v1::FINISH_REASON_ABORT);
+  EXPECT_LT(absl::Now() - again, absl::Seconds(1.5));
+  ReleaseHeldKv();
+  ExpectNoLeaks();
+}
+
 TEST_F(EmbeddedClusterTest, CancellingMidStreamFreesBothTiers) { CancelMidStream(); }
 
 TEST_F(EmbeddedClusterTest, AbortEndsTheStreamWithFinishAbort) { AbortMidStream(); }
