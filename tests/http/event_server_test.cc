@@ -78,6 +78,13 @@ class RawClient {
   std::string got_;
 };
 
+// Polls `done` for up to 5 s (a busy machine may take a while to run the server's callbacks).
+template <typename F>
+void WaitFor(F done) {
+  const absl::Time until = absl::Now() + absl::Seconds(5);
+  while (!done() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
+}
+
 std::string Get(const std::string& path, bool keep_alive = true) {
   return absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: x\r\n",
                       keep_alive ? "" : "Connection: close\r\n", "\r\n");
@@ -178,7 +185,7 @@ TEST_F(EventServerTest, AClientLeavingMidStreamIsNoticed) {
 // while they trickle, and the header deadline closes every one of them.
 TEST_F(EventServerTest, SlowClientsCannotHoldTheDoor) {
   EventServerOptions o;
-  o.header_timeout = absl::Seconds(1);
+  o.header_timeout = absl::Seconds(3);
   StartServer(o);
   std::vector<std::unique_ptr<RawClient>> slow;
   for (int i = 0; i < 200; ++i) {
@@ -187,7 +194,9 @@ TEST_F(EventServerTest, SlowClientsCannotHoldTheDoor) {
   }
   const absl::Time start = absl::Now();
   int answered = 0;
-  while (absl::Now() - start < absl::Milliseconds(700)) {
+  int asked = 0;
+  while (absl::Now() - start < absl::Milliseconds(2000)) {
+    ++asked;
     for (auto& s : slow) s->Send("X-Slow: 1\r\n");
     RawClient probe(server_->address());
     probe.Send(Get("/health", false));
@@ -198,19 +207,18 @@ TEST_F(EventServerTest, SlowClientsCannotHoldTheDoor) {
     }
     absl::SleepFor(absl::Milliseconds(200));
   }
-  EXPECT_GE(answered, 3);
+  // Every probe, or all but one on a machine busy with other tests.
+  EXPECT_GE(answered, asked - 1) << answered << " of " << asked << " probes answered in 0.5 s";
+  EXPECT_GE(asked, 5);
   int closed = 0;
   for (auto& s : slow) {
-    s->Read(absl::Seconds(3));
+    s->Read(absl::Seconds(5));
     closed += s->closed_by_peer();
   }
   EXPECT_EQ(closed, 200);
   EXPECT_GE(server_->stats().timed_out, 200);
   // The client sees the close a moment before the server counts it.
-  const absl::Time until = absl::Now() + absl::Seconds(2);
-  while (server_->stats().connections > 0 && absl::Now() < until) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
+  WaitFor([&] { return server_->stats().connections == 0; });
   EXPECT_EQ(server_->stats().connections, 0);
 }
 
@@ -223,7 +231,7 @@ TEST_F(EventServerTest, CapsLetHealthThrough) {
   StartServer(o);
   std::vector<std::unique_ptr<RawClient>> held;
   for (int i = 0; i < 4; ++i) held.push_back(std::make_unique<RawClient>(server_->address()));
-  absl::SleepFor(absl::Milliseconds(100));
+  WaitFor([&] { return server_->stats().connections == 4; });
   EXPECT_EQ(server_->stats().connections, 4);
   RawClient health(server_->address());
   health.Send(Get("/health", false));
@@ -236,14 +244,14 @@ TEST_F(EventServerTest, CapsLetHealthThrough) {
   EXPECT_THAT(refused, HasSubstr("too many connections"));
   // Two idle over-cap connections fill the overflow; a third is closed at once.
   RawClient o1(server_->address()), o2(server_->address());
-  absl::SleepFor(absl::Milliseconds(100));
+  WaitFor([&] { return server_->stats().over_cap == 2; });
   RawClient o3(server_->address());
   o3.Read(absl::Seconds(1));
   EXPECT_TRUE(o3.closed_by_peer());
   EXPECT_GE(server_->stats().refused, 1);
   // Freed slots are taken again.
   held.clear();
-  absl::SleepFor(absl::Milliseconds(200));
+  WaitFor([&] { return server_->stats().connections == 0; });
   RawClient again(server_->address());
   again.Send(Get("/echo", false));
   EXPECT_THAT(again.Read(absl::Seconds(3)), StartsWith("HTTP/1.1 200 OK"));
