@@ -41,6 +41,17 @@ def start(argv, log):
     raise RuntimeError(f"{argv[0]} did not start; see {log}")
 
 
+async def settle_and_summarise(first, n, started, settle):
+    """Waits until all `n` streams had a first token (`first`: stream -> seconds) or `settle`
+    seconds passed; returns (streams with tokens, TTFT p50, TTFT p99)."""
+    while len(first) < n and time.time() - started < settle:
+        await asyncio.sleep(0.1)
+    ttfts = sorted(first.values())
+    if not ttfts:
+        return 0, float("nan"), float("nan")
+    return len(ttfts), statistics.median(ttfts), ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]
+
+
 async def level(pb, pb_grpc, address, n, max_tokens, settle):
     import grpc
     channels = [grpc.aio.insecure_channel(address) for _ in range(max(1, n // 100))]
@@ -65,18 +76,13 @@ async def level(pb, pb_grpc, address, n, max_tokens, settle):
             pass
 
     tasks = [asyncio.create_task(one(i)) for i in range(n)]
-    while len(first) < n and time.time() - started < settle:
-        await asyncio.sleep(0.1)
-    got = len(first)
-    ttfts = sorted(first.values())
+    result = await settle_and_summarise(first, n, started, settle)
     for c in calls:
         c.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     for ch in channels:
         await ch.close()
-    p50 = statistics.median(ttfts) if ttfts else float("nan")
-    p99 = ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else float("nan")
-    return got, p50, p99
+    return result
 
 
 async def level_http(address, n, max_tokens, settle):
@@ -113,18 +119,13 @@ async def level_http(address, n, max_tokens, settle):
             pass
 
     tasks = [asyncio.create_task(one(i)) for i in range(n)]
-    while len(first) < n and time.time() - started < settle:
-        await asyncio.sleep(0.1)
-    got = len(first)
-    ttfts = sorted(first.values())
+    result = await settle_and_summarise(first, n, started, settle)
     for w in writers:
         w.close()
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    p50 = statistics.median(ttfts) if ttfts else float("nan")
-    p99 = ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else float("nan")
-    return got, p50, p99
+    return result
 
 
 def run_build(build, model, levels, max_tokens, settle, run, http):

@@ -39,22 +39,15 @@ void GenerateCall::OnWriteDone(bool ok) {
   write_.Complete();
 }
 
-void GenerateCall::OnCancel() {
-  std::shared_ptr<grpc::Alarm> waiting;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    cancelled_ = true;
-    if (current_ != nullptr) current_->TryCancel();
-    waiting = waiting_;
-  }
-  if (waiting != nullptr) waiting->Cancel();
-}
+void GenerateCall::OnCancel() { Interrupt(&cancelled_); }
 
-void GenerateCall::Abort() {
+void GenerateCall::Abort() { Interrupt(&aborted_); }
+
+void GenerateCall::Interrupt(bool* reason) {
   std::shared_ptr<grpc::Alarm> waiting;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    aborted_ = true;
+    *reason = true;
     if (current_ != nullptr) current_->TryCancel();
     waiting = waiting_;
   }

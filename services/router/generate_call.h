@@ -125,6 +125,9 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
   void ReserveDeadline(grpc::ClientContext* ctx) const;
   void Untrack();
   bool stopped();  // cancelled or aborted
+  // Sets `reason` (cancelled_ or aborted_), cancels the worker call in progress and ends a
+  // capacity wait (outside mu_: its callback may resume the call, which takes mu_).
+  void Interrupt(bool* reason);
   // Waits up to 20 ms (a cancel or an abort ends it early), counted as waiting for capacity.
   Task<bool> WaitForCapacity();
   // Time to first token and inter-token latency for `n` tokens relayed now.
