@@ -47,7 +47,7 @@ absl::Status CheckMessages(const LineContext& at, const Json& messages, const ch
 
 class Reader {
  public:
-  Reader(const model::Tokenizer& tokenizer, const model::ChatTemplate* chat,
+  Reader(const text::Tokenizer& tokenizer, const text::ChatTemplate* chat,
          const SftDataOptions& options, std::vector<Example>* out)
       : tokenizer_(tokenizer), chat_(chat), options_(options), out_(out) {}
 
@@ -163,15 +163,15 @@ class Reader {
     return absl::OkStatus();
   }
 
-  const model::Tokenizer& tokenizer_;
-  const model::ChatTemplate* chat_;
+  const text::Tokenizer& tokenizer_;
+  const text::ChatTemplate* chat_;
   const SftDataOptions& options_;
   std::vector<Example>* out_;
 };
 
 absl::StatusOr<RlPrompt> ReadRlPrompt(const LineContext& at, const std::string& text,
-                                      const model::Tokenizer& tokenizer,
-                                      const model::ChatTemplate* chat,
+                                      const text::Tokenizer& tokenizer,
+                                      const text::ChatTemplate* chat,
                                       const SftDataOptions& options, bool need_answer) {
   const Json j = Json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return at.Invalid("malformed JSON");
@@ -242,8 +242,8 @@ absl::Status ForEachLine(const std::string& path,
 }  // namespace
 
 absl::StatusOr<std::vector<RlPrompt>> ReadRlPrompts(const std::string& path,
-                                                    const model::Tokenizer& tokenizer,
-                                                    const model::ChatTemplate* chat,
+                                                    const text::Tokenizer& tokenizer,
+                                                    const text::ChatTemplate* chat,
                                                     const SftDataOptions& options,
                                                     bool need_answer) {
   std::vector<RlPrompt> out;
@@ -258,8 +258,8 @@ absl::StatusOr<std::vector<RlPrompt>> ReadRlPrompts(const std::string& path,
 }
 
 absl::StatusOr<std::vector<Example>> ReadSftData(const std::string& path,
-                                                 const model::Tokenizer& tokenizer,
-                                                 const model::ChatTemplate* chat,
+                                                 const text::Tokenizer& tokenizer,
+                                                 const text::ChatTemplate* chat,
                                                  const SftDataOptions& options) {
   std::vector<Example> out;
   Reader reader(tokenizer, chat, options, &out);

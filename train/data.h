@@ -18,8 +18,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "common/model/chat_template.h"
-#include "common/model/tokenizer.h"
+#include "common/text/chat_template.h"
+#include "common/text/tokenizer.h"
 #include "train/example.h"
 
 namespace preft::train {
@@ -36,8 +36,8 @@ struct SftDataOptions {
 // unknown role, a conversation without an assistant turn, an empty completion, an example over
 // max_length); an empty file is an error too.
 absl::StatusOr<std::vector<Example>> ReadSftData(const std::string& path,
-                                                 const model::Tokenizer& tokenizer,
-                                                 const model::ChatTemplate* chat,
+                                                 const text::Tokenizer& tokenizer,
+                                                 const text::ChatTemplate* chat,
                                                  const SftDataOptions& options);
 
 // An RL prompt: {"prompt": "text", "answer": ...} (encoded with special tokens) or
@@ -53,8 +53,8 @@ struct RlPrompt {
 // Every prompt of the JSONL file at `path`; errors as ReadSftData's ("path:line: ..."), and
 // a missing "answer" when `need_answer`.
 absl::StatusOr<std::vector<RlPrompt>> ReadRlPrompts(const std::string& path,
-                                                    const model::Tokenizer& tokenizer,
-                                                    const model::ChatTemplate* chat,
+                                                    const text::Tokenizer& tokenizer,
+                                                    const text::ChatTemplate* chat,
                                                     const SftDataOptions& options,
                                                     bool need_answer);
 

@@ -167,10 +167,10 @@ absl::StatusOr<RlResult> RunRl(const RlOptions& o, std::FILE* progress) {
   PREFT_ASSIGN_OR_RETURN(std::unique_ptr<Reward> reward, MakeReward(o.reward, o.answer_marker));
   PREFT_ASSIGN_OR_RETURN(model::ModelConfig config,
                          model::ModelConfig::FromFile(o.model_dir + "/config.json"));
-  PREFT_ASSIGN_OR_RETURN(auto tokenizer, model::Tokenizer::LoadFromModelDir(o.model_dir));
-  std::unique_ptr<model::ChatTemplate> chat;
-  if (auto t = model::ChatTemplate::FromModelDir(o.model_dir); t.ok()) {
-    chat = std::make_unique<model::ChatTemplate>(*std::move(t));
+  PREFT_ASSIGN_OR_RETURN(auto tokenizer, text::Tokenizer::LoadFromModelDir(o.model_dir));
+  std::unique_ptr<text::ChatTemplate> chat;
+  if (auto t = text::ChatTemplate::FromModelDir(o.model_dir); t.ok()) {
+    chat = std::make_unique<text::ChatTemplate>(*std::move(t));
   }
   SftDataOptions data_options{o.max_length, false, config.vocab_size};
   PREFT_ASSIGN_OR_RETURN(std::vector<RlPrompt> prompts,

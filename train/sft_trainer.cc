@@ -14,8 +14,8 @@
 #include "common/base/mapped_file.h"
 #include "common/base/status_macros.h"
 #include "nlohmann/json.hpp"
-#include "train/example_batch.h"
 #include "train/data.h"
+#include "train/example_batch.h"
 #include "train/torch_model.h"
 #include "train/trainable_adapter.h"
 
@@ -219,10 +219,10 @@ absl::StatusOr<SftResult> RunSft(const SftOptions& o, std::FILE* progress) {
   spec.preft_positions = o.positions;
   spec.dtype = kernels::DType::kF32;
   if (o.init_dir.empty()) PREFT_RETURN_IF_ERROR(CheckRank(config, spec, o.max_rank));
-  PREFT_ASSIGN_OR_RETURN(auto tokenizer, model::Tokenizer::LoadFromModelDir(o.model_dir));
-  std::unique_ptr<model::ChatTemplate> chat;
-  if (auto t = model::ChatTemplate::FromModelDir(o.model_dir); t.ok()) {
-    chat = std::make_unique<model::ChatTemplate>(*std::move(t));
+  PREFT_ASSIGN_OR_RETURN(auto tokenizer, text::Tokenizer::LoadFromModelDir(o.model_dir));
+  std::unique_ptr<text::ChatTemplate> chat;
+  if (auto t = text::ChatTemplate::FromModelDir(o.model_dir); t.ok()) {
+    chat = std::make_unique<text::ChatTemplate>(*std::move(t));
   } else if (!absl::IsNotFound(t.status())) {
     return t.status();
   }

@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/kernels/cpu/low_rank.h"
+#include "common/kernels/cpu/low_rank_layout.h"
 
 namespace preft::adapters::internal {
 

@@ -40,7 +40,7 @@ struct Engine::Sequence {
   std::vector<int32_t> blocks;
   uint64_t seed = 0;
   std::vector<TokenLogprob> logprobs;
-  std::unique_ptr<model::StreamDecoder> decoder;
+  std::unique_ptr<text::StreamDecoder> decoder;
   std::string text;     // emitted text
   std::string pending;  // decoded but held back: may be the start of a stop string
   model::AdapterPositions adapter_positions = model::AdapterPositions::kAll;
@@ -58,25 +58,8 @@ struct Engine::Sequence {
   int64_t num_generated() const { return static_cast<int64_t>(tokens.size()) - num_prompt; }
 };
 
-absl::Status ValidatePrompt(const std::vector<int32_t>& prompt_ids,
-                            const model::ModelConfig& config) {
-  if (prompt_ids.empty()) return absl::InvalidArgumentError("prompt is empty");
-  for (int32_t id : prompt_ids) {
-    if (id < 0 || id >= config.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "prompt token id ", id, " is outside the vocabulary [0, ", config.vocab_size, ")"));
-    }
-  }
-  const int64_t n = static_cast<int64_t>(prompt_ids.size());
-  if (n >= config.max_position_embeddings) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt has ", n, " tokens; the model's context is ", config.max_position_embeddings));
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(model::Model* model,
-                                                       const model::Tokenizer* tokenizer,
+                                                       const text::Tokenizer* tokenizer,
                                                        const EngineOptions& options) {
   kernels::cpu::InitThreads(options.num_threads);
   int64_t blocks = options.kv_blocks;
@@ -92,7 +75,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(model::Model* model,
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
-    std::unique_ptr<model::ForwardBackend> backend, const model::Tokenizer* tokenizer,
+    std::unique_ptr<model::ForwardBackend> backend, const text::Tokenizer* tokenizer,
     const EngineOptions& options) {
   if (backend->cache_shape().block_tokens != options.scheduler.block_tokens) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -102,7 +85,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
   return std::unique_ptr<Engine>(new Engine(std::move(backend), tokenizer, options));
 }
 
-Engine::Engine(std::unique_ptr<model::ForwardBackend> backend, const model::Tokenizer* tokenizer,
+Engine::Engine(std::unique_ptr<model::ForwardBackend> backend, const text::Tokenizer* tokenizer,
                const EngineOptions& options)
     : backend_(std::move(backend)),
       tokenizer_(tokenizer),
@@ -137,7 +120,7 @@ absl::Status Engine::Add(Request request) {
   seq->max_new = std::min<int64_t>(request.sampling.max_tokens, c.max_position_embeddings - n);
   seq->seed = request.sampling.seed ? *request.sampling.seed : next_seed_++;
   if (tokenizer_ != nullptr) {
-    seq->decoder = std::make_unique<model::StreamDecoder>(tokenizer_, /*skip_special_tokens=*/true);
+    seq->decoder = std::make_unique<text::StreamDecoder>(tokenizer_, /*skip_special_tokens=*/true);
   }
   if (const model::AdapterWeights* a = request.adapter.weights.get()) {
     seq->adapter_positions = request.adapter.positions.value_or(a->default_positions);

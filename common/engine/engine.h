@@ -20,7 +20,7 @@
 #include "common/model/forward_backend.h"
 #include "common/model/forward_batch.h"
 #include "common/model/model.h"
-#include "common/model/tokenizer.h"
+#include "common/text/tokenizer.h"
 
 namespace preft::engine {
 
@@ -38,24 +38,18 @@ struct EngineStats {
   int64_t preemptions = 0;
 };
 
-// InvalidArgument, naming the token or the lengths, for an empty prompt, an id outside the
-// vocabulary or a prompt that leaves no room in the model's context. Engine::Add checks it;
-// the router checks it before reserving anything.
-absl::Status ValidatePrompt(const std::vector<int32_t>& prompt_ids,
-                            const model::ModelConfig& config);
-
 // Owned and driven by one thread (the engine thread); not thread-safe. Borrows the model
 // and tokenizer (tokenizer may be null: then no text and no stop strings).
 class Engine {
  public:
   // On the CPU: the model's forward over a host KV cache sized by `options`.
   static absl::StatusOr<std::unique_ptr<Engine>> Create(model::Model* model,
-                                                        const model::Tokenizer* tokenizer,
+                                                        const text::Tokenizer* tokenizer,
                                                         const EngineOptions& options);
   // Over any backend (a GPU's: model::CudaBackend); options' KV sizes are the backend's
   // business and ignored here.
   static absl::StatusOr<std::unique_ptr<Engine>> Create(
-      std::unique_ptr<model::ForwardBackend> backend, const model::Tokenizer* tokenizer,
+      std::unique_ptr<model::ForwardBackend> backend, const text::Tokenizer* tokenizer,
       const EngineOptions& options);
   ~Engine();
 
@@ -103,7 +97,7 @@ class Engine {
  private:
   struct Sequence;
 
-  Engine(std::unique_ptr<model::ForwardBackend> backend, const model::Tokenizer* tokenizer,
+  Engine(std::unique_ptr<model::ForwardBackend> backend, const text::Tokenizer* tokenizer,
          const EngineOptions& options);
   void Finish(std::unique_ptr<Sequence>& seq, FinishReason reason, absl::Status status);
   // Appends a sampled token and emits its event; returns why the sequence is done (kNone:
@@ -119,7 +113,7 @@ class Engine {
   void Preempt(Sequence& seq);
 
   std::unique_ptr<model::ForwardBackend> backend_;
-  const model::Tokenizer* tokenizer_;
+  const text::Tokenizer* tokenizer_;
   EngineOptions options_;
   kv::BlockAllocator allocator_;
   std::deque<std::unique_ptr<Sequence>> waiting_;  // arrival order (preempted go to the front)

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "common/engine/sampling_params.h"
+#include "common/engine/request_params.h"
 #include "common/model/adapter_weights.h"
 
 namespace preft::engine {

@@ -13,23 +13,6 @@ constexpr float kGreedyEpsilon = 1e-5f;
 
 }  // namespace
 
-absl::Status SamplingParams::Validate(int64_t vocab_size) const {
-  auto bad = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
-  if (!(temperature >= 0.f) || std::isinf(temperature))
-    return bad("temperature must be >= 0, got ", temperature);
-  if (!(top_p > 0.f && top_p <= 1.f)) return bad("top_p must be in (0, 1], got ", top_p);
-  if (top_k < 0) return bad("top_k must be >= 0 (0 disables it), got ", top_k);
-  if (!(min_p >= 0.f && min_p <= 1.f)) return bad("min_p must be in [0, 1], got ", min_p);
-  if (max_tokens < 1) return bad("max_tokens must be >= 1, got ", max_tokens);
-  if (logprobs && (*logprobs < 0 || *logprobs > 20))
-    return bad("logprobs must be in [0, 20], got ", *logprobs);
-  for (int32_t id : stop_token_ids)
-    if (id < 0 || id >= vocab_size) return bad("stop_token_ids: ", id, " is not in the vocabulary");
-  for (const std::string& s : stop)
-    if (s.empty()) return bad("stop strings must not be empty");
-  return absl::OkStatus();
-}
-
 double UniformFromCounter(uint64_t seed, uint64_t step) {
   const uint64_t bits = base::SplitMix64(base::SplitMix64(seed) ^
                                          base::SplitMix64(step + 0x632be59bd9b4e019ull));

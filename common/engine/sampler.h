@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/engine/sampling_params.h"
+#include "common/engine/request_params.h"
 
 namespace preft::engine {
 

@@ -15,10 +15,10 @@
 #include "common/base/fnv.h"
 #include "common/base/mapped_file.h"
 #include "common/base/status_macros.h"
-#include "common/model/chat_template.h"
 #include "common/model/checkpoint.h"
 #include "common/model/safetensors.h"
-#include "common/model/tokenizer.h"
+#include "common/text/chat_template.h"
+#include "common/text/tokenizer.h"
 #include "nlohmann/json.hpp"
 
 namespace preft::model {
@@ -311,13 +311,13 @@ absl::Status MakeModel(const MakeModelOptions& options) {
         absl::StrCat(options.out_dir, ": cannot create directory: ", ec.message()));
   }
 
-  SyntheticTokenizerOptions tok;
+  text::SyntheticTokenizerOptions tok;
   tok.vocab_size = static_cast<int32_t>(config.vocab_size);
   tok.style = config.architecture == Architecture::kQwen2 ? "qwen2" : "llama3";
-  tok.chat_template = BuiltinChatTemplate(
+  tok.chat_template = text::BuiltinChatTemplate(
       config.architecture == Architecture::kMistral ? "mistral" : tok.style);
   int32_t bos = -1, eos = -1;
-  PREFT_RETURN_IF_ERROR(WriteSyntheticTokenizer(options.out_dir, tok, &bos, &eos));
+  PREFT_RETURN_IF_ERROR(text::WriteSyntheticTokenizer(options.out_dir, tok, &bos, &eos));
   config.bos_token_id = bos;
   config.eos_token_ids.clear();
   if (eos >= 0) config.eos_token_ids.push_back(eos);

@@ -10,11 +10,11 @@
 #include <filesystem>
 #include <set>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "absl/strings/ascii.h"
 #include "common/base/fnv.h"
 #include "common/base/mapped_file.h"
 #include "common/base/status_macros.h"
@@ -35,7 +35,7 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir) {
   LoadedModel out;
   PREFT_ASSIGN_OR_RETURN(out.model, model::Model::Load(dir));
   if (std::filesystem::exists(std::filesystem::path(dir) / "tokenizer.json")) {
-    PREFT_ASSIGN_OR_RETURN(out.tokenizer, model::Tokenizer::LoadFromModelDir(dir));
+    PREFT_ASSIGN_OR_RETURN(out.tokenizer, text::Tokenizer::LoadFromModelDir(dir));
   }
   PREFT_ASSIGN_OR_RETURN(std::string config, base::ReadFileToString(dir + "/config.json"));
   std::string weights;
@@ -249,7 +249,7 @@ absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& f, bool kv_tran
 }
 
 absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(model::Model* model,
-                                                           const model::Tokenizer* tokenizer,
+                                                           const text::Tokenizer* tokenizer,
                                                            const std::string& device,
                                                            const engine::EngineOptions& options,
                                                            bool kv_transport,
@@ -291,40 +291,11 @@ transport::KvLayout LayoutFor(engine::Engine& engine, const std::string& fingerp
   return transport::KvLayout::ForCache(engine.backend().cache_shape(), fingerprint);
 }
 
-namespace {
-
-int signal_pipe[2] = {-1, -1};
-
-void OnTerminationSignal(int sig) {
-  const unsigned char b = static_cast<unsigned char>(sig);
-  (void)!write(signal_pipe[1], &b, 1);  // async-signal-safe
-}
-
-}  // namespace
-
 void UsePassiveOpenMpWaits(char** argv) {
   if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;
   setenv("OMP_WAIT_POLICY", "passive", 1);
   execv("/proc/self/exe", argv);
   // execv failed (no /proc): go on with the default policy.
-}
-
-void InstallTerminationHandler() {
-  if (signal_pipe[0] >= 0) return;
-  if (pipe(signal_pipe) != 0) return;
-  struct sigaction sa {};
-  sa.sa_handler = OnTerminationSignal;
-  sigemptyset(&sa.sa_mask);
-  sa.sa_flags = SA_RESTART;
-  sigaction(SIGTERM, &sa, nullptr);
-  sigaction(SIGINT, &sa, nullptr);
-}
-
-int WaitForTerminationSignal() {
-  unsigned char b = 0;
-  while (read(signal_pipe[0], &b, 1) < 0 && errno == EINTR) {
-  }
-  return b;
 }
 
 }  // namespace preft::serving

@@ -14,15 +14,15 @@
 #include "common/metrics/engine_metrics.h"
 #include "common/metrics/metrics_server.h"
 #include "common/model/model.h"
-#include "common/model/tokenizer.h"
 #include "common/rpc/tls.h"
+#include "common/text/tokenizer.h"
 #include "common/transport/kv_transport.h"
 
 namespace preft::serving {
 
 struct LoadedModel {
   std::unique_ptr<model::Model> model;
-  std::unique_ptr<model::Tokenizer> tokenizer;  // null if the folder has no tokenizer.json
+  std::unique_ptr<text::Tokenizer> tokenizer;  // null if the folder has no tokenizer.json
   // Identifies the base weights in KV layouts: two workers exchange KV only if they agree.
   // Architecture, a hash of config.json and the weight files' sizes (no full-file hash: a
   // real checkpoint is gigabytes).
@@ -121,7 +121,7 @@ absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& flags, bool kv_
 // memory. Errors start with "--device DEVICE: ".
 inline constexpr int64_t kMirroredKvBytes = int64_t{8} << 30;
 absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(model::Model* model,
-                                                           const model::Tokenizer* tokenizer,
+                                                           const text::Tokenizer* tokenizer,
                                                            const std::string& device,
                                                            const engine::EngineOptions& options,
                                                            bool kv_transport,
@@ -137,12 +137,5 @@ transport::KvLayout LayoutFor(engine::Engine& engine, const std::string& fingerp
 // and re-executes the binary; set OMP_WAIT_POLICY=active to keep spinning on dedicated cores.
 // Call first thing in main.
 void UsePassiveOpenMpWaits(char** argv);
-
-// Routes SIGTERM and SIGINT to WaitForTerminationSignal: a handler (whichever thread the
-// kernel picks, including threads libraries started before main) writes the signal to a pipe.
-// Call it early in main ...
-void InstallTerminationHandler();
-// ... then wait for one; returns its number.
-int WaitForTerminationSignal();
 
 }  // namespace preft::serving

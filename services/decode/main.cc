@@ -13,12 +13,13 @@
 #include "CLI/CLI.hpp"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/base/termination_signal.h"
 #include "common/engine/engine.h"
 #include "common/rpc/server.h"
 #include "common/serving/worker_setup.h"
-#include "services/wire/grpc_kv_transport.h"
 #include "services/decode/decode_metrics.h"
 #include "services/decode/decode_service.h"
+#include "services/wire/grpc_kv_transport.h"
 
 namespace {
 
@@ -91,7 +92,7 @@ int Run(const Flags& f) {
               device.c_str());
   std::fflush(stdout);
 
-  const int sig = preft::serving::WaitForTerminationSignal();
+  const int sig = preft::base::WaitForTerminationSignal();
   std::fprintf(stderr, "preft-decode: signal %d, draining\n", sig);
   (*service)->StartDrain();
   (*server)->SetServing(kServiceName, false);
@@ -117,7 +118,7 @@ int Run(const Flags& f) {
 int main(int argc, char** argv) {
   preft::serving::UsePassiveOpenMpWaits(argv);
   // Before any thread starts, so every thread inherits the mask and sigwait gets the signal.
-  preft::serving::InstallTerminationHandler();
+  preft::base::InstallTerminationHandler();
   Flags f;
   CLI::App app{
       "preft-decode: the decode tier of a preft cluster (KV reservations, base-model decode)"};

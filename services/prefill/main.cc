@@ -16,11 +16,12 @@
 #include "CLI/CLI.hpp"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/base/termination_signal.h"
 #include "common/engine/engine.h"
 #include "common/rpc/server.h"
 #include "common/serving/worker_setup.h"
-#include "services/wire/grpc_kv_transport.h"
 #include "services/prefill/prefill_service.h"
+#include "services/wire/grpc_kv_transport.h"
 
 namespace {
 
@@ -85,7 +86,7 @@ int Run(const Flags& f) {
               device.c_str());
   std::fflush(stdout);
 
-  const int sig = serving::WaitForTerminationSignal();
+  const int sig = base::WaitForTerminationSignal();
   std::fprintf(stderr, "preft-prefill: signal %d, draining\n", sig);
   (*service)->StartDrain();
   (*server)->SetServing(service_name, false);
@@ -109,7 +110,7 @@ int Run(const Flags& f) {
 int main(int argc, char** argv) {
   preft::serving::UsePassiveOpenMpWaits(argv);
   // Before any thread starts, so every thread inherits the mask and sigwait sees the signal.
-  preft::serving::InstallTerminationHandler();
+  preft::base::InstallTerminationHandler();
   CLI::App app{
       "preft-prefill: a prefill worker (runs prompts with adapters, pushes their KV "
       "to decode workers)"};

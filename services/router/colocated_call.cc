@@ -8,7 +8,7 @@
 #include "common/base/status_macros.h"
 #include "common/rpc/status.h"
 #include "services/router/generate_call.h"
-#include "services/wire/convert.h"
+#include "services/wire/request_convert.h"
 
 namespace preft::router {
 

@@ -6,8 +6,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/base/status_macros.h"
 #include "common/rpc/status.h"
-#include "services/wire/convert.h"
 #include "services/wire/kv_path.h"
+#include "services/wire/request_convert.h"
 
 namespace preft::router {
 

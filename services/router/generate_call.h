@@ -17,8 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "common/engine/engine.h"
-#include "common/engine/sampling_params.h"
+#include "common/engine/request_params.h"
 #include "common/rpc/coro.h"
 #include "proto/preft/v1/preft.grpc.pb.h"
 #include "proto/preft/v1/worker.grpc.pb.h"

@@ -11,11 +11,12 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/base/termination_signal.h"
 #include "common/metrics/metrics_server.h"
 #include "common/model/config.h"
-#include "common/model/tokenizer.h"
 #include "common/rpc/server.h"
-#include "common/serving/worker_setup.h"
+#include "common/rpc/tls.h"
+#include "common/text/tokenizer.h"
 #include "services/router/openai_server.h"
 #include "services/router/router_service.h"
 
@@ -111,7 +112,7 @@ int main(int argc, char** argv) {
                          "tier)\n");
     return 2;
   }
-  serving::InstallTerminationHandler();
+  base::InstallTerminationHandler();
   auto server_credentials = rpc::MakeServerCredentials(tls);
   auto channel_credentials = rpc::MakeChannelCredentials(tls);
   for (const absl::Status& s : {server_credentials.status(), channel_credentials.status()}) {
@@ -126,9 +127,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "preft-router: %s\n", config.status().ToString().c_str());
     return 1;
   }
-  std::unique_ptr<model::Tokenizer> tokenizer;
+  std::unique_ptr<text::Tokenizer> tokenizer;
   if (std::filesystem::exists(model_dir + "/tokenizer.json")) {
-    auto t = model::Tokenizer::LoadFromModelDir(model_dir);
+    auto t = text::Tokenizer::LoadFromModelDir(model_dir);
     if (!t.ok()) {
       std::fprintf(stderr, "preft-router: %s\n", t.status().ToString().c_str());
       return 1;
@@ -231,7 +232,7 @@ int main(int argc, char** argv) {
   std::printf("preft-router listening on %s\n", (*server)->address().c_str());
   std::fflush(stdout);
 
-  serving::WaitForTerminationSignal();
+  base::WaitForTerminationSignal();
   service.StartDrain();
   (*server)->SetServing("", false);
   const absl::Time until = absl::Now() + absl::Seconds(drain_timeout_s);

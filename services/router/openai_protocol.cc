@@ -212,7 +212,7 @@ void AddChoices(const v1::GenerateRequest& prompt, int n, Plan* plan) {
   }
 }
 
-std::string TokenName(int32_t id, const model::Tokenizer* tokenizer) {
+std::string TokenName(int32_t id, const text::Tokenizer* tokenizer) {
   if (tokenizer == nullptr) return absl::StrCat("token_id:", id);
   return tokenizer->TokenBytes(id);
 }
@@ -223,7 +223,7 @@ json Bytes(const std::string& s) {
   return b;
 }
 
-json CompletionLogprobs(const ChoiceResult& c, const model::Tokenizer* tokenizer) {
+json CompletionLogprobs(const ChoiceResult& c, const text::Tokenizer* tokenizer) {
   json tokens = json::array(), token_logprobs = json::array(), top = json::array(),
        offsets = json::array();
   int64_t offset = 0;
@@ -241,7 +241,7 @@ json CompletionLogprobs(const ChoiceResult& c, const model::Tokenizer* tokenizer
           {"text_offset", offsets}};
 }
 
-json ChatLogprobs(const ChoiceResult& c, const model::Tokenizer* tokenizer) {
+json ChatLogprobs(const ChoiceResult& c, const text::Tokenizer* tokenizer) {
   json content = json::array();
   for (const v1::TokenLogprob& lp : c.logprobs) {
     const std::string name = TokenName(lp.token_id(), tokenizer);
@@ -393,7 +393,7 @@ json UsageOf(const std::vector<ChoiceResult>& choices, int n_per_prompt) {
 }  // namespace
 
 json CompletionBody(const std::string& id, int64_t created, const Plan& plan,
-                    const std::vector<ChoiceResult>& choices, const model::Tokenizer* tokenizer) {
+                    const std::vector<ChoiceResult>& choices, const text::Tokenizer* tokenizer) {
   json out = json::array();
   for (size_t i = 0; i < choices.size(); ++i) {
     out.push_back({{"index", i},
@@ -406,7 +406,7 @@ json CompletionBody(const std::string& id, int64_t created, const Plan& plan,
 }
 
 json ChatBody(const std::string& id, int64_t created, const Plan& plan,
-              const std::vector<ChoiceResult>& choices, const model::Tokenizer* tokenizer) {
+              const std::vector<ChoiceResult>& choices, const text::Tokenizer* tokenizer) {
   json out = json::array();
   for (size_t i = 0; i < choices.size(); ++i) {
     out.push_back({{"index", i},
@@ -419,7 +419,7 @@ json ChatBody(const std::string& id, int64_t created, const Plan& plan,
 }
 
 json CompletionChunk(const std::string& id, int64_t created, const Plan& plan, int index,
-                     const ChoiceResult& delta, const model::Tokenizer* tokenizer) {
+                     const ChoiceResult& delta, const text::Tokenizer* tokenizer) {
   json choice = {{"index", index},
                  {"text", delta.text},
                  {"logprobs", plan.logprobs ? CompletionLogprobs(delta, tokenizer) : json(nullptr)},
@@ -429,7 +429,7 @@ json CompletionChunk(const std::string& id, int64_t created, const Plan& plan, i
 }
 
 json ChatChunk(const std::string& id, int64_t created, const Plan& plan, int index,
-               const ChoiceResult& delta, bool first, const model::Tokenizer* tokenizer) {
+               const ChoiceResult& delta, bool first, const text::Tokenizer* tokenizer) {
   json d = json::object();
   if (first) d["role"] = "assistant";
   if (!delta.text.empty() || delta.finish_reason.empty()) d["content"] = delta.text;

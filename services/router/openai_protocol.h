@@ -12,7 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "common/model/tokenizer.h"
+#include "common/text/tokenizer.h"
 #include "nlohmann/json.hpp"
 #include "proto/preft/v1/preft.pb.h"
 
@@ -54,16 +54,16 @@ struct ChoiceResult {
 // null: then "token_id:N").
 nlohmann::json CompletionBody(const std::string& id, int64_t created, const Plan& plan,
                               const std::vector<ChoiceResult>& choices,
-                              const model::Tokenizer* tokenizer);
+                              const text::Tokenizer* tokenizer);
 nlohmann::json ChatBody(const std::string& id, int64_t created, const Plan& plan,
                         const std::vector<ChoiceResult>& choices,
-                        const model::Tokenizer* tokenizer);
+                        const text::Tokenizer* tokenizer);
 // One stream chunk for choice `index` carrying `delta` (its new tokens, text and logprobs).
 nlohmann::json CompletionChunk(const std::string& id, int64_t created, const Plan& plan,
                                int index, const ChoiceResult& delta,
-                               const model::Tokenizer* tokenizer);
+                               const text::Tokenizer* tokenizer);
 nlohmann::json ChatChunk(const std::string& id, int64_t created, const Plan& plan, int index,
-                         const ChoiceResult& delta, bool first, const model::Tokenizer* tokenizer);
+                         const ChoiceResult& delta, bool first, const text::Tokenizer* tokenizer);
 // The final usage-only chunk (stream_options.include_usage).
 nlohmann::json UsageChunk(const std::string& id, int64_t created, const Plan& plan, bool chat,
                           int64_t prompt_tokens, int64_t completion_tokens);

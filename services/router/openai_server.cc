@@ -9,12 +9,12 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "common/base/status_macros.h"
-#include "common/model/chat_template.h"
 #include "common/rpc/status.h"
+#include "common/text/chat_template.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
 #include "proto/preft/v1/preft.grpc.pb.h"
 #include "services/router/openai_protocol.h"
-#include "services/wire/convert.h"
+#include "services/wire/request_convert.h"
 
 namespace preft::router {
 
@@ -99,7 +99,7 @@ class CallTracker {
 class Generation : public std::enable_shared_from_this<Generation> {
  public:
   Generation(v1::Preft::Stub* stub, CallTracker* calls, Exchange ex, openai::Plan plan, bool chat,
-             const model::Tokenizer* tokenizer, absl::Duration timeout)
+             const text::Tokenizer* tokenizer, absl::Duration timeout)
       : stub_(stub),
         calls_(calls),
         ex_(std::move(ex)),
@@ -142,7 +142,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   const Exchange ex_;
   const openai::Plan plan_;
   const bool chat_;
-  const model::Tokenizer* const tokenizer_;
+  const text::Tokenizer* const tokenizer_;
   const std::string id_;
   const int64_t created_;
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts_;  // fixed once built
@@ -422,12 +422,12 @@ void OpenAiServer::Impl::Handle(const Exchange& ex) {
 }
 
 absl::StatusOr<ChatRenderer> ChatRendererFor(const std::string& model_dir) {
-  absl::StatusOr<model::ChatTemplate> t = model::ChatTemplate::FromModelDir(model_dir);
+  absl::StatusOr<text::ChatTemplate> t = text::ChatTemplate::FromModelDir(model_dir);
   if (absl::IsNotFound(t.status())) return ChatRenderer();
   if (!t.ok()) return t.status();
-  auto shared = std::make_shared<model::ChatTemplate>(*std::move(t));
+  auto shared = std::make_shared<text::ChatTemplate>(*std::move(t));
   return ChatRenderer([shared](const json& messages) {
-    return shared->Render(jinja::Value::parse(messages.dump()), /*add_generation_prompt=*/true);
+    return shared->Render(text::jinja::Value::parse(messages.dump()), /*add_generation_prompt=*/true);
   });
 }
 

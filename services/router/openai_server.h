@@ -17,7 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/http/event_server.h"
-#include "common/model/tokenizer.h"
+#include "common/text/tokenizer.h"
 #include "grpcpp/channel.h"
 #include "nlohmann/json.hpp"
 
@@ -36,8 +36,8 @@ struct OpenAiServerOptions {
   // --max-request-bytes, as its gRPC messages).
   http::EventServerOptions http;
   std::shared_ptr<grpc::Channel> router;
-  const model::Tokenizer* tokenizer = nullptr;  // names tokens in logprobs; may be null
-  // Renders chat messages ([{role, content}]) to the prompt text (model::ChatTemplate); null, or
+  const text::Tokenizer* tokenizer = nullptr;  // names tokens in logprobs; may be null
+  // Renders chat messages ([{role, content}]) to the prompt text (text::ChatTemplate); null, or
   // no tokenizer: chat is refused (400).
   ChatRenderer render_chat;
   absl::Duration timeout = absl::Minutes(10);  // per request

@@ -19,7 +19,7 @@ class GenerateCall;
 
 struct RouterService::Impl {
   model::ModelConfig config;
-  const model::Tokenizer* tokenizer;
+  const text::Tokenizer* tokenizer;
   WorkerPool* pool;
   AdapterRegistry* registry;
   RouterOptions options;

@@ -5,10 +5,10 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "services/wire/convert.h"
 #include "common/rpc/status.h"
 #include "services/router/generate_call.h"
 #include "services/router/router_impl.h"
+#include "services/wire/request_convert.h"
 
 namespace preft::router {
 
@@ -24,7 +24,7 @@ void RouterService::Impl::Spawn(std::function<void()> fn) {
   }).detach();
 }
 
-RouterService::RouterService(const model::ModelConfig& config, const model::Tokenizer* tokenizer,
+RouterService::RouterService(const model::ModelConfig& config, const text::Tokenizer* tokenizer,
                              WorkerPool* pool, AdapterRegistry* registry, RouterOptions options)
     : impl_(std::make_unique<Impl>()) {
   impl_->config = config;

@@ -14,12 +14,12 @@
 #include <memory>
 #include <string>
 
-#include "prometheus/registry.h"
-#include "services/router/access.h"
 #include "absl/time/time.h"
 #include "common/model/config.h"
-#include "common/model/tokenizer.h"
+#include "common/text/tokenizer.h"
+#include "prometheus/registry.h"
 #include "proto/preft/v1/preft.grpc.pb.h"
+#include "services/router/access.h"
 #include "services/router/adapter_registry.h"
 #include "services/router/worker_pool.h"
 
@@ -52,7 +52,7 @@ struct RouterOptions {
 // the registry, which must outlive it.
 class RouterService final : public v1::Preft::CallbackService {
  public:
-  RouterService(const model::ModelConfig& config, const model::Tokenizer* tokenizer,
+  RouterService(const model::ModelConfig& config, const text::Tokenizer* tokenizer,
                 WorkerPool* pool, AdapterRegistry* registry, RouterOptions options);
   // Waits for the calls' driver threads (the server must be shut down first).
   ~RouterService() override;

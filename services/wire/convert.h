@@ -1,41 +1,19 @@
 #pragma once
 
-// Engine and transport types <-> their protos (preft.v1 / preft.worker.v1), converted once at
-// the edge of every service.
+// Worker-side types (adapter residency, transport endpoints) <-> their protos (preft.worker.v1);
+// request types are in request_convert.h.
 
 #include <functional>
 #include <map>
-#include <optional>
 #include <string>
 #include <vector>
 
 #include "common/adapters/adapter_store.h"
-#include "common/engine/request.h"
-#include "common/engine/sampling_params.h"
-#include "common/model/adapter_weights.h"
 #include "common/transport/kv_transport.h"
-#include "proto/preft/v1/preft.pb.h"
 #include "proto/preft/v1/worker.pb.h"
+#include "services/wire/request_convert.h"
 
 namespace preft::wire {
-
-// Unset fields take the engine's defaults. Values are range-checked later by
-// SamplingParams::Validate (which names the field).
-engine::SamplingParams FromProto(const v1::SamplingParams& p);
-// Every field set (seed included when known), so the far side uses exactly these.
-v1::SamplingParams ToProto(const engine::SamplingParams& s);
-
-engine::TokenLogprob FromProto(const v1::TokenLogprob& p);
-v1::TokenLogprob ToProto(const engine::TokenLogprob& l);
-
-// UNSPECIFIED: nullopt (the adapter's default).
-std::optional<model::AdapterPositions> FromProto(v1::AdapterPositions p);
-v1::AdapterPositions ToProto(std::optional<model::AdapterPositions> p);
-
-// kNone and kError have no proto value (an error is the call's status): UNSPECIFIED.
-v1::FinishReason ToProto(engine::FinishReason r);
-// "length", "stop", "abort"; "" for unspecified.
-const char* FinishReasonName(v1::FinishReason r);
 
 // A worker's answer to LoadAdapter: the version now resident there.
 worker::v1::AdapterState ResidentState(const std::string& name, int64_t version, int64_t bytes);

@@ -18,7 +18,7 @@ class TinyEngineTest : public ::testing::Test {
     auto m = model::Model::Load(testing::TinyLlamaFixture());
     ASSERT_TRUE(m.ok()) << m.status();
     model_ = std::move(m).value().release();
-    auto t = model::Tokenizer::LoadFromModelDir(testing::TinyLlamaFixture());
+    auto t = text::Tokenizer::LoadFromModelDir(testing::TinyLlamaFixture());
     ASSERT_TRUE(t.ok()) << t.status();
     tokenizer_ = std::move(t).value().release();
   }
@@ -33,7 +33,7 @@ class TinyEngineTest : public ::testing::Test {
   }
 
   static inline model::Model* model_ = nullptr;
-  static inline model::Tokenizer* tokenizer_ = nullptr;
+  static inline text::Tokenizer* tokenizer_ = nullptr;
 };
 
 }  // namespace preft::engine

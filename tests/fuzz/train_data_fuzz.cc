@@ -12,15 +12,15 @@
 #include <memory>
 #include <string>
 
-#include "common/model/chat_template.h"
-#include "common/model/tokenizer.h"
+#include "common/text/chat_template.h"
+#include "common/text/tokenizer.h"
 #include "train/data.h"
 
 namespace {
 
 struct Fixture {
-  std::unique_ptr<preft::model::Tokenizer> tokenizer;
-  std::unique_ptr<preft::model::ChatTemplate> chat;
+  std::unique_ptr<preft::text::Tokenizer> tokenizer;
+  std::unique_ptr<preft::text::ChatTemplate> chat;
   std::string path = "/tmp/preft_train_data_fuzz_" + std::to_string(getpid()) + ".jsonl";
 };
 
@@ -30,18 +30,18 @@ const Fixture& Get() {
     // make-model's qwen2 tokenizer (byte-level BPE, Qwen2's NFC normalizer), written once.
     const std::string dir = "/tmp/preft_train_data_fuzz_tokenizer_" + std::to_string(getpid());
     std::filesystem::create_directories(dir);
-    preft::model::SyntheticTokenizerOptions options;
+    preft::text::SyntheticTokenizerOptions options;
     options.vocab_size = 512;
     options.style = "qwen2";
     int32_t bos = -1, eos = -1;
-    if (!preft::model::WriteSyntheticTokenizer(dir, options, &bos, &eos).ok()) std::abort();
-    auto tok = preft::model::Tokenizer::LoadFromModelDir(dir);
+    if (!preft::text::WriteSyntheticTokenizer(dir, options, &bos, &eos).ok()) std::abort();
+    auto tok = preft::text::Tokenizer::LoadFromModelDir(dir);
     if (!tok.ok()) std::abort();
     f->tokenizer = std::move(tok).value();
-    auto chat = preft::model::ChatTemplate::Create(preft::model::BuiltinChatTemplate("llama3"),
+    auto chat = preft::text::ChatTemplate::Create(preft::text::BuiltinChatTemplate("llama3"),
                                                    "<|begin_of_text|>", "<|end_of_text|>");
     if (!chat.ok()) std::abort();
-    f->chat = std::make_unique<preft::model::ChatTemplate>(*std::move(chat));
+    f->chat = std::make_unique<preft::text::ChatTemplate>(*std::move(chat));
     return f;
   }();
   return *f;

@@ -46,7 +46,7 @@ TEST_P(AgreementTest, TrainerLogprobsEqualTheEnginesOnF32) {
   const std::string dir = testing::TinyModel(preset, 21);
   auto engine_model = model::Model::Load(dir);
   ASSERT_TRUE(engine_model.ok()) << engine_model.status();
-  auto tokenizer = model::Tokenizer::LoadFromModelDir(dir);
+  auto tokenizer = text::Tokenizer::LoadFromModelDir(dir);
   ASSERT_TRUE(tokenizer.ok());
   auto torch_model = TorchModel::Load(dir, torch::kFloat32);
   ASSERT_TRUE(torch_model.ok()) << torch_model.status();

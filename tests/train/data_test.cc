@@ -19,12 +19,12 @@ class SftDataTest : public ::testing::Test {
   void SetUp() override {
     dir_ = testing::TempDir("sft_data");
     const std::string model = testing::TinyModel();
-    auto tok = model::Tokenizer::LoadFromModelDir(model);
+    auto tok = text::Tokenizer::LoadFromModelDir(model);
     ASSERT_TRUE(tok.ok()) << tok.status();
     tokenizer_ = std::move(tok).value();
-    auto chat = model::ChatTemplate::FromModelDir(model);
+    auto chat = text::ChatTemplate::FromModelDir(model);
     ASSERT_TRUE(chat.ok()) << chat.status();
-    chat_ = std::make_unique<model::ChatTemplate>(*std::move(chat));
+    chat_ = std::make_unique<text::ChatTemplate>(*std::move(chat));
   }
 
   absl::StatusOr<std::vector<Example>> Read(const std::string& text,
@@ -37,7 +37,7 @@ class SftDataTest : public ::testing::Test {
     EXPECT_TRUE(ids.ok());
     return ids.ok() ? *ids : std::vector<int32_t>{};
   }
-  std::string Render(const jinja::Value& messages, bool generation_prompt) {
+  std::string Render(const text::jinja::Value& messages, bool generation_prompt) {
     auto text = chat_->Render(messages, generation_prompt);
     EXPECT_TRUE(text.ok()) << text.status();
     return text.ok() ? *text : "";
@@ -52,8 +52,8 @@ class SftDataTest : public ::testing::Test {
   }
 
   std::string dir_, path_;
-  std::unique_ptr<model::Tokenizer> tokenizer_;
-  std::unique_ptr<model::ChatTemplate> chat_;
+  std::unique_ptr<text::Tokenizer> tokenizer_;
+  std::unique_ptr<text::ChatTemplate> chat_;
 };
 
 TEST_F(SftDataTest, PromptCompletionIsTokenizedAsTheServerTokenizesPrompts) {
@@ -80,7 +80,7 @@ TEST_F(SftDataTest, PromptCompletionIsTokenizedAsTheServerTokenizesPrompts) {
 }
 
 TEST_F(SftDataTest, EveryAssistantTurnIsAnExampleWithEverythingBeforeItAsPrompt) {
-  const jinja::Value messages = jinja::Value::parse(R"([
+  const text::jinja::Value messages = text::jinja::Value::parse(R"([
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "One?"},
     {"role": "assistant", "content": "Uno."},
@@ -91,7 +91,7 @@ TEST_F(SftDataTest, EveryAssistantTurnIsAnExampleWithEverythingBeforeItAsPrompt)
   ASSERT_EQ(data->size(), 2u);
   for (int turn = 0; turn < 2; ++turn) {
     const size_t k = turn == 0 ? 2 : 4;  // the assistant message's index
-    jinja::Value before = jinja::Value::array(), through;
+    text::jinja::Value before = text::jinja::Value::array(), through;
     for (size_t i = 0; i < k; ++i) before.push_back(messages[i]);
     through = before;
     through.push_back(messages[k]);

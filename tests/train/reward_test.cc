@@ -73,8 +73,8 @@ TEST(RewardTest, BadSpecsAndMisbehavingCommandsAreErrors) {
 
 TEST(RlPromptsTest, TextAndChatPromptsWithAnswers) {
   const std::string model = testing::TinyModel();
-  auto tok = model::Tokenizer::LoadFromModelDir(model);
-  auto chat = model::ChatTemplate::FromModelDir(model);
+  auto tok = text::Tokenizer::LoadFromModelDir(model);
+  auto chat = text::ChatTemplate::FromModelDir(model);
   ASSERT_TRUE(tok.ok() && chat.ok());
   const std::string dir = testing::TempDir("rl_prompts");
   const std::string path = testing::WriteFile(
@@ -86,7 +86,7 @@ TEST(RlPromptsTest, TextAndChatPromptsWithAnswers) {
   ASSERT_EQ(p->size(), 2u);
   EXPECT_EQ((*p)[0].answer, "4");
   EXPECT_EQ((*p)[0].prompt_ids, *(*tok)->Encode("2+2?", true));
-  auto rendered = chat->Render(jinja::Value::parse(R"([{"role": "user", "content": "3+3?"}])"));
+  auto rendered = chat->Render(text::jinja::Value::parse(R"([{"role": "user", "content": "3+3?"}])"));
   ASSERT_TRUE(rendered.ok());
   EXPECT_EQ((*p)[1].text, *rendered);
   EXPECT_EQ((*p)[1].prompt_ids, *(*tok)->Encode(*rendered, false));

@@ -15,7 +15,7 @@
 #include "absl/strings/str_split.h"
 #include "clients/cpp/preft_client.h"
 #include "common/base/mapped_file.h"
-#include "common/model/tokenizer.h"
+#include "common/text/tokenizer.h"
 #include "tests/train/train_test_util.h"
 #include "tools/preft/embedded_cluster.h"
 #include "train/sft_trainer.h"
@@ -232,7 +232,7 @@ TEST(SftTrainerTest, EpochsThatPackDifferentlyAllRun) {
   // into a ninth).
   int64_t per_pass = 0;
   {
-    auto tok = model::Tokenizer::LoadFromModelDir(model);
+    auto tok = text::Tokenizer::LoadFromModelDir(model);
     ASSERT_TRUE(tok.ok());
     for (const Pair& p : pairs) {
       per_pass += static_cast<int64_t>((*tok)->Encode(p.prompt, true)->size() +

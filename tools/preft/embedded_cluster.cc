@@ -14,7 +14,7 @@ namespace preft::tools {
 namespace {
 
 absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(model::Model* model,
-                                                           const model::Tokenizer* tokenizer,
+                                                           const text::Tokenizer* tokenizer,
                                                            int64_t kv_bytes,
                                                            const EmbeddedClusterOptions& o) {
   engine::EngineOptions e;

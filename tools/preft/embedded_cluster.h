@@ -72,7 +72,7 @@ class EmbeddedCluster {
   prefill::PrefillService& prefill(int i) { return *prefill_[i]; }
   router::RouterService& router() { return *router_; }
   router::WorkerPool& pool() { return *pool_; }
-  const model::Tokenizer* tokenizer() const { return tokenizer_.get(); }
+  const text::Tokenizer* tokenizer() const { return tokenizer_.get(); }
 
   // Graceful stop: routers and workers refuse new work, running requests finish (up to
   // `timeout`), then the servers shut down.
@@ -82,7 +82,7 @@ class EmbeddedCluster {
   EmbeddedCluster() = default;
 
   std::vector<std::unique_ptr<model::Model>> models_;  // one per engine (not thread-safe)
-  std::unique_ptr<model::Tokenizer> tokenizer_;
+  std::unique_ptr<text::Tokenizer> tokenizer_;
   std::vector<std::unique_ptr<decode::DecodeService>> decode_;
   std::vector<std::unique_ptr<prefill::PrefillService>> prefill_;
   std::vector<std::unique_ptr<rpc::Server>> worker_servers_;

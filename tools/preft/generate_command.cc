@@ -5,14 +5,14 @@
 #include <string>
 #include <vector>
 
-#include "common/model/chat_template.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "common/adapters/adapter_loader.h"
 #include "common/engine/engine.h"
 #include "common/model/model.h"
-#include "common/model/tokenizer.h"
 #include "common/serving/worker_setup.h"
+#include "common/text/chat_template.h"
+#include "common/text/tokenizer.h"
 #include "nlohmann/json.hpp"
 #include "tools/preft/commands.h"
 
@@ -89,8 +89,8 @@ nlohmann::json ResultToJson(const engine::GenerationResult& r, bool with_logprob
 int RunGenerate(const GenerateFlags& f) {
   auto model = model::Model::Load(f.model);
   if (!model.ok()) return Fail(std::string(model.status().message()));
-  std::unique_ptr<model::Tokenizer> tokenizer;
-  auto tok = model::Tokenizer::LoadFromModelDir(f.model);
+  std::unique_ptr<text::Tokenizer> tokenizer;
+  auto tok = text::Tokenizer::LoadFromModelDir(f.model);
   if (tok.ok()) {
     tokenizer = std::move(tok).value();
   } else if (!f.prompt.empty()) {
@@ -105,11 +105,12 @@ int RunGenerate(const GenerateFlags& f) {
     req.prompt_ids = *ids;
   } else if (f.chat) {
     // As /v1/chat/completions builds it: the template writes the special tokens.
-    auto chat = model::ChatTemplate::FromModelDir(f.model);
+    auto chat = text::ChatTemplate::FromModelDir(f.model);
     if (!chat.ok()) return Fail(std::string(chat.status().message()));
-    auto text = chat->Render(jinja::Value::array({{{"role", "user"}, {"content", f.prompt}}}));
-    if (!text.ok()) return Fail(std::string(text.status().message()));
-    auto ids = tokenizer->Encode(*text, /*add_special_tokens=*/false);
+    auto rendered =
+        chat->Render(text::jinja::Value::array({{{"role", "user"}, {"content", f.prompt}}}));
+    if (!rendered.ok()) return Fail(std::string(rendered.status().message()));
+    auto ids = tokenizer->Encode(*rendered, /*add_special_tokens=*/false);
     if (!ids.ok()) return Fail(std::string(ids.status().message()));
     req.prompt_ids = *ids;
   } else {

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <filesystem>
 
+#include "common/base/termination_signal.h"
 #include "common/model/make_model.h"
 #include "common/serving/worker_setup.h"
 #include "tools/preft/commands.h"
@@ -49,7 +50,7 @@ int RunServe(const ServeFlags& f) {
       return 1;
     }
   }
-  serving::InstallTerminationHandler();
+  base::InstallTerminationHandler();
   EmbeddedClusterOptions o;
   o.model_dir = f.model;
   o.listen = f.listen;
@@ -81,7 +82,7 @@ int RunServe(const ServeFlags& f) {
                 (*cluster)->http_address().c_str());
   }
   std::fflush(stdout);
-  serving::WaitForTerminationSignal();
+  base::WaitForTerminationSignal();
   std::printf("preft serve: draining\n");
   std::fflush(stdout);
   (*cluster)->Drain(absl::Seconds(f.drain_timeout_s));

@@ -6,7 +6,7 @@
 #include <memory>
 #include <string>
 
-#include "common/model/tokenizer.h"
+#include "common/text/tokenizer.h"
 #include "nlohmann/json.hpp"
 #include "tools/preft/commands.h"
 
@@ -31,7 +31,7 @@ void RegisterTokenizeCommand(CLI::App& app, int* exit_code) {
       std::fprintf(stderr, "preft tokenize: %s\n", message.c_str());
       *exit_code = 1;
     };
-    auto tok = model::Tokenizer::LoadFromModelDir(f->model);
+    auto tok = text::Tokenizer::LoadFromModelDir(f->model);
     if (!tok.ok()) return fail(std::string(tok.status().message()));
     auto encode = [&](const std::string& s) -> bool {
       auto ids = (*tok)->Encode(s, !f->no_special);

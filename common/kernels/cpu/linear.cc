@@ -19,18 +19,6 @@ constexpr int64_t kMaxGemvRows = 4;
 // the packed GEMM at 512 .. 2048 (lm_head: 5-8% ahead).
 constexpr int64_t kMinBroadcastRows = 8;
 
-std::atomic<int> g_isa_cap{static_cast<int>(LinearIsa::kAmx)};
-
-LinearIsa BestIsa() {
-  const CpuFeatures& f = GetCpuFeatures();
-  if (f.amx_bf16) return LinearIsa::kAmx;
-  if (f.avx512_bf16) return LinearIsa::kAvx512Bf16;
-  if (f.avx512) return LinearIsa::kAvx512;
-  if (f.avx2) return LinearIsa::kAvx2;
-  return LinearIsa::kScalar;
-}
-
-
 // Which bf16 kernel runs m rows of x against w [rows, k], for Linear and the shared calls
 // alike. kNone: none of the bf16 kernels (another dtype or ISA, or a shape they do not
 // take); the FMA dot kernels then run. AMX tiles sum in their own order (not batch-invariant);
@@ -84,26 +72,6 @@ void RunShared(Bf16Kernel kernel, const float* x, int64_t m, int64_t k, const Bf
 }
 
 }  // namespace
-
-const char* LinearIsaName(LinearIsa isa) {
-  switch (isa) {
-    case LinearIsa::kScalar: return "scalar";
-    case LinearIsa::kAvx2: return "avx2";
-    case LinearIsa::kAvx512: return "avx512";
-    case LinearIsa::kAvx512Bf16: return "avx512bf16";
-    case LinearIsa::kAmx: return "amx";
-  }
-  return "?";
-}
-
-LinearIsa ActiveLinearIsa() {
-  return static_cast<LinearIsa>(
-      std::min(static_cast<int>(BestIsa()), g_isa_cap.load(std::memory_order_relaxed)));
-}
-
-void SetLinearIsaCapForTesting(LinearIsa cap) {
-  g_isa_cap.store(static_cast<int>(cap), std::memory_order_relaxed);
-}
 
 void Linear(const float* x, int64_t m, const MatrixView& w, const float* bias, float* y) {
   const int64_t n = w.rows, k = w.cols;

@@ -7,22 +7,10 @@
 
 #include <cstdint>
 
+#include "common/kernels/cpu/isa.h"
 #include "common/kernels/dtype.h"
 
 namespace preft::kernels::cpu {
-
-// Kernel families, weakest first. Linear picks the best one the CPU (cpu_features.h) and
-// the test cap allow.
-enum class LinearIsa : int { kScalar = 0, kAvx2, kAvx512, kAvx512Bf16, kAmx };
-
-const char* LinearIsaName(LinearIsa isa);
-
-// The level Linear uses now: the CPU's best, lowered by SetLinearIsaCapForTesting.
-LinearIsa ActiveLinearIsa();
-
-// Caps the level Linear uses (kAmx removes the cap). Tests only; not thread-safe with
-// concurrent Linear calls.
-void SetLinearIsaCapForTesting(LinearIsa cap);
 
 // One weight of the calls below that share x (q, k, v; gate, up): y[m, n] = x · wᵀ (+ bias).
 struct Bf16Output {

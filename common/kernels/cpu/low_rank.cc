@@ -27,9 +27,6 @@ namespace {
 // Rows handled by one work item: enough to reuse each loaded shrink/expand row a few times,
 // few enough that a 64-row prompt chunk still spreads over the threads.
 constexpr int64_t kRowsPerItem = 8;
-constexpr int64_t kMaxRank = 1024;
-// Widest output a decode row's expand sums on the stack (Llama 3.1 70B's MLP is 28672).
-constexpr int64_t kMaxExpandOut = 32768;
 // Elements ahead at which a decode row's shrink and expand prefetch S and E (64 rows on 64
 // adapters: 1.56-2.08 x the byte bound without, 1.26-1.37 with).
 constexpr int64_t kPrefetchElems = 1024;
@@ -1112,38 +1109,6 @@ void LowRankAdd(const float* x, int64_t x_stride, float* y, int64_t y_stride,
     alignas(64) float z[kRowsPerItem * kMaxRank];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_items; ++i) run(i, z);
-  }
-}
-
-bool LowRankChunkable(const MatrixView& m) {
-  return m.dtype == DType::kBF16 && m.rows % 4 == 0 && m.rows <= kMaxRank &&
-         m.cols % kChunkCols == 0 && m.cols <= kMaxExpandOut &&
-         ActiveLinearIsa() >= LinearIsa::kAvx512Bf16;
-}
-
-void ChunkColumns(const uint16_t* src, int64_t rows, int64_t cols, bool paired, uint16_t* dst) {
-  if (ColumnPaired(rows, paired)) {  // a transpose of [rows][cols / 2] column pairs
-    for (int64_t p = 0; p < cols / 2; ++p) {
-      for (int64_t r = 0; r < rows; ++r)
-        std::memcpy(dst + (p * rows + r) * 2, src + r * cols + 2 * p, 2 * sizeof(uint16_t));
-    }
-    return;
-  }
-  for (int64_t c = 0; c < cols; c += kChunkCols) {
-    if (!paired) {
-      for (int64_t k = 0; k < rows; ++k) {
-        std::memcpy(dst + ChunkedAt(k, c, rows), src + k * cols + c,
-                    kChunkCols * sizeof(uint16_t));
-      }
-      continue;
-    }
-    for (int64_t k = 0; k < rows; k += 2) {
-      uint16_t* out = dst + ChunkedAt(k, c, rows, true);
-      for (int64_t j = 0; j < kChunkCols; ++j) {
-        out[2 * j] = src[k * cols + c + j];
-        out[2 * j + 1] = src[(k + 1) * cols + c + j];
-      }
-    }
   }
 }
 

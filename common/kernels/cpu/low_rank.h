@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "common/kernels/cpu/low_rank_layout.h"
 #include "common/kernels/matrix.h"
 
 namespace preft::kernels::cpu {
@@ -36,18 +37,5 @@ struct LowRankGroup {
 // the call (the engine groups the rows of requests that share an adapter).
 void LowRankAdd(const float* x, int64_t x_stride, float* y, int64_t y_stride,
                 const LowRankGroup* groups, int64_t num_groups);
-
-// Chunked matrices (MatrixView::chunked, [cols / 32][rows][32]) are these kernels' faster
-// layout for bf16 adapters: each matrix one sequential stream (the multi-LoRA decode step is
-// bound by streaming them). A group's shrink and expand are chunked together or not at all,
-// the expand with its rows paired (MatrixView::paired, the shrink not), and only matrices for
-// which LowRankChunkable holds: bf16, rows a multiple of 4, cols of 32, on a CPU with
-// AVX-512-BF16. Results are bit-identical to the row-major layout's, except for shrinks of
-// rank 16, 32, ... (stored by column pairs, kernels::ColumnPaired), whose sums run in an order
-// of their own (the same for every row and group size): equal to rounding.
-bool LowRankChunkable(const MatrixView& m);
-// dst = src [rows, cols] row-major, chunked (rows paired if `paired`; by column pairs where
-// ColumnPaired). cols a multiple of 32.
-void ChunkColumns(const uint16_t* src, int64_t rows, int64_t cols, bool paired, uint16_t* dst);
 
 }  // namespace preft::kernels::cpu

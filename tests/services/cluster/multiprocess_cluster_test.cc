@@ -64,7 +64,7 @@ class MultiProcessClusterTest : public ::testing::Test {
     auto m = model::Model::Load(testing::TinyLlamaFixture());
     ASSERT_TRUE(m.ok());
     model_ = m->release();
-    auto t = model::Tokenizer::LoadFromModelDir(testing::TinyLlamaFixture());
+    auto t = text::Tokenizer::LoadFromModelDir(testing::TinyLlamaFixture());
     ASSERT_TRUE(t.ok());
     tokenizer_ = t->release();
     adapters_ = new std::vector<std::shared_ptr<const model::AdapterWeights>>();
@@ -273,7 +273,7 @@ class MultiProcessClusterTest : public ::testing::Test {
 
   static fs::path* dir_;
   static model::Model* model_;
-  static model::Tokenizer* tokenizer_;
+  static text::Tokenizer* tokenizer_;
   static std::vector<std::shared_ptr<const model::AdapterWeights>>* adapters_;
   // The logprobs of Expected's last run, request by request (for Divergence).
   static inline std::vector<std::vector<engine::TokenLogprob>> expected_logprobs_;
@@ -284,7 +284,7 @@ class MultiProcessClusterTest : public ::testing::Test {
 };
 fs::path* MultiProcessClusterTest::dir_ = nullptr;
 model::Model* MultiProcessClusterTest::model_ = nullptr;
-model::Tokenizer* MultiProcessClusterTest::tokenizer_ = nullptr;
+text::Tokenizer* MultiProcessClusterTest::tokenizer_ = nullptr;
 std::vector<std::shared_ptr<const model::AdapterWeights>>* MultiProcessClusterTest::adapters_ = nullptr;
 
 // The load test: 500 streaming requests over 32 adapters (LoRA, LoRAP, DiReFT, DiReFTP and
