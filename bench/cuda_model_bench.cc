@@ -27,23 +27,23 @@
 #include <string>
 #include <vector>
 
-#include "bench/bench_util.h"
 #include "CLI/CLI.hpp"
+#include "bench/bench_util.h"
+#include "common/backend/cuda_backend.h"
+#include "common/backend/device_model.h"
 #include "common/kernels/cuda/runtime.cuh"
-#include "common/model/cuda_backend.h"
-#include "common/model/device_model.h"
-#include "common/model/make_model.h"
 #include "common/kv/blocks.h"
+#include "common/model/make_model.h"
 
 namespace {
 
 namespace cuda = preft::kernels::cuda;
 using preft::model::AdapterKind;
 using preft::model::AdapterWeights;
-using preft::model::DeviceAdapter;
-using preft::model::DeviceAdapterSlots;
-using preft::model::DeviceKvCache;
-using preft::model::DeviceModel;
+using preft::backend::DeviceAdapter;
+using preft::backend::DeviceAdapterSlots;
+using preft::backend::DeviceKvCache;
+using preft::backend::DeviceModel;
 using preft::model::ForwardBatch;
 
 double Now() {
@@ -70,8 +70,8 @@ void Check(const absl::Status& s, const char* what) {
 // Device-to-device copy rate in GB/s (bytes read + written), the ceiling a weight stream meets.
 double CopyBandwidth() {
   const size_t bytes = size_t{2} << 30;
-  auto a = Check(preft::model::DeviceBuffer::Allocate(bytes), "allocate");
-  auto b = Check(preft::model::DeviceBuffer::Allocate(bytes), "allocate");
+  auto a = Check(preft::backend::DeviceBuffer::Allocate(bytes), "allocate");
+  auto b = Check(preft::backend::DeviceBuffer::Allocate(bytes), "allocate");
   for (int i = 0; i < 3; ++i) cuda::CopyOnDevice(b.get(), a.get(), bytes, nullptr);
   cuda::StreamSynchronize(nullptr);
   const double t0 = Now();
@@ -82,7 +82,7 @@ double CopyBandwidth() {
 
 // Host-to-device rate in GB/s of `bytes` from page-locked or pageable memory.
 double HostToDevice(size_t bytes, bool pinned) {
-  auto dev = Check(preft::model::DeviceBuffer::Allocate(bytes), "allocate");
+  auto dev = Check(preft::backend::DeviceBuffer::Allocate(bytes), "allocate");
   void* host = nullptr;
   std::vector<uint8_t> pageable;
   if (pinned) {
@@ -253,12 +253,12 @@ void PrintDecodeRow(int64_t n, const char* how, double step, double step_bytes, 
 // sequences with `prompt`-token prompts, through CudaBackend's ranks.
 int TensorParallelFigures(const preft::model::ModelConfig& config, int tp, int64_t prompt,
                           int64_t new_tokens, bool graphs, double bw) {
-  preft::model::CudaBackend::Options o;
+  preft::backend::CudaBackend::Options o;
   o.tensor_parallel = tp;
   o.graphs = graphs;
   const int64_t total = prompt + new_tokens, per_seq = (total + 15) / 16;
   o.kv_blocks = 64 * per_seq;
-  auto backend = Check(preft::model::CudaBackend::CreateRandom(config, 1, o), "split model");
+  auto backend = Check(preft::backend::CudaBackend::CreateRandom(config, 1, o), "split model");
   // Rank 0 reads its slice of every layer's projections and the whole LM head per step.
   double linear = 0;
   for (int p = 0; p < preft::model::kNumProjections; ++p) {
@@ -273,7 +273,7 @@ int TensorParallelFigures(const preft::model::ModelConfig& config, int tp, int64
   std::printf("| figure | value | reference (same run) | ratio | target |\n|---|---|---|---|---|\n");
   for (int64_t n : {int64_t{1}, int64_t{64}}) {
     std::vector<Seq> seqs = MakeSeqs(n, prompt, total, o.block_tokens, config.vocab_size);
-    std::vector<preft::model::RowSampling> greedy(n);
+    std::vector<preft::backend::RowSampling> greedy(n);
     std::vector<int32_t> picks;
     auto run = [&](bool prefill) {
       ForwardBatch batch;

@@ -29,7 +29,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-gpu_tests=(cuda_ops_test device_model_test cuda_engine_test cuda_ipc_transport_test)
+# Beside the CPU tests of their component, in the build tree.
+gpu_tests=(tests/kernels/cuda_ops_test tests/backend/device_model_test tests/backend/cuda_engine_test
+           tests/transport/cuda_ipc_transport_test)
 gpu_benches=(cuda_bench cuda_model_bench)
 cluster=(tools/preft services/prefill/preft-prefill services/decode/preft-decode
          services/router/preft-router)
@@ -38,7 +40,7 @@ build() {
   local dir=$1
   cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPREFT_ENABLE_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90;80}" >/dev/null
-  cmake --build "$dir" --target "${gpu_tests[@]}" "${gpu_benches[@]}" preft preft-prefill \
+  cmake --build "$dir" --target "${gpu_tests[@]##*/}" "${gpu_benches[@]}" preft preft-prefill \
     preft-decode preft-router
 }
 
@@ -109,7 +111,7 @@ case "${1:-}" in
     out=${2:?usage: gpu-check.sh --bundle DIR}
     build build-gpu
     rm -rf "$out" "$out.tgz" && mkdir -p "$out/lib"
-    for t in "${gpu_tests[@]}"; do cp "build-gpu/tests/gpu/$t" "$out/"; done
+    for t in "${gpu_tests[@]}"; do cp "build-gpu/$t" "$out/"; done
     for b in "${gpu_benches[@]}"; do cp "build-gpu/bench/$b" "$out/"; done
     for c in "${cluster[@]}"; do  # in their build layout, as bench/serve/matrix.py finds them
       mkdir -p "$out/build/$(dirname "$c")" && cp "build-gpu/$c" "$out/build/$c"
@@ -142,6 +144,8 @@ case "${1:-}" in
   *)
     dir=${1:-build-gpu}
     build "$dir"
-    run_checks "$dir/tests/gpu" "$dir/bench" "$dir"
+    mkdir -p "$dir/gpu-tests"  # one folder of the tests, as a bundle has them
+    for t in "${gpu_tests[@]}"; do ln -sf "$(cd "$dir" && pwd)/$t" "$dir/gpu-tests/"; done
+    run_checks "$dir/gpu-tests" "$dir/bench" "$dir"
     ;;
 esac

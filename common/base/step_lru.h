@@ -1,7 +1,7 @@
 #pragma once
 
 // Byte-budget LRU bookkeeping for a cache whose entries a step pins: what the device adapter
-// slots (common/model/device_model.h) keep. The cache owns the values; this decides which keys
+// slots (common/backend/device_model.h) keep. The cache owns the values; this decides which keys
 // to drop. Entries used in the current step are never chosen, so a step's adapters stay valid
 // until it ends even when together they exceed the budget (the budget then holds again from
 // the next step on, as room is made).

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/backend/cpu_backend.h"
 #include "common/base/check.h"
 #include "common/base/status_macros.h"
 #include "common/engine/sampler.h"
@@ -70,12 +71,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(model::Model* model,
   }
   if (blocks <= 0) return absl::InvalidArgumentError("KV cache budget holds no block");
   PREFT_ASSIGN_OR_RETURN(auto backend,
-                         model::CpuBackend::Create(model, blocks, options.scheduler.block_tokens));
+                         backend::CpuBackend::Create(model, blocks, options.scheduler.block_tokens));
   return Create(std::move(backend), tokenizer, options);
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
-    std::unique_ptr<model::ForwardBackend> backend, const text::Tokenizer* tokenizer,
+    std::unique_ptr<backend::ForwardBackend> backend, const text::Tokenizer* tokenizer,
     const EngineOptions& options) {
   if (backend->cache_shape().block_tokens != options.scheduler.block_tokens) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -85,7 +86,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
   return std::unique_ptr<Engine>(new Engine(std::move(backend), tokenizer, options));
 }
 
-Engine::Engine(std::unique_ptr<model::ForwardBackend> backend, const text::Tokenizer* tokenizer,
+Engine::Engine(std::unique_ptr<backend::ForwardBackend> backend, const text::Tokenizer* tokenizer,
                const EngineOptions& options)
     : backend_(std::move(backend)),
       tokenizer_(tokenizer),

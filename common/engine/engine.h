@@ -11,13 +11,13 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/backend/forward_backend.h"
 #include "common/base/aligned_vector.h"
 #include "common/engine/engine_observer.h"
 #include "common/engine/request.h"
 #include "common/engine/scheduler.h"
 #include "common/kv/block_allocator.h"
 #include "common/kv/kv_cache.h"
-#include "common/model/forward_backend.h"
 #include "common/model/forward_batch.h"
 #include "common/model/model.h"
 #include "common/text/tokenizer.h"
@@ -46,10 +46,10 @@ class Engine {
   static absl::StatusOr<std::unique_ptr<Engine>> Create(model::Model* model,
                                                         const text::Tokenizer* tokenizer,
                                                         const EngineOptions& options);
-  // Over any backend (a GPU's: model::CudaBackend); options' KV sizes are the backend's
+  // Over any backend (a GPU's: backend::CudaBackend); options' KV sizes are the backend's
   // business and ignored here.
   static absl::StatusOr<std::unique_ptr<Engine>> Create(
-      std::unique_ptr<model::ForwardBackend> backend, const text::Tokenizer* tokenizer,
+      std::unique_ptr<backend::ForwardBackend> backend, const text::Tokenizer* tokenizer,
       const EngineOptions& options);
   ~Engine();
 
@@ -74,8 +74,8 @@ class Engine {
   // The KV cache in host memory (what the KV transport moves); null on a GPU backend.
   kv::KvCache* cache() { return backend_->host_cache(); }
   const model::ModelConfig& config() const { return backend_->config(); }
-  const model::ForwardBackend& backend() const { return *backend_; }
-  model::ForwardBackend& backend() { return *backend_; }
+  const backend::ForwardBackend& backend() const { return *backend_; }
+  backend::ForwardBackend& backend() { return *backend_; }
 
   bool HasWork() const {
     return !running_.empty() || !waiting_.empty() || !importing_.empty();
@@ -97,7 +97,7 @@ class Engine {
  private:
   struct Sequence;
 
-  Engine(std::unique_ptr<model::ForwardBackend> backend, const text::Tokenizer* tokenizer,
+  Engine(std::unique_ptr<backend::ForwardBackend> backend, const text::Tokenizer* tokenizer,
          const EngineOptions& options);
   void Finish(std::unique_ptr<Sequence>& seq, FinishReason reason, absl::Status status);
   // Appends a sampled token and emits its event; returns why the sequence is done (kNone:
@@ -112,7 +112,7 @@ class Engine {
   void HandOverPrefilled(std::unique_ptr<Sequence>& seq, int32_t token, const float* logits);
   void Preempt(Sequence& seq);
 
-  std::unique_ptr<model::ForwardBackend> backend_;
+  std::unique_ptr<backend::ForwardBackend> backend_;
   const text::Tokenizer* tokenizer_;
   EngineOptions options_;
   kv::BlockAllocator allocator_;
@@ -131,7 +131,7 @@ class Engine {
   absl::Time now_;          // when the tokens being appended were sampled
   base::AlignedVector<float> logits_;
   std::vector<std::pair<float, int32_t>> sample_scratch_;
-  std::vector<model::RowSampling> row_sampling_;  // rows sampled by the backend
+  std::vector<backend::RowSampling> row_sampling_;  // rows sampled by the backend
   std::vector<int32_t> device_tokens_;
 };
 

@@ -19,7 +19,7 @@
 #include "common/base/mapped_file.h"
 #include "common/base/status_macros.h"
 #ifdef PREFT_HAVE_CUDA
-#include "common/model/cuda_backend.h"
+#include "common/backend/cuda_backend.h"
 #endif
 #include "common/transport/inproc_transport.h"
 #ifdef PREFT_HAVE_UCX
@@ -261,7 +261,7 @@ absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(model::Model* model,
   if (device == "cpu") return engine::Engine::Create(model, tokenizer, options);
 #ifdef PREFT_HAVE_CUDA
   if (device == "cuda") {
-    model::CudaBackend::Options co;
+    backend::CudaBackend::Options co;
     co.kv_blocks = options.kv_blocks;
     co.host_mirror = kv_transport;
     co.tensor_parallel = tensor_parallel;
@@ -273,8 +273,8 @@ absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(model::Model* model,
       const kv::KvCacheShape one{c.num_layers, 1, co.block_tokens, c.num_kv_heads, c.head_dim};
       co.kv_blocks = std::max<int64_t>(1, kv_bytes / one.bytes_per_block_all_layers());
     }
-    absl::StatusOr<std::unique_ptr<model::CudaBackend>> backend =
-        model::CudaBackend::Create(*model, co);
+    absl::StatusOr<std::unique_ptr<backend::CudaBackend>> backend =
+        backend::CudaBackend::Create(*model, co);
     if (!backend.ok()) {
       return absl::Status(backend.status().code(),
                           absl::StrCat("--device cuda: ", backend.status().message()));

@@ -18,6 +18,7 @@
 
 #include "common/adapters/adapter_loader.h"
 #include "common/adapters/make_adapter.h"
+#include "common/backend/cpu_backend.h"
 #include "common/base/mapped_file.h"
 #include "common/engine/engine.h"
 #include "common/engine/sampler.h"
@@ -505,9 +506,9 @@ TEST_F(AdapterEngineTest, RequestsGenerateBitForBitAsTheyDoAlone) {
 // A CPU backend whose adapter copies take a while, as a GPU's do: AdapterReady says no to its
 // first `not_ready_queries` questions about each adapter. Forward counts batches that name an
 // adapter before it was ready, and steps run while one was not.
-class SlowAdapterBackend : public model::ForwardBackend {
+class SlowAdapterBackend : public backend::ForwardBackend {
  public:
-  SlowAdapterBackend(std::unique_ptr<model::CpuBackend> cpu, int not_ready_queries)
+  SlowAdapterBackend(std::unique_ptr<backend::CpuBackend> cpu, int not_ready_queries)
       : cpu_(std::move(cpu)), not_ready_queries_(not_ready_queries) {}
   const model::ModelConfig& config() const override { return cpu_->config(); }
   const kv::KvCacheShape& cache_shape() const override { return cpu_->cache_shape(); }
@@ -546,7 +547,7 @@ class SlowAdapterBackend : public model::ForwardBackend {
   const AdapterWeights* broken = nullptr;  // AdapterReady fails for it
 
  private:
-  std::unique_ptr<model::CpuBackend> cpu_;
+  std::unique_ptr<backend::CpuBackend> cpu_;
   int not_ready_queries_;
   std::map<const AdapterWeights*, int> queries_;
   std::set<const AdapterWeights*> ready_;
@@ -559,7 +560,7 @@ class SlowAdapterBackend : public model::ForwardBackend {
 // An engine on `m` over a SlowAdapterBackend, which *backend borrows.
 std::unique_ptr<Engine> SlowAdapterEngine(Model* m, int not_ready_queries,
                                           SlowAdapterBackend** backend) {
-  auto cpu = model::CpuBackend::Create(m, 256, 16);
+  auto cpu = backend::CpuBackend::Create(m, 256, 16);
   EXPECT_TRUE(cpu.ok());
   auto owned = std::make_unique<SlowAdapterBackend>(*std::move(cpu), not_ready_queries);
   *backend = owned.get();

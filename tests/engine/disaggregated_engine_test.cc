@@ -12,11 +12,12 @@
 #include <string>
 #include <vector>
 
+#include "common/backend/cpu_backend.h"
 #include "common/engine/engine.h"
 #include "common/engine/engine_loop.h"
+#include "common/kv/blocks.h"
 #include "tests/engine/tiny_engine_fixture.h"
 #include "tests/testing/cacheless_backend.h"
-#include "common/kv/blocks.h"
 
 namespace preft::engine {
 namespace {
@@ -112,7 +113,7 @@ TEST_F(DisaggregatedEngineTest, SplitRunEqualsOneEngineGreedyAndSeeded) {
 class MirroredCpuBackend : public testing::CachelessBackend {
  public:
   static std::unique_ptr<MirroredCpuBackend> Create(model::Model* m, int64_t blocks) {
-    auto cpu = model::CpuBackend::Create(m, blocks, 16);
+    auto cpu = backend::CpuBackend::Create(m, blocks, 16);
     EXPECT_TRUE(cpu.ok());
     auto mirror = kv::KvCache::Create((*cpu)->cache_shape());
     EXPECT_TRUE(mirror.ok());
@@ -135,7 +136,7 @@ class MirroredCpuBackend : public testing::CachelessBackend {
   int to_host = 0, from_host = 0;
 
  private:
-  MirroredCpuBackend(std::unique_ptr<model::CpuBackend> cpu, std::unique_ptr<kv::KvCache> mirror)
+  MirroredCpuBackend(std::unique_ptr<backend::CpuBackend> cpu, std::unique_ptr<kv::KvCache> mirror)
       : CachelessBackend(std::move(cpu)), mirror_(std::move(mirror)) {}
   static void Copy(kv::KvCache& from, const std::vector<int32_t>& blocks, kv::KvCache* to) {
     const int64_t bf = from.shape().block_floats();

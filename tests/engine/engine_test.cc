@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "common/backend/cpu_backend.h"
 #include "common/engine/sampler.h"
 #include "tests/engine/tiny_engine_fixture.h"
 
@@ -43,7 +44,7 @@ class EngineTest : public TinyEngineTest {
 // path, and a backend whose blocks do not match the scheduler's is refused.
 TEST_F(EngineTest, RunsOverAnExplicitBackendAndChecksItsBlockSize) {
   const Request r = MakeRequest("b", 21, 8, 0.f, 4);
-  auto backend = model::CpuBackend::Create(model_, 64, 16);
+  auto backend = backend::CpuBackend::Create(model_, 64, 16);
   ASSERT_TRUE(backend.ok());
   EXPECT_STREQ((*backend)->name(), "cpu");
   auto e = Engine::Create(*std::move(backend), tokenizer_, EngineOptions{});
@@ -53,7 +54,7 @@ TEST_F(EngineTest, RunsOverAnExplicitBackendAndChecksItsBlockSize) {
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_EQ(out->front().token_ids, RunAlone(r));
 
-  auto odd = model::CpuBackend::Create(model_, 64, 32);
+  auto odd = backend::CpuBackend::Create(model_, 64, 32);
   ASSERT_TRUE(odd.ok());
   auto refused = Engine::Create(*std::move(odd), tokenizer_, EngineOptions{});
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
@@ -64,9 +65,9 @@ TEST_F(EngineTest, RunsOverAnExplicitBackendAndChecksItsBlockSize) {
 // and samples each row with the RowSampling the engine passed. The engine's path for such a
 // backend (a GPU's, where SampleRows samples on the device) is checked here against its host
 // path: the same tokens, and Forward (logits) only for steps where a row wants logprobs.
-class RowSamplingCpuBackend : public model::ForwardBackend {
+class RowSamplingCpuBackend : public backend::ForwardBackend {
  public:
-  explicit RowSamplingCpuBackend(std::unique_ptr<model::CpuBackend> cpu) : cpu_(std::move(cpu)) {}
+  explicit RowSamplingCpuBackend(std::unique_ptr<backend::CpuBackend> cpu) : cpu_(std::move(cpu)) {}
   const model::ModelConfig& config() const override { return cpu_->config(); }
   const kv::KvCacheShape& cache_shape() const override { return cpu_->cache_shape(); }
   absl::Status Forward(const model::ForwardBatch& batch,
@@ -76,7 +77,7 @@ class RowSamplingCpuBackend : public model::ForwardBackend {
   }
   bool samples_on_device() const override { return true; }
   absl::Status ForwardSample(const model::ForwardBatch& batch,
-                             const std::vector<model::RowSampling>& rows,
+                             const std::vector<backend::RowSampling>& rows,
                              std::vector<int32_t>* tokens) override {
     ++sample_calls;
     if (rows.size() != batch.logit_rows.size()) return absl::InternalError("rows != logit rows");
@@ -103,7 +104,7 @@ class RowSamplingCpuBackend : public model::ForwardBackend {
   int sample_calls = 0;
 
  private:
-  std::unique_ptr<model::CpuBackend> cpu_;
+  std::unique_ptr<backend::CpuBackend> cpu_;
   base::AlignedVector<float> logits_;
   std::vector<std::pair<float, int32_t>> scratch_;
 };
@@ -120,7 +121,7 @@ TEST_F(EngineTest, BackendSamplingGivesTheHostSamplersTokens) {
     SCOPED_TRACE(logprobs ? "one request wants logprobs" : "no logprobs");
     std::vector<Request> reqs = batch;
     if (logprobs) reqs[1].sampling.logprobs = 2;
-    auto cpu = model::CpuBackend::Create(model_, 256, 16);
+    auto cpu = backend::CpuBackend::Create(model_, 256, 16);
     ASSERT_TRUE(cpu.ok());
     auto owned = std::make_unique<RowSamplingCpuBackend>(*std::move(cpu));
     RowSamplingCpuBackend* backend = owned.get();

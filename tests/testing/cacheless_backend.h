@@ -7,19 +7,20 @@
 #include <memory>
 #include <utility>
 
-#include "common/model/forward_backend.h"
+#include "common/backend/cpu_backend.h"
+#include "common/backend/forward_backend.h"
 
 namespace preft::testing {
 
-class CachelessBackend : public model::ForwardBackend {
+class CachelessBackend : public backend::ForwardBackend {
  public:
   static std::unique_ptr<CachelessBackend> Create(model::Model* m, int64_t blocks,
                                                   int64_t block_tokens = 16) {
-    auto cpu = model::CpuBackend::Create(m, blocks, block_tokens);
+    auto cpu = backend::CpuBackend::Create(m, blocks, block_tokens);
     return cpu.ok() ? std::unique_ptr<CachelessBackend>(new CachelessBackend(*std::move(cpu)))
                     : nullptr;
   }
-  explicit CachelessBackend(std::unique_ptr<model::CpuBackend> cpu) : cpu_(std::move(cpu)) {}
+  explicit CachelessBackend(std::unique_ptr<backend::CpuBackend> cpu) : cpu_(std::move(cpu)) {}
   const model::ModelConfig& config() const override { return cpu_->config(); }
   const kv::KvCacheShape& cache_shape() const override { return cpu_->cache_shape(); }
   absl::Status Forward(const model::ForwardBatch& batch,
@@ -34,7 +35,7 @@ class CachelessBackend : public model::ForwardBackend {
   kv::KvCache& device_kv() { return *cpu_->host_cache(); }
 
  private:
-  std::unique_ptr<model::CpuBackend> cpu_;
+  std::unique_ptr<backend::CpuBackend> cpu_;
 };
 
 }  // namespace preft::testing

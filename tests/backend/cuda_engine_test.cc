@@ -21,9 +21,9 @@
 #include "absl/synchronization/notification.h"
 #include "common/adapters/adapter_loader.h"
 #include "common/adapters/make_adapter.h"
+#include "common/backend/cuda_backend.h"
 #include "common/engine/engine.h"
 #include "common/kernels/cuda/runtime.cuh"
-#include "common/model/cuda_backend.h"
 #include "common/model/make_model.h"
 #include "common/transport/cuda_ipc/cuda_ipc_transport.h"
 #include "common/transport/ucx/ucx_transport.h"
@@ -138,7 +138,7 @@ TEST(CudaEngineTest, MixedAdapterRequestsMatchTheCpuEngine) {
   std::unique_ptr<model::Model> model = FreshTinyModel("model", &seed);
   ASSERT_NE(model, nullptr);
 
-  auto gpu_backend = model::CudaBackend::Create(*model, {});
+  auto gpu_backend = backend::CudaBackend::Create(*model, {});
   if (kernels::cuda::DeviceCount() == 0) {
     EXPECT_EQ(gpu_backend.status().code(), absl::StatusCode::kFailedPrecondition);
     GTEST_SKIP() << "no CUDA device visible";
@@ -171,39 +171,39 @@ TEST(CudaEngineTest, TensorParallelRanksGenerateAsOneGpu) {
   std::unique_ptr<model::Model> model = FreshTinyModel("tp_model", &seed, "tiny-qwen2");
   ASSERT_NE(model, nullptr);
   const int devices = kernels::cuda::DeviceCount();
-  model::CudaBackend::Options tp;
+  backend::CudaBackend::Options tp;
   tp.kv_blocks = 64;
   tp.tensor_parallel = 2;
   tp.ranks_share_device = devices < 2;
   if (devices == 0) {
-    EXPECT_EQ(model::CudaBackend::Create(*model, tp).status().code(),
+    EXPECT_EQ(backend::CudaBackend::Create(*model, tp).status().code(),
               absl::StatusCode::kFailedPrecondition);
     GTEST_SKIP() << "no CUDA device visible";
   }
   // Splits the model cannot take, and more GPUs than there are, are refused.
-  model::CudaBackend::Options bad = tp;
+  backend::CudaBackend::Options bad = tp;
   bad.tensor_parallel = 3;
-  const absl::Status heads = model::CudaBackend::Create(*model, bad).status();
+  const absl::Status heads = backend::CudaBackend::Create(*model, bad).status();
   EXPECT_EQ(heads.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(heads.message().find("num_attention_heads (4) is not a multiple of 3"),
             std::string::npos) << heads;
   if (devices == 1) {  // two ranks of their own need two GPUs
     bad = tp;
     bad.ranks_share_device = false;
-    const absl::Status too_few = model::CudaBackend::Create(*model, bad).status();
+    const absl::Status too_few = backend::CudaBackend::Create(*model, bad).status();
     EXPECT_EQ(too_few.code(), absl::StatusCode::kFailedPrecondition) << too_few;
     EXPECT_NE(too_few.message().find("over 2 GPUs, but 1 visible"), std::string::npos) << too_few;
   }
 
-  auto split = model::CudaBackend::Create(*model, tp);
+  auto split = backend::CudaBackend::Create(*model, tp);
   ASSERT_TRUE(split.ok()) << split.status();
   EXPECT_EQ((*split)->tensor_parallel(), 2);
   std::printf("tensor parallelism: 2 ranks through %s\n", (*split)->collective_kind());
   EXPECT_EQ((*split)->cache_shape().num_kv_heads, model->config().num_kv_heads);
   EXPECT_EQ((*split)->device_cache().base, nullptr);  // split over ranks: no single pool
-  model::CudaBackend::Options one;
+  backend::CudaBackend::Options one;
   one.kv_blocks = 64;
-  auto whole = model::CudaBackend::Create(*model, one);
+  auto whole = backend::CudaBackend::Create(*model, one);
   ASSERT_TRUE(whole.ok()) << whole.status();
 
   const auto adapters = RandomAdapters(*model, seed, "tp_");
@@ -329,11 +329,11 @@ TEST(CudaEngineTest, PromptBlocksReachAnotherGpuEngineThroughHostMirrors) {
   std::unique_ptr<model::Model> model = FreshTinyModel("split_model", &seed);
   ASSERT_NE(model, nullptr);
   if (kernels::cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible";
-  model::CudaBackend::Options bo;
+  backend::CudaBackend::Options bo;
   bo.kv_blocks = 64;
   bo.host_mirror = true;
-  auto prefill_backend = model::CudaBackend::Create(*model, bo);
-  auto decode_backend = model::CudaBackend::Create(*model, bo);
+  auto prefill_backend = backend::CudaBackend::Create(*model, bo);
+  auto decode_backend = backend::CudaBackend::Create(*model, bo);
   ASSERT_TRUE(prefill_backend.ok() && decode_backend.ok());
   EngineOptions o;
   o.kv_blocks = 64;
@@ -362,12 +362,12 @@ TEST(CudaEngineTest, TensorParallelTiersHandKvThroughHostMirrors) {
   EngineOptions o;
   o.kv_blocks = 64;
   auto engine = [&](int tp, bool mirror) -> std::unique_ptr<Engine> {
-    model::CudaBackend::Options bo;
+    backend::CudaBackend::Options bo;
     bo.kv_blocks = 64;
     bo.host_mirror = mirror;
     bo.tensor_parallel = tp;
     bo.ranks_share_device = devices < tp;
-    auto b = model::CudaBackend::Create(*model, bo);
+    auto b = backend::CudaBackend::Create(*model, bo);
     EXPECT_TRUE(b.ok()) << b.status();
     if (!b.ok()) return nullptr;
     auto e = Engine::Create(*std::move(b), nullptr, o);
@@ -409,12 +409,12 @@ TEST(CudaEngineTest, DecodeFromBlocksMovedGpuToGpuMatchesOneEngine) {
   std::unique_ptr<model::Model> model = FreshTinyModel("ipc_model", &seed);
   ASSERT_NE(model, nullptr);
   if (kernels::cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible";
-  model::CudaBackend::Options bo;
+  backend::CudaBackend::Options bo;
   bo.kv_blocks = 64;
   EngineOptions o;
   o.kv_blocks = 64;
   auto engine = [&] {
-    auto backend = model::CudaBackend::Create(*model, bo);
+    auto backend = backend::CudaBackend::Create(*model, bo);
     EXPECT_TRUE(backend.ok()) << backend.status();
     auto e = Engine::Create(*std::move(backend), nullptr, o);
     EXPECT_TRUE(e.ok()) << e.status();

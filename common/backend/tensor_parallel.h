@@ -28,7 +28,7 @@
 #include "common/model/adapter_weights.h"
 #include "common/model/config.h"
 
-namespace preft::model {
+namespace preft::backend {
 
 struct TensorShard {
   int rank = 0;
@@ -37,15 +37,15 @@ struct TensorShard {
 };
 
 enum class ShardSplit { kOutputs, kInputs };  // column-parallel, row-parallel
-ShardSplit SplitOf(Projection p);
+ShardSplit SplitOf(model::Projection p);
 
 // InvalidArgument unless `ranks` >= 1 divides the attention heads, the KV heads and the
 // intermediate size of `c` (the message names the field and its value).
-absl::Status CheckTensorParallel(const ModelConfig& c, int ranks);
+absl::Status CheckTensorParallel(const model::ModelConfig& c, int ranks);
 
 // The config of one rank's slice: its heads, KV heads and intermediate width; the rest as `c`.
 // DimsOf(ShardConfig(c, s), p) is then the shape of the rank's slice of projection p.
-ModelConfig ShardConfig(const ModelConfig& c, const TensorShard& s);
+model::ModelConfig ShardConfig(const model::ModelConfig& c, const TensorShard& s);
 
 // The rank's equal part [begin, end) of a dimension of `size` (a multiple of s.ranks).
 struct ShardRange {
@@ -63,7 +63,7 @@ void CopySubMatrix(const kernels::MatrixView& m, ShardRange rows, ShardRange col
 struct WeightSlice {
   ShardRange rows, cols;
 };
-WeightSlice SliceOfWeight(const kernels::MatrixView& w, Projection p, const TensorShard& s);
+WeightSlice SliceOfWeight(const kernels::MatrixView& w, model::Projection p, const TensorShard& s);
 
 // The parts of a LoRA pair (shrink [rank, in], expand [rank, out]) that rank s holds for
 // projection p, and whether it adds the shrink bias.
@@ -71,7 +71,7 @@ struct LowRankSlice {
   ShardRange shrink_cols, expand_cols;
   bool bias = true;
 };
-LowRankSlice SliceOfLowRank(const LowRank& lr, Projection p, const TensorShard& s);
+LowRankSlice SliceOfLowRank(const model::LowRank& lr, model::Projection p, const TensorShard& s);
 
 // `rows` rows of `width` floats, rows `src_pitch` and `dst_pitch` floats apart; offsets in
 // floats from each cache's layer 0, block 0.
@@ -87,4 +87,4 @@ struct StridedCopy {
 std::vector<StridedCopy> KvHeadCopies(const kv::KvCacheShape& full, const TensorShard& s,
                                       const std::vector<int32_t>& blocks);
 
-}  // namespace preft::model
+}  // namespace preft::backend

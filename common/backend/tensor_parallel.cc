@@ -1,18 +1,18 @@
-#include "common/model/tensor_parallel.h"
+#include "common/backend/tensor_parallel.h"
 
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "common/base/check.h"
 
-namespace preft::model {
+namespace preft::backend {
 
-ShardSplit SplitOf(Projection p) {
-  return p == Projection::kO || p == Projection::kDown ? ShardSplit::kInputs
+ShardSplit SplitOf(model::Projection p) {
+  return p == model::Projection::kO || p == model::Projection::kDown ? ShardSplit::kInputs
                                                       : ShardSplit::kOutputs;
 }
 
-absl::Status CheckTensorParallel(const ModelConfig& c, int ranks) {
+absl::Status CheckTensorParallel(const model::ModelConfig& c, int ranks) {
   if (ranks < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("tensor parallelism needs at least one rank, got ", ranks));
@@ -30,8 +30,8 @@ absl::Status CheckTensorParallel(const ModelConfig& c, int ranks) {
   return absl::OkStatus();
 }
 
-ModelConfig ShardConfig(const ModelConfig& c, const TensorShard& s) {
-  ModelConfig local = c;
+model::ModelConfig ShardConfig(const model::ModelConfig& c, const TensorShard& s) {
+  model::ModelConfig local = c;
   local.num_heads = c.num_heads / s.ranks;
   local.num_kv_heads = c.num_kv_heads / s.ranks;
   local.intermediate_size = c.intermediate_size / s.ranks;
@@ -56,13 +56,13 @@ void CopySubMatrix(const kernels::MatrixView& m, ShardRange rows, ShardRange col
   }
 }
 
-WeightSlice SliceOfWeight(const kernels::MatrixView& w, Projection p, const TensorShard& s) {
+WeightSlice SliceOfWeight(const kernels::MatrixView& w, model::Projection p, const TensorShard& s) {
   const ShardRange all_rows{0, w.rows}, all_cols{0, w.cols};
   return SplitOf(p) == ShardSplit::kOutputs ? WeightSlice{RangeOf(w.rows, s), all_cols}
                                             : WeightSlice{all_rows, RangeOf(w.cols, s)};
 }
 
-LowRankSlice SliceOfLowRank(const LowRank& lr, Projection p, const TensorShard& s) {
+LowRankSlice SliceOfLowRank(const model::LowRank& lr, model::Projection p, const TensorShard& s) {
   const ShardRange shrink_all{0, lr.shrink.cols}, expand_all{0, lr.expand.cols};
   if (SplitOf(p) == ShardSplit::kOutputs) return {shrink_all, RangeOf(lr.expand.cols, s), true};
   return {RangeOf(lr.shrink.cols, s), expand_all, s.rank == 0};
@@ -92,4 +92,4 @@ std::vector<StridedCopy> KvHeadCopies(const kv::KvCacheShape& full, const Tensor
   return copies;
 }
 
-}  // namespace preft::model
+}  // namespace preft::backend

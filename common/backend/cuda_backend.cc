@@ -1,4 +1,4 @@
-#include "common/model/cuda_backend.h"
+#include "common/backend/cuda_backend.h"
 
 #include <algorithm>
 #include <condition_variable>
@@ -12,7 +12,7 @@
 #include "common/kernels/cuda/runtime.cuh"
 #include "common/kernels/cuda/sampling.cuh"
 
-namespace preft::model {
+namespace preft::backend {
 
 namespace cuda = kernels::cuda;
 
@@ -84,14 +84,14 @@ absl::Status CudaBackend::OnRanks(const std::function<absl::Status(int)>& fn) {
   return threads_->Run(fn);
 }
 
-absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Model& model,
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const model::Model& model,
                                                                  const Options& options) {
   return Build(model.config(), options, [&](const TensorShard& shard, cuda::Collective* c) {
     return DeviceModel::Upload(model, shard, c);
   });
 }
 
-absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::CreateRandom(const ModelConfig& config,
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::CreateRandom(const model::ModelConfig& config,
                                                                        uint64_t seed,
                                                                        const Options& options) {
   return Build(config, options, [&](const TensorShard& shard, cuda::Collective* c) {
@@ -99,7 +99,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::CreateRandom(const Mod
   });
 }
 
-absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Build(const ModelConfig& config,
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Build(const model::ModelConfig& config,
                                                                 const Options& options,
                                                                 const MakeRank& make_rank) {
   const int tp = options.tensor_parallel;
@@ -200,7 +200,7 @@ kv::DeviceKvView CudaBackend::device_cache() const {
   return {ranks_[0].cache->layer_base(0), ranks_[0].cache->shape()};
 }
 
-absl::Status CudaBackend::Forward(const ForwardBatch& batch, base::AlignedVector<float>* logits) {
+absl::Status CudaBackend::Forward(const model::ForwardBatch& batch, base::AlignedVector<float>* logits) {
   return OnRanks([&](int r) {
     Rank& rank = ranks_[r];
     return r == 0 ? rank.model->Forward(batch, rank.cache.get(), rank.slots.get(), logits)
@@ -208,7 +208,7 @@ absl::Status CudaBackend::Forward(const ForwardBatch& batch, base::AlignedVector
   });
 }
 
-absl::Status CudaBackend::ForwardSample(const ForwardBatch& batch,
+absl::Status CudaBackend::ForwardSample(const model::ForwardBatch& batch,
                                         const std::vector<RowSampling>& rows,
                                         std::vector<int32_t>* tokens) {
   std::vector<cuda::SampleSpec> specs(rows.size());
@@ -224,7 +224,7 @@ absl::Status CudaBackend::ForwardSample(const ForwardBatch& batch,
   });
 }
 
-void CudaBackend::PrepareAdapter(const std::shared_ptr<const AdapterWeights>& adapter) {
+void CudaBackend::PrepareAdapter(const std::shared_ptr<const model::AdapterWeights>& adapter) {
   OnRanks([&](int r) {
     ranks_[r].slots->Prefetch(adapter);
     return absl::OkStatus();
@@ -232,7 +232,7 @@ void CudaBackend::PrepareAdapter(const std::shared_ptr<const AdapterWeights>& ad
 }
 
 absl::StatusOr<bool> CudaBackend::AdapterReady(
-    const std::shared_ptr<const AdapterWeights>& adapter) {
+    const std::shared_ptr<const model::AdapterWeights>& adapter) {
   std::vector<char> ready(ranks_.size(), 0);
   PREFT_RETURN_IF_ERROR(OnRanks([&](int r) -> absl::Status {
     PREFT_ASSIGN_OR_RETURN(const bool on_device, ranks_[r].slots->Ready(adapter));
@@ -259,4 +259,4 @@ absl::Status CudaBackend::KvFromHost(const std::vector<int32_t>& blocks) {
   });
 }
 
-}  // namespace preft::model
+}  // namespace preft::backend

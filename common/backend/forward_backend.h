@@ -2,7 +2,7 @@
 
 // Where a forward runs. The engine schedules, samples and streams the same way over any
 // backend: the CPU model over a host KV cache (CpuBackend), or with CUDA a DeviceModel over
-// device memory (CudaBackend, common/model/cuda_backend.h).
+// device memory (CudaBackend, common/backend/cuda_backend.h).
 
 #include <cstdint>
 #include <memory>
@@ -14,9 +14,8 @@
 #include "common/kv/kv_cache.h"
 #include "common/model/config.h"
 #include "common/model/forward_batch.h"
-#include "common/model/model.h"
 
-namespace preft::model {
+namespace preft::backend {
 
 // How one logit row is sampled, for backends that sample where the logits are (the engine's
 // SamplingParams, and the request's seed and step for the counter-based uniform).
@@ -33,18 +32,18 @@ class ForwardBackend {
  public:
   virtual ~ForwardBackend() = default;
 
-  virtual const ModelConfig& config() const = 0;
+  virtual const model::ModelConfig& config() const = 0;
   // The shape of the backend's paged KV cache (its block count bounds the engine's allocator).
   virtual const kv::KvCacheShape& cache_shape() const = 0;
   // Runs `batch`, writing its K/V into the backend's cache; the logits of batch.logit_rows go
   // to `logits` ([rows, vocab], host memory).
-  virtual absl::Status Forward(const ForwardBatch& batch, base::AlignedVector<float>* logits) = 0;
+  virtual absl::Status Forward(const model::ForwardBatch& batch, base::AlignedVector<float>* logits) = 0;
   // Backends that can sample where the logits are (a GPU: no logits copied to the host) say
   // so, and ForwardSample runs `batch` and returns only each logit row's token, sampled with
   // rows[r] exactly as the engine's host sampler would. The engine keeps Forward for steps
   // that need the logits themselves (logprobs).
   virtual bool samples_on_device() const { return false; }
-  virtual absl::Status ForwardSample(const ForwardBatch& batch,
+  virtual absl::Status ForwardSample(const model::ForwardBatch& batch,
                                      const std::vector<RowSampling>& rows,
                                      std::vector<int32_t>* tokens) {
     return absl::UnimplementedError("this backend samples on the host: call Forward");
@@ -52,13 +51,13 @@ class ForwardBackend {
   // A request naming `adapter` was queued: a backend that keeps its own copies of adapters
   // (a GPU's) may start copying it now, off the engine thread, so the copy overlaps the steps
   // before its first use. Errors wait for the forward that uses the adapter.
-  virtual void PrepareAdapter(const std::shared_ptr<const AdapterWeights>& adapter) {}
+  virtual void PrepareAdapter(const std::shared_ptr<const model::AdapterWeights>& adapter) {}
   // Whether a forward naming `adapter` would run without waiting for its copy to arrive. The
   // engine admits a prompt once its adapter is ready, so a copy in flight delays that request
   // alone, never the sequences already running; starts the preparation if none was started.
   // An error when the adapter cannot be prepared (no device memory for it, say): the engine
   // fails the requests naming it with that error, and only them.
-  virtual absl::StatusOr<bool> AdapterReady(const std::shared_ptr<const AdapterWeights>& adapter) {
+  virtual absl::StatusOr<bool> AdapterReady(const std::shared_ptr<const model::AdapterWeights>& adapter) {
     return true;
   }
   // The dtype adapters are converted to for compute (the form the adapter store keeps).
@@ -84,27 +83,4 @@ class ForwardBackend {
   virtual std::string description() const { return name(); }
 };
 
-// Model::Forward over a KvCache of its own.
-class CpuBackend : public ForwardBackend {
- public:
-  // `blocks` blocks of `block_tokens` tokens; `model` is borrowed.
-  static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(Model* model, int64_t blocks,
-                                                            int64_t block_tokens);
-
-  const ModelConfig& config() const override { return model_->config(); }
-  const kv::KvCacheShape& cache_shape() const override { return cache_->shape(); }
-  absl::Status Forward(const ForwardBatch& batch, base::AlignedVector<float>* logits) override {
-    return model_->Forward(batch, cache_.get(), logits);
-  }
-  kernels::DType adapter_dtype() const override { return model_->weight_dtype(); }
-  kv::KvCache* host_cache() override { return cache_.get(); }
-  const char* name() const override { return "cpu"; }
-
- private:
-  CpuBackend(Model* model, std::unique_ptr<kv::KvCache> cache)
-      : model_(model), cache_(std::move(cache)) {}
-  Model* model_;
-  std::unique_ptr<kv::KvCache> cache_;
-};
-
-}  // namespace preft::model
+}  // namespace preft::backend

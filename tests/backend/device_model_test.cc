@@ -20,14 +20,14 @@
 #include "absl/time/clock.h"
 #include "common/adapters/adapter_loader.h"
 #include "common/adapters/make_adapter.h"
+#include "common/backend/device_model.h"
 #include "common/engine/sampler.h"
 #include "common/kernels/cuda/runtime.cuh"
 #include "common/kv/kv_cache.h"
-#include "common/model/device_model.h"
 #include "common/model/make_model.h"
 #include "common/model/model.h"
 
-namespace preft::model {
+namespace preft::backend {
 namespace {
 
 namespace fs = std::filesystem;
@@ -44,7 +44,7 @@ std::string TempDir(const std::string& name) {
 
 TEST(DeviceModelTest, WithoutDeviceUploadIsFailedPrecondition) {
   if (HaveDevice()) GTEST_SKIP() << "a CUDA device is visible";
-  auto config = PresetConfig("tiny");
+  auto config = model::PresetConfig("tiny");
   ASSERT_TRUE(config.ok());
   auto m = DeviceModel::Random(*config, 1);
   EXPECT_EQ(m.status().code(), absl::StatusCode::kFailedPrecondition) << m.status();
@@ -59,40 +59,40 @@ class DeviceModelConsistencyTest : public ::testing::TestWithParam<std::string> 
     seed_ = std::random_device{}();
     SCOPED_TRACE("seed " + std::to_string(seed_));
     const std::string dir = TempDir(GetParam() + "_model");
-    MakeModelOptions o;
+    model::MakeModelOptions o;
     o.preset = GetParam();
     o.dtype = kernels::DType::kBF16;
     o.seed = seed_;
     o.out_dir = dir;
-    ASSERT_TRUE(MakeModel(o).ok());
-    auto host = Model::Load(dir);
+    ASSERT_TRUE(model::MakeModel(o).ok());
+    auto host = model::Model::Load(dir);
     ASSERT_TRUE(host.ok()) << host.status();
     host_ = std::move(*host);
     auto device = DeviceModel::Upload(*host_);
     ASSERT_TRUE(device.ok()) << device.status();
     device_ = std::move(*device);
     device_->PoisonScratchForTesting();
-    for (auto kind : {AdapterKind::kLora, AdapterKind::kDireft}) {
+    for (auto kind : {model::AdapterKind::kLora, model::AdapterKind::kDireft}) {
       adapters::RandomAdapterSpec spec;
       spec.kind = kind;
-      spec.rank = kind == AdapterKind::kLora ? 8 : 4;
+      spec.rank = kind == model::AdapterKind::kLora ? 8 : 4;
       spec.dtype = kernels::DType::kBF16;
       spec.seed = seed_ + static_cast<int>(kind);
-      if (kind == AdapterKind::kLora) spec.layers = {0, host_->config().num_layers - 1};
-      const std::string adir = TempDir(GetParam() + "_" + AdapterKindName(kind));
+      if (kind == model::AdapterKind::kLora) spec.layers = {0, host_->config().num_layers - 1};
+      const std::string adir = TempDir(GetParam() + "_" + model::AdapterKindName(kind));
       ASSERT_TRUE(adapters::WriteRandomAdapter(host_->config(), spec, adir).ok());
       adapters::LoadOptions lo;
       lo.dtype = kernels::DType::kBF16;
       auto a = adapters::LoadAdapter(adir, host_->config(), lo);
       ASSERT_TRUE(a.ok()) << a.status();
-      (kind == AdapterKind::kLora ? lora_ : direft_) = std::move(*a);
+      (kind == model::AdapterKind::kLora ? lora_ : direft_) = std::move(*a);
     }
   }
 
   uint64_t seed_ = 0;
-  std::unique_ptr<Model> host_;
+  std::unique_ptr<model::Model> host_;
   std::unique_ptr<DeviceModel> device_;
-  std::unique_ptr<AdapterWeights> lora_, direft_;
+  std::unique_ptr<model::AdapterWeights> lora_, direft_;
 };
 
 // The logits of both backends agree row by row within bf16 error, and the greedy token
@@ -122,9 +122,9 @@ void ExpectLogitsAgree(const base::AlignedVector<float>& cpu, const base::Aligne
 
 TEST_P(DeviceModelConsistencyTest, MixedAdapterBatchMatchesCpuOverPromptAndDecode) {
   SCOPED_TRACE("seed " + std::to_string(seed_));
-  const ModelConfig& c = host_->config();
+  const model::ModelConfig& c = host_->config();
   struct Seq {
-    const AdapterWeights* adapter;
+    const model::AdapterWeights* adapter;
     bool prompt_only;
     int64_t prompt_len;
     std::vector<int32_t> blocks, tokens;
@@ -153,7 +153,7 @@ TEST_P(DeviceModelConsistencyTest, MixedAdapterBatchMatchesCpuOverPromptAndDecod
 
   base::AlignedVector<float> cpu_logits, gpu_logits;
   for (int64_t step = 0; step < steps; ++step) {
-    ForwardBatch batch;
+    model::ForwardBatch batch;
     std::vector<std::vector<uint8_t>> masks(seqs.size());
     for (size_t i = 0; i < seqs.size(); ++i) {
       Seq& s = seqs[i];
@@ -215,7 +215,7 @@ TEST_P(DeviceModelConsistencyTest, MixedAdapterBatchMatchesCpuOverPromptAndDecod
 // (keys are serials, not addresses: a new adapter may be allocated where the old one was).
 TEST_P(DeviceModelConsistencyTest, AdapterSlotsEvictUnderTheirBudgetAndStayCorrect) {
   SCOPED_TRACE("seed " + std::to_string(seed_));
-  const ModelConfig& c = host_->config();
+  const model::ModelConfig& c = host_->config();
   auto make_lora = [&](uint64_t seed) {
     adapters::RandomAdapterSpec spec;
     spec.rank = 8;
@@ -229,7 +229,7 @@ TEST_P(DeviceModelConsistencyTest, AdapterSlotsEvictUnderTheirBudgetAndStayCorre
     EXPECT_TRUE(a.ok()) << a.status();
     return std::move(*a);
   };
-  std::unique_ptr<AdapterWeights> a = make_lora(seed_ + 10), b = make_lora(seed_ + 11);
+  std::unique_ptr<model::AdapterWeights> a = make_lora(seed_ + 10), b = make_lora(seed_ + 11);
   auto sized = DeviceAdapter::Allocate(*a);  // every adapter here has this size
   ASSERT_TRUE(sized.ok()) << sized.status();
   const size_t one = (*sized)->bytes();
@@ -243,8 +243,8 @@ TEST_P(DeviceModelConsistencyTest, AdapterSlotsEvictUnderTheirBudgetAndStayCorre
   const std::vector<uint8_t> mask(tokens.size(), 1);
   const int32_t blocks[2][1] = {{2}, {5}};
   // One prompt per adapter given, each in its own block; the logits must match the CPU's.
-  auto step = [&](std::vector<const AdapterWeights*> use, const std::string& where) {
-    ForwardBatch batch;
+  auto step = [&](std::vector<const model::AdapterWeights*> use, const std::string& where) {
+    model::ForwardBatch batch;
     for (size_t i = 0; i < use.size(); ++i) {
       batch.AddSequence(blocks[i], 1, tokens.data(), static_cast<int64_t>(tokens.size()),
                         static_cast<int64_t>(tokens.size()), true, use[i], mask.data());
@@ -268,17 +268,17 @@ TEST_P(DeviceModelConsistencyTest, AdapterSlotsEvictUnderTheirBudgetAndStayCorre
   EXPECT_EQ(slots.uploads(), 3);
   // Free b on the host and make another: whatever address it gets, it is uploaded afresh.
   b.reset();
-  std::unique_ptr<AdapterWeights> d = make_lora(seed_ + 12);
+  std::unique_ptr<model::AdapterWeights> d = make_lora(seed_ + 12);
   step({d.get()}, "d after b was freed");
   EXPECT_EQ(slots.uploads(), 4);
   EXPECT_LE(slots.bytes(), slots.budget());
   // Queued ahead (a request naming it arrived): staged off this thread and copied on its own
   // stream; Ready turns true once the copy is on the device, and the step that uses it
   // uploads nothing more.
-  std::shared_ptr<const AdapterWeights> e = make_lora(seed_ + 13);
+  std::shared_ptr<const model::AdapterWeights> e = make_lora(seed_ + 13);
   slots.Prefetch(e);
   EXPECT_EQ(slots.uploads(), 5);
-  auto wait_ready = [&](const std::shared_ptr<const AdapterWeights>& w) {
+  auto wait_ready = [&](const std::shared_ptr<const model::AdapterWeights>& w) {
     for (int i = 0; i < 5000; ++i) {
       const absl::StatusOr<bool> ready = slots.Ready(w);
       if (!ready.ok() || *ready) return ready.ok();
@@ -291,7 +291,7 @@ TEST_P(DeviceModelConsistencyTest, AdapterSlotsEvictUnderTheirBudgetAndStayCorre
   EXPECT_EQ(slots.uploads(), 5);
   // Asking whether an absent adapter is ready starts its upload; the step right after it
   // (before the copy may have landed) waits for the copy on the device, and is still right.
-  std::shared_ptr<const AdapterWeights> f = make_lora(seed_ + 14);
+  std::shared_ptr<const model::AdapterWeights> f = make_lora(seed_ + 14);
   EXPECT_TRUE(slots.Ready(f).ok());
   EXPECT_EQ(slots.uploads(), 6);
   step({f.get()}, "f right after Ready started it");
@@ -300,13 +300,13 @@ TEST_P(DeviceModelConsistencyTest, AdapterSlotsEvictUnderTheirBudgetAndStayCorre
 }
 
 TEST_P(DeviceModelConsistencyTest, GreedyOnDeviceMatchesHostArgmaxAndLogprob) {
-  const ModelConfig& c = host_->config();
+  const model::ModelConfig& c = host_->config();
   auto cache = DeviceKvCache::Create(device_->CacheShape(8));
   ASSERT_TRUE(cache.ok());
   std::vector<int32_t> blocks = {3, 1}, tokens;
   std::mt19937 rng(static_cast<uint32_t>(seed_));
   for (int i = 0; i < 20; ++i) tokens.push_back(static_cast<int32_t>(rng() % c.vocab_size));
-  ForwardBatch batch;
+  model::ForwardBatch batch;
   batch.AddSequence(blocks.data(), 2, tokens.data(), 20, 20, true);
   batch.logit_rows = {0, 5, 19};
   DeviceAdapterSlots slots;
@@ -329,11 +329,11 @@ TEST_P(DeviceModelConsistencyTest, GreedyOnDeviceMatchesHostArgmaxAndLogprob) {
 // Sampling on the device after the forward picks what the CPU sampler picks from the same
 // logits, seed and step.
 TEST_P(DeviceModelConsistencyTest, SampledOnDeviceMatchesCpuSamplerOnItsLogits) {
-  const ModelConfig& c = host_->config();
+  const model::ModelConfig& c = host_->config();
   auto cache = DeviceKvCache::Create(device_->CacheShape(16));
   ASSERT_TRUE(cache.ok());
   std::mt19937 rng(static_cast<uint32_t>(seed_));
-  ForwardBatch batch;
+  model::ForwardBatch batch;
   std::vector<std::vector<int32_t>> tokens(6), blocks(6);
   for (int s = 0; s < 6; ++s) {
     blocks[s] = {static_cast<int32_t>(2 * s), static_cast<int32_t>(2 * s + 1)};
@@ -370,12 +370,12 @@ TEST_P(DeviceModelConsistencyTest, SampledOnDeviceMatchesCpuSamplerOnItsLogits) 
 // block-table growth and with LoRA and DiReFT rows in the batch; and one graph serves every
 // decode step of the shape, though the sequences grow into new blocks at different steps.
 TEST_P(DeviceModelConsistencyTest, GraphReplayEqualsEagerDecode) {
-  const ModelConfig& c = host_->config();
+  const model::ModelConfig& c = host_->config();
   auto cache = DeviceKvCache::Create(device_->CacheShape(12));
   ASSERT_TRUE(cache.ok());
   std::mt19937 rng(static_cast<uint32_t>(seed_));
   struct Seq {
-    const AdapterWeights* adapter;
+    const model::AdapterWeights* adapter;
     std::vector<int32_t> blocks, tokens;
   };
   std::vector<Seq> seqs = {{nullptr, {5, 0, 7}, {}}, {lora_.get(), {1, 9, 2}, {}},
@@ -387,7 +387,7 @@ TEST_P(DeviceModelConsistencyTest, GraphReplayEqualsEagerDecode) {
   base::AlignedVector<float> eager, graph;
   int64_t captures_after_first_decode = -1;
   for (int step = 0; step < 12; ++step) {
-    ForwardBatch batch;
+    model::ForwardBatch batch;
     for (Seq& s : seqs) {
       const int64_t ctx = static_cast<int64_t>(s.tokens.size());
       const int64_t n = step == 0 ? ctx : 1;
@@ -418,14 +418,14 @@ TEST_P(DeviceModelConsistencyTest, GraphReplayEqualsEagerDecode) {
 }
 
 TEST_P(DeviceModelConsistencyTest, BadBatchesAreInvalidArgument) {
-  const ModelConfig& c = host_->config();
+  const model::ModelConfig& c = host_->config();
   auto cache = DeviceKvCache::Create(device_->CacheShape(4));
   ASSERT_TRUE(cache.ok());
   DeviceAdapterSlots slots;
   base::AlignedVector<float> logits;
   std::vector<int32_t> tokens = {1, 2, 3};
   std::vector<int32_t> outside = {9};
-  ForwardBatch batch;
+  model::ForwardBatch batch;
   batch.AddSequence(outside.data(), 1, tokens.data(), 3, 3, true);
   auto s = device_->Forward(batch, cache->get(), &slots, &logits);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
@@ -434,13 +434,13 @@ TEST_P(DeviceModelConsistencyTest, BadBatchesAreInvalidArgument) {
   auto other = DeviceKvCache::Create({c.num_layers + 1, 4, 16, c.num_kv_heads, c.head_dim});
   ASSERT_TRUE(other.ok());
   std::vector<int32_t> one = {0};
-  ForwardBatch ok_batch;
+  model::ForwardBatch ok_batch;
   ok_batch.AddSequence(one.data(), 1, tokens.data(), 3, 3, true);
   s = device_->Forward(ok_batch, other->get(), &slots, &logits);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
 
-  AdapterWeights wrong(AdapterKind::kDireft, c.num_layers + 2);
-  ForwardBatch adapted;
+  model::AdapterWeights wrong(model::AdapterKind::kDireft, c.num_layers + 2);
+  model::ForwardBatch adapted;
   adapted.AddSequence(one.data(), 1, tokens.data(), 3, 3, true, &wrong);
   s = device_->Forward(adapted, cache->get(), &slots, &logits);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
@@ -456,4 +456,4 @@ INSTANTIATE_TEST_SUITE_P(Presets, DeviceModelConsistencyTest,
                          });
 
 }  // namespace
-}  // namespace preft::model
+}  // namespace preft::backend

@@ -10,7 +10,7 @@
 // memory); a CUDA IPC transport instead moves the device blocks themselves (device_cache()),
 // and then no mirror is kept.
 //
-// With tensor_parallel N > 1 the model is split over N GPUs (common/model/tensor_parallel.h):
+// With tensor_parallel N > 1 the model is split over N GPUs (common/backend/tensor_parallel.h):
 // one DeviceModel, KV cache (its KV heads) and adapter slots per rank, each rank driven by a
 // thread of its own on its device, NCCL summing the row-parallel outputs. Its host mirror
 // holds every head, each rank copying its own in or out, so the KV transport sees the layout
@@ -23,11 +23,11 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/backend/device_model.h"
+#include "common/backend/forward_backend.h"
 #include "common/base/status_rendezvous.h"
-#include "common/model/device_model.h"
-#include "common/model/forward_backend.h"
 
-namespace preft::model {
+namespace preft::backend {
 
 class CudaBackend : public ForwardBackend {
  public:
@@ -49,24 +49,24 @@ class CudaBackend : public ForwardBackend {
   };
   // FailedPrecondition without a CUDA device, or with fewer GPUs than tensor_parallel;
   // InvalidArgument when tensor_parallel does not divide the model's heads and MLP.
-  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const Model& model,
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const model::Model& model,
                                                              const Options& options);
   // The same over random bf16 weights in `config`'s shapes, made on the devices (benchmarks:
   // a 70B-shaped model split over GPUs without a checkpoint).
-  static absl::StatusOr<std::unique_ptr<CudaBackend>> CreateRandom(const ModelConfig& config,
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> CreateRandom(const model::ModelConfig& config,
                                                                    uint64_t seed,
                                                                    const Options& options);
   ~CudaBackend() override;
 
-  const ModelConfig& config() const override { return ranks_[0].model->config(); }
+  const model::ModelConfig& config() const override { return ranks_[0].model->config(); }
   // The whole model's KV heads (each rank holds its share of them in as many blocks).
   const kv::KvCacheShape& cache_shape() const override { return shape_; }
-  absl::Status Forward(const ForwardBatch& batch, base::AlignedVector<float>* logits) override;
+  absl::Status Forward(const model::ForwardBatch& batch, base::AlignedVector<float>* logits) override;
   bool samples_on_device() const override { return true; }
-  absl::Status ForwardSample(const ForwardBatch& batch, const std::vector<RowSampling>& rows,
+  absl::Status ForwardSample(const model::ForwardBatch& batch, const std::vector<RowSampling>& rows,
                              std::vector<int32_t>* tokens) override;
-  void PrepareAdapter(const std::shared_ptr<const AdapterWeights>& adapter) override;
-  absl::StatusOr<bool> AdapterReady(const std::shared_ptr<const AdapterWeights>& adapter) override;
+  void PrepareAdapter(const std::shared_ptr<const model::AdapterWeights>& adapter) override;
+  absl::StatusOr<bool> AdapterReady(const std::shared_ptr<const model::AdapterWeights>& adapter) override;
   kernels::DType adapter_dtype() const override { return kernels::DType::kBF16; }
   bool cpu_adapter_kernels() const override { return false; }
   kv::KvCache* host_cache() override { return mirror_.get(); }
@@ -91,7 +91,7 @@ class CudaBackend : public ForwardBackend {
   using MakeRank = std::function<absl::StatusOr<std::unique_ptr<DeviceModel>>(
       const TensorShard& shard, kernels::cuda::Collective* collective)>;
   CudaBackend() = default;
-  static absl::StatusOr<std::unique_ptr<CudaBackend>> Build(const ModelConfig& config,
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Build(const model::ModelConfig& config,
                                                             const Options& options,
                                                             const MakeRank& make_rank);
   // Runs fn(rank) for every rank at once, each on its rank's thread (inline with one rank);
@@ -105,4 +105,4 @@ class CudaBackend : public ForwardBackend {
   std::unique_ptr<kv::KvCache> mirror_;  // host_mirror only
 };
 
-}  // namespace preft::model
+}  // namespace preft::backend

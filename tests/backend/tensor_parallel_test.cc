@@ -3,7 +3,7 @@
 // projection, LoRA included (the GPU forward's all-reduce is that sum). Plain loops over
 // random f32 and bf16 matrices; the slicing is the code under test.
 
-#include "common/model/tensor_parallel.h"
+#include "common/backend/tensor_parallel.h"
 
 #include <gtest/gtest.h>
 
@@ -13,14 +13,14 @@
 
 #include "common/kernels/dtype.h"
 
-namespace preft::model {
+namespace preft::backend {
 namespace {
 
 using kernels::DType;
 using kernels::MatrixView;
 
-ModelConfig Config() {
-  ModelConfig c;
+model::ModelConfig Config() {
+  model::ModelConfig c;
   c.hidden_size = 48;
   c.num_heads = 8;
   c.num_kv_heads = 4;
@@ -52,7 +52,7 @@ Matrix Random(int64_t rows, int64_t cols, DType dtype, std::mt19937* rng) {
 
 // y[n][out] = x W^T + scale (x S^T + b) E, for a [out, in] W and an optional pair (S, E).
 std::vector<double> Project(const std::vector<float>& x, int64_t n, const MatrixView& w,
-                            const LowRank* lr) {
+                            const model::LowRank* lr) {
   std::vector<double> y(n * w.rows, 0.0);
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t o = 0; o < w.rows; ++o) {
@@ -89,7 +89,7 @@ std::vector<float> Columns(const std::vector<float>& x, int64_t n, int64_t width
 }
 
 TEST(TensorParallelTest, RefusesSplitsThatDoNotDivideTheModel) {
-  const ModelConfig c = Config();
+  const model::ModelConfig c = Config();
   EXPECT_TRUE(CheckTensorParallel(c, 1).ok());
   EXPECT_TRUE(CheckTensorParallel(c, 4).ok());
   const absl::Status kv = CheckTensorParallel(c, 8);
@@ -99,7 +99,7 @@ TEST(TensorParallelTest, RefusesSplitsThatDoNotDivideTheModel) {
             "multiple of 8");
   const absl::Status heads = CheckTensorParallel(c, 3);
   EXPECT_NE(heads.message().find("num_attention_heads (8)"), std::string::npos) << heads;
-  ModelConfig odd_mlp = c;
+  model::ModelConfig odd_mlp = c;
   odd_mlp.intermediate_size = 90;
   EXPECT_NE(CheckTensorParallel(odd_mlp, 4).message().find("intermediate_size (90)"),
             std::string::npos);
@@ -107,11 +107,11 @@ TEST(TensorParallelTest, RefusesSplitsThatDoNotDivideTheModel) {
 }
 
 TEST(TensorParallelTest, ARanksConfigKeepsGroupedQueryHeadsWithTheirKvHead) {
-  const ModelConfig c = Config();
+  const model::ModelConfig c = Config();
   for (int ranks : {1, 2, 4}) {
     for (int rank = 0; rank < ranks; ++rank) {
       const TensorShard s{rank, ranks};
-      const ModelConfig local = ShardConfig(c, s);
+      const model::ModelConfig local = ShardConfig(c, s);
       EXPECT_EQ(local.hidden_size, c.hidden_size);
       EXPECT_EQ(local.num_heads * ranks, c.num_heads);
       EXPECT_EQ(local.intermediate_size * ranks, c.intermediate_size);
@@ -124,13 +124,13 @@ TEST(TensorParallelTest, ARanksConfigKeepsGroupedQueryHeadsWithTheirKvHead) {
         EXPECT_EQ(RangeOf(c.num_kv_heads, s).begin + j / group, global_q / group);
       }
       // The slices DimsOf gives for the local config are the ones SliceOfWeight cuts.
-      for (int p = 0; p < kNumProjections; ++p) {
-        const auto proj = static_cast<Projection>(p);
-        const ProjectionDims full = DimsOf(c, proj), part = DimsOf(local, proj);
+      for (int p = 0; p < model::kNumProjections; ++p) {
+        const auto proj = static_cast<model::Projection>(p);
+        const model::ProjectionDims full = model::DimsOf(c, proj), part = model::DimsOf(local, proj);
         const MatrixView w{nullptr, DType::kF32, full.out, full.in};
         const WeightSlice slice = SliceOfWeight(w, proj, s);
-        EXPECT_EQ(slice.rows.size(), part.out) << ProjectionName(proj);
-        EXPECT_EQ(slice.cols.size(), part.in) << ProjectionName(proj);
+        EXPECT_EQ(slice.rows.size(), part.out) << model::ProjectionName(proj);
+        EXPECT_EQ(slice.cols.size(), part.in) << model::ProjectionName(proj);
       }
     }
   }
@@ -139,19 +139,19 @@ TEST(TensorParallelTest, ARanksConfigKeepsGroupedQueryHeadsWithTheirKvHead) {
 // Every projection, with a LoRA pair (and a shrink bias, to check it is added once), split
 // over 1, 2 and 4 ranks: column-parallel outputs concatenate, row-parallel ones sum.
 TEST(TensorParallelTest, RankSlicesAssembleTheWholeProjection) {
-  const ModelConfig c = Config();
+  const model::ModelConfig c = Config();
   std::mt19937 rng(7);
   constexpr int64_t kRows = 3, kRank = 4;
   for (DType dtype : {DType::kF32, DType::kBF16}) {
-    for (int p = 0; p < kNumProjections; ++p) {
-      const auto proj = static_cast<Projection>(p);
-      SCOPED_TRACE(std::string(ProjectionName(proj)) + " " + kernels::DTypeName(dtype));
-      const ProjectionDims dims = DimsOf(c, proj);
+    for (int p = 0; p < model::kNumProjections; ++p) {
+      const auto proj = static_cast<model::Projection>(p);
+      SCOPED_TRACE(std::string(model::ProjectionName(proj)) + " " + kernels::DTypeName(dtype));
+      const model::ProjectionDims dims = model::DimsOf(c, proj);
       Matrix w = Random(dims.out, dims.in, dtype, &rng);
       Matrix s = Random(kRank, dims.in, dtype, &rng);
       Matrix e = Random(kRank, dims.out, dtype, &rng);
       std::vector<float> bias = {0.5f, -0.25f, 1.f, 0.125f};
-      const LowRank lr{s.view, e.view, bias.data(), 0.75f};
+      const model::LowRank lr{s.view, e.view, bias.data(), 0.75f};
       Matrix x = Random(kRows, dims.in, DType::kF32, &rng);
       const std::vector<double> want = Project(x.values, kRows, w.view, &lr);
 
@@ -168,7 +168,7 @@ TEST(TensorParallelTest, RankSlicesAssembleTheWholeProjection) {
           CopySubMatrix(s.view, {0, kRank}, ls.shrink_cols, sb.data());
           CopySubMatrix(e.view, {0, kRank}, ls.expand_cols, eb.data());
           const MatrixView wl{wb.data(), dtype, ws.rows.size(), ws.cols.size()};
-          const LowRank lrl{{sb.data(), dtype, kRank, ls.shrink_cols.size()},
+          const model::LowRank lrl{{sb.data(), dtype, kRank, ls.shrink_cols.size()},
                             {eb.data(), dtype, kRank, ls.expand_cols.size()},
                             ls.bias ? bias.data() : nullptr,
                             lr.scale};
@@ -255,4 +255,4 @@ TEST(TensorParallelTest, RanksMoveTheirKvHeadsThroughACacheOfEveryHead) {
 }
 
 }  // namespace
-}  // namespace preft::model
+}  // namespace preft::backend
