@@ -24,7 +24,7 @@ done
 RUNTIME_PACKAGES=(
   libgrpc++1.51 libgrpc29 libprotobuf32 libabsl20220623 libre2-9 libc-ares2 libssl3
   libucx0 libnuma1 libprometheus-cpp-core1.0 libcpp-httplib0.11 libbrotli1
-  libopenblas0-pthread libgfortran5 libquadmath0 libgomp1 libutf8proc2
+  libopenblas0-pthread libgfortran5 libquadmath0 libgomp1 libutf8proc2 libspdlog1.10 libfmt9
   # libpq5 (the router's --registry postgresql://) and what it loads: Kerberos, LDAP, GnuTLS.
   libpq5 libgssapi-krb5-2 libkrb5-3 libk5crypto3 libcom-err2 libkrb5support0 libkeyutils1
   libldap-2.5-0 libsasl2-2 libgnutls30 libp11-kit0 libidn2-0 libunistring2 libtasn1-6
@@ -38,7 +38,7 @@ DEV_PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   libabsl-dev libucx-dev ucx-utils prometheus-cpp-dev prometheus openssl
   libopenblas-dev nlohmann-json3-dev libpcre2-dev libcpp-httplib-dev libcli11-dev libutf8proc-dev
-  libboost-dev libpq-dev postgresql
+  libboost-dev libpq-dev postgresql libspdlog-dev libfmt-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev
   python3 python3-numpy python3-grpcio python3-grpc-tools python3-jinja2 gnuplot-nox

@@ -68,6 +68,10 @@ start() {
     device_flags=(--device "$PREFT_DEVICE" --kv-bytes $((1 << 30)))
   fi
   worker_flags+=("${device_flags[@]}")
+  # PREFT_LOG_FLAGS (e.g. "--log-format json --log-level debug") go to every process.
+  local log_flags=()
+  read -r -a log_flags <<< "${PREFT_LOG_FLAGS:-}"
+  worker_flags+=("${log_flags[@]}")
   if [[ "${PREFT_COLOCATED:-0}" == 1 ]]; then
     start_colocated "$build" "$model" "$root"
     return
@@ -86,7 +90,7 @@ start() {
   prefill="$(wait_address "$run/prefill-0.log"),$(wait_address "$run/prefill-1.log")"
   "$build/services/router/preft-router" --model "$model" --prefill "$prefill" --decode "$decode" \
     --listen "${PREFT_ROUTER_LISTEN:-127.0.0.1:0}" --metrics-listen 127.0.0.1:0 \
-    "${tls_flags[@]}" "${adapter_flags[@]}" > "$run/router.log" 2>&1 &
+    "${tls_flags[@]}" "${adapter_flags[@]}" "${log_flags[@]}" > "$run/router.log" 2>&1 &
   echo $! >> "$run/pids"
   wait_address "$run/router.log" > "$run/router.addr"
   for name in decode-0 decode-1 prefill-0 prefill-1 router; do record_metrics "$name"; done
@@ -103,6 +107,7 @@ start_colocated() {  # after start's set-up; uses its tls_flags and device_flags
   for i in 0 1; do
     "$build/services/decode/preft-decode" --model "$model" --colocated --adapter-root "$root" \
       --transport inproc --metrics-listen 127.0.0.1:0 "${tls_flags[@]}" "${device_flags[@]}" \
+      "${log_flags[@]}" \
       > "$run/decode-$i.log" 2>&1 &
     echo $! >> "$run/pids"
   done
@@ -110,7 +115,7 @@ start_colocated() {  # after start's set-up; uses its tls_flags and device_flags
   decode="$(wait_address "$run/decode-0.log"),$(wait_address "$run/decode-1.log")"
   "$build/services/router/preft-router" --model "$model" --colocated --decode "$decode" \
     --listen "${PREFT_ROUTER_LISTEN:-127.0.0.1:0}" --metrics-listen 127.0.0.1:0 \
-    "${tls_flags[@]}" --adapter-root "$root" > "$run/router.log" 2>&1 &
+    "${tls_flags[@]}" "${log_flags[@]}" --adapter-root "$root" > "$run/router.log" 2>&1 &
   echo $! >> "$run/pids"
   wait_address "$run/router.log" > "$run/router.addr"
   for name in decode-0 decode-1 router; do record_metrics "$name"; done

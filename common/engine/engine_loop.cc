@@ -3,6 +3,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "common/log/log.h"
 
 namespace preft::engine {
 
@@ -46,7 +47,7 @@ void EngineLoop::Run() {
     if (engine_->HasWork()) {
       const absl::Status s = engine_->Step();
       if (!s.ok()) {
-        std::fprintf(stderr, "engine step failed: %s\n", s.ToString().c_str());
+        log::Error("engine step failed: {}", s);
         engine_->FailAll(absl::InternalError(absl::StrCat("engine step failed: ", s.message())));
       }
     }

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "common/log/log.h"
 #include "nlohmann/json.hpp"
 
 namespace preft::http {
@@ -654,8 +655,8 @@ EventServer::~EventServer() {
   for (std::thread& t : impl_->threads) t.join();
   if (impl_->objects > 0) {
     // An exchange still held elsewhere would point into a destroyed loop: keep the loop.
-    std::fprintf(stderr, "EventServer: %ld exchanges still held at shutdown; leaking the loop\n",
-                 static_cast<long>(impl_->objects.load()));
+    log::Error("EventServer: {} exchanges still held at shutdown; leaking the loop",
+               impl_->objects.load());
     (void)impl_.release();
   }
 }

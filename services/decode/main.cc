@@ -8,14 +8,15 @@
 #include <cstdio>
 #include <memory>
 #include <string>
-#include <thread>
 
 #include "CLI/CLI.hpp"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/base/termination_signal.h"
 #include "common/engine/engine.h"
+#include "common/log/log.h"
 #include "common/rpc/server.h"
+#include "common/serving/worker_lifecycle.h"
 #include "common/serving/worker_setup.h"
 #include "services/decode/decode_metrics.h"
 #include "services/decode/decode_service.h"
@@ -33,7 +34,7 @@ struct Flags : preft::serving::WorkerFlags {
 };
 
 int Fail(const std::string& message) {
-  std::fprintf(stderr, "preft-decode: %s\n", message.c_str());
+  preft::log::Error("{}", message);
   return 1;
 }
 
@@ -79,34 +80,12 @@ int Run(const Flags& f) {
   }
   (*service)->SetAdvertisedAddress(f.advertise_address.empty() ? (*server)->address()
                                                                 : f.advertise_address);
-  // Ready only on the transport configured (a silent fallback, e.g. to TCP, is refused).
-  const absl::Status transport_ok =
-      preft::serving::CheckTransport((*service)->endpoint().transport(), f.transport);
-  if (!transport_ok.ok()) {
-    std::fprintf(stderr, "preft-decode: %s\n", transport_ok.ToString().c_str());
-    (*server)->SetServing("", false);
-  }
-  (*server)->SetServing(kServiceName, transport_ok.ok());
-  std::printf("preft-decode listening on %s transport=%s device=%s\n",
-              (*server)->address().c_str(), (*service)->endpoint().transport().c_str(),
-              device.c_str());
-  std::fflush(stdout);
-
-  const int sig = preft::base::WaitForTerminationSignal();
-  std::fprintf(stderr, "preft-decode: signal %d, draining\n", sig);
-  (*service)->StartDrain();
-  (*server)->SetServing(kServiceName, false);
-  (*server)->SetServing("", false);
-  const absl::Time deadline = absl::Now() + absl::Seconds(f.drain_timeout_s);
-  const absl::Time at_least = absl::Now() + absl::Seconds(std::min(f.drain_min_s, f.drain_timeout_s));
-  while (((*service)->active_streams() > 0 && absl::Now() < deadline) || absl::Now() < at_least) {
-    absl::SleepFor(absl::Milliseconds(50));
-  }
-  if ((*service)->active_streams() > 0) {
-    std::fprintf(stderr, "preft-decode: drain timeout with %lld streams open\n",
-                 static_cast<long long>((*service)->active_streams()));
-  }
-  (*server)->Shutdown(absl::Seconds(5));
+  preft::decode::DecodeService* decode = service->get();
+  preft::serving::ServeUntilSignal(
+      **server, f,
+      {"preft-decode", kServiceName, decode->endpoint().transport(), device,
+       [decode] { decode->StartDrain(); }, [decode] { return decode->active_streams(); },
+       "streams"});
   server->reset();
   decode_metrics.reset();  // reads the service
   service->reset();
@@ -146,33 +125,36 @@ int main(int argc, char** argv) {
       ->excludes(adapters_option);
   // With --adapters all-positions or --colocated.
   preft::serving::AddAdapterStoreFlags(app, &f.adapters);
+  preft::log::Options log_options;
+  log_options.service = "preft-decode";
+  preft::log::AddFlags(app, &log_options);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     // CLI11 prints the message; every usage error exits 2, --help exits 0.
     return app.exit(e) == 0 ? 0 : 2;
   }
+  preft::log::Init(log_options);
   f.all_position_adapters = adapters == "all-positions";
   if (f.all_position_adapters && f.adapters.root.empty()) {
-    std::fprintf(stderr, "preft-decode: --adapters all-positions needs --adapter-root\n");
+    preft::log::Error("--adapters all-positions needs --adapter-root");
     return 2;
   }
   if (f.colocated) {
     // A colocated worker moves no KV between processes: a UCX or gRPC transport would only
     // sit idle (and a UCX one holds a worker and its endpoints), so it runs in-process.
     if (app.count("--transport") > 0 && f.transport.kind != "inproc") {
-      std::fprintf(stderr,
-                   "preft-decode: --colocated moves no KV between processes: leave out "
-                   "--transport (or give inproc), not %s\n",
-                   f.transport.kind.c_str());
+      preft::log::Error(
+          "--colocated moves no KV between processes: leave out --transport (or give inproc), "
+          "not {}",
+          f.transport.kind);
       return 2;
     }
     f.transport.kind = "inproc";
   }
   if (f.colocated && f.adapters.root.empty()) {
-    std::fprintf(stderr,
-                 "preft-decode: --colocated needs --adapter-root (the folder the router registers "
-                 "adapters from)\n");
+    preft::log::Error(
+        "--colocated needs --adapter-root (the folder the router registers adapters from)");
     return 2;
   }
   return Run(f);

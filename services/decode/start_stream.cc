@@ -2,8 +2,9 @@
 
 #include <utility>
 
-#include "services/wire/convert.h"
+#include "common/log/log.h"
 #include "common/rpc/status.h"
+#include "services/wire/convert.h"
 
 namespace preft::decode {
 
@@ -167,9 +168,12 @@ void StartStream::Pump() {
       reactor_->StartWrite(&out_);
       break;
     case Action::kWriteAndFinish:
+      log::Debug(log::Request{info_.request_id}, "stream finished: {} tokens", completion_tokens_);
       reactor_->StartWriteAndFinish(&out_, grpc::WriteOptions(), grpc::Status::OK);
       break;
     case Action::kFinish:
+      log::Debug(log::Request{info_.request_id}, "stream ended: {} after {} tokens",
+                 status.error_message(), completion_tokens_);
       reactor_->Finish(status);
       break;
   }

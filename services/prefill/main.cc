@@ -6,19 +6,16 @@
 // finish (up to --drain-timeout-s), then the server shuts down. Exit codes: 0 after a drain,
 // 2 for bad flags, 1 when the model, transport or server cannot start.
 
-#include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <string>
-#include <thread>
 
 #include "CLI/CLI.hpp"
-#include "absl/time/clock.h"
-#include "absl/time/time.h"
 #include "common/base/termination_signal.h"
 #include "common/engine/engine.h"
+#include "common/log/log.h"
 #include "common/rpc/server.h"
+#include "common/serving/worker_lifecycle.h"
 #include "common/serving/worker_setup.h"
 #include "services/prefill/prefill_service.h"
 #include "services/wire/grpc_kv_transport.h"
@@ -30,7 +27,7 @@ struct Flags : preft::serving::WorkerFlags {
 };
 
 int Fail(const std::string& what, const absl::Status& status) {
-  std::fprintf(stderr, "preft-prefill: %s: %s\n", what.c_str(), status.ToString().c_str());
+  preft::log::Error("{}: {}", what, status);
   return 1;
 }
 
@@ -72,35 +69,12 @@ int Run(const Flags& f) {
     std::printf("preft-prefill metrics on http://%s/metrics\n", worker->metrics->address().c_str());
   }
   const std::string service_name = worker::v1::PrefillWorker::service_full_name();
-  // Ready only on the transport configured (a silent fallback, e.g. to TCP, is refused).
-  const absl::Status transport_ok =
-      serving::CheckTransport((*service)->endpoint().transport(), f.transport);
-  if (!transport_ok.ok()) {
-    std::fprintf(stderr, "preft-prefill: %s\n", transport_ok.ToString().c_str());
-    (*server)->SetServing("", false);
-  }
-  (*server)->SetServing(service_name, transport_ok.ok());
-
-  std::printf("preft-prefill listening on %s transport=%s device=%s\n",
-              (*server)->address().c_str(), (*service)->endpoint().transport().c_str(),
-              device.c_str());
-  std::fflush(stdout);
-
-  const int sig = base::WaitForTerminationSignal();
-  std::fprintf(stderr, "preft-prefill: signal %d, draining\n", sig);
-  (*service)->StartDrain();
-  (*server)->SetServing(service_name, false);
-  (*server)->SetServing("", false);
-  const absl::Time deadline = absl::Now() + absl::Seconds(f.drain_timeout_s);
-  const absl::Time at_least = absl::Now() + absl::Seconds(std::min(f.drain_min_s, f.drain_timeout_s));
-  while (((*service)->active_requests() > 0 && absl::Now() < deadline) || absl::Now() < at_least) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  if ((*service)->active_requests() > 0) {
-    std::fprintf(stderr, "preft-prefill: drain timed out with %lld requests in flight\n",
-                 static_cast<long long>((*service)->active_requests()));
-  }
-  (*server)->Shutdown(absl::Seconds(5));
+  prefill::PrefillService* prefill = service->get();
+  serving::ServeUntilSignal(
+      **server, f,
+      {"preft-prefill", service_name, prefill->endpoint().transport(), device,
+       [prefill] { prefill->StartDrain(); }, [prefill] { return prefill->active_requests(); },
+       "requests"});
   service->reset();  // stops the engine, then the transport
   return 0;
 }
@@ -117,10 +91,14 @@ int main(int argc, char** argv) {
   Flags f;
   preft::serving::AddWorkerFlags(app, &f);
   preft::serving::AddAdapterStoreFlags(app, &f.adapters);
+  preft::log::Options log_options;
+  log_options.service = "preft-prefill";
+  preft::log::AddFlags(app, &log_options);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;  // CLI11 prints the message; --help exits 0
   }
+  preft::log::Init(log_options);
   return Run(f);
 }

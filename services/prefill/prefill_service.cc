@@ -25,6 +25,7 @@
 #include "common/base/thread_pool.h"
 #include "common/engine/engine_loop.h"
 #include "common/kv/blocks.h"
+#include "common/log/log.h"
 #include "common/rpc/status.h"
 #include "services/prefill/prefill_metrics.h"
 #include "services/wire/convert.h"
@@ -411,6 +412,15 @@ void PrefillService::Impl::Call::Finish(const absl::Status& status, bool kv_path
     if (kv_path_failed) context_->AddTrailingMetadata(wire::kKvPathFailedKey, "1");
   }
   impl_->active.fetch_sub(1);
+  const log::Request id{request_.request_id()};
+  if (status.ok() || status.code() == absl::StatusCode::kInvalidArgument ||
+      status.code() == absl::StatusCode::kCancelled) {
+    log::Debug(id, "prefill of {} tokens (adapter '{}'): {}", request_.prompt_ids_size(),
+               request_.adapter(), status);
+  } else {
+    log::Warn(id, "prefill of {} tokens (adapter '{}') failed: {}{}", request_.prompt_ids_size(),
+              request_.adapter(), status, kv_path_failed ? " (KV path)" : "");
+  }
   reactor_->Finish(rpc::ToGrpcStatus(status));
 }
 

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status_macros.h"
+#include "common/log/log.h"
 #include "common/rpc/status.h"
 #include "services/wire/kv_path.h"
 #include "services/wire/request_convert.h"
@@ -381,11 +382,10 @@ rpc::Task<absl::StatusOr<worker::v1::PrefillResponse>> GenerateCall::Prefill(
       // mid-message can leave a receiver deaf for good: docs/ARCHITECTURE.md).
       router_->metrics->Retried("kv_path", s);
       last_error = absl::StrCat(w->address, ": ", s.message());
-      std::fprintf(stderr,
-                   "router: KV of %s could not reach decode worker %s (%s); holding it back for "
-                   "%s and retrying elsewhere\n",
-                   id_.c_str(), res->worker->address.c_str(), s.ToString().c_str(),
-                   absl::FormatDuration(router_->options.kv_path_suspect).c_str());
+      log::Warn(log::Request{id_},
+                "KV could not reach decode worker {} ({}); holding it back for {} and retrying "
+                "elsewhere",
+                res->worker->address, s, absl::FormatDuration(router_->options.kv_path_suspect));
       res->worker->SuspectKvPath(router_->options.kv_path_suspect);
       const absl::Status moved = co_await MoveReservation(res, prompt.size(), sampling.max_tokens,
                                                           s, "KV path failed; re-reserving");

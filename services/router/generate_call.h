@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/engine/request_params.h"
+#include "common/log/log.h"
 #include "common/rpc/coro.h"
 #include "proto/preft/v1/preft.grpc.pb.h"
 #include "proto/preft/v1/worker.grpc.pb.h"
@@ -112,8 +113,7 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
                      std::vector<std::string>* tried) {
     router_->metrics->Retried(tier, s);
     *last_error = absl::StrCat(w.address, ": ", s.message());
-    std::fprintf(stderr, "router: %s of %s on %s failed (%s); retrying\n", tier, id_.c_str(),
-                 w.address.c_str(), s.ToString().c_str());
+    log::Warn(log::Request{id_}, "{} on {} failed ({}); retrying", tier, w.address, s);
     if (s.code() == absl::StatusCode::kUnavailable) WorkerPool::MarkUnhealthy(w);
     tried->push_back(w.address);
   }

@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/base/termination_signal.h"
+#include "common/log/log.h"
 #include "common/metrics/metrics_server.h"
 #include "common/model/config.h"
 #include "common/rpc/server.h"
@@ -94,22 +95,24 @@ int main(int argc, char** argv) {
   app.add_option("--max-streams-per-client", max_streams_per_client, "concurrent Generate streams per client (TLS identity, token or IP); 0: no cap")->check(CLI::NonNegativeNumber);
   app.add_option("--max-prompt-tokens", max_prompt_tokens, "longer prompts are refused; 0: the model's context")->check(CLI::NonNegativeNumber);
   app.add_option("--max-request-bytes", max_request_bytes, "larger request messages are refused (RESOURCE_EXHAUSTED)")->check(CLI::PositiveNumber)->capture_default_str();
+  log::Options log_options;
+  log_options.service = "preft-router";
+  log::AddFlags(app, &log_options);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
+  log::Init(log_options);
   const std::vector<std::string> prefill_workers = SplitList(prefill);
   if (colocated && !prefill_workers.empty()) {
-    std::fprintf(stderr,
-                 "preft-router: --colocated runs whole requests on the decode workers: give no "
-                 "--prefill workers (got %s)\n",
-                 absl::StrJoin(prefill_workers, ",").c_str());
+    log::Error("--colocated runs whole requests on the decode workers: give no --prefill workers "
+               "(got {})",
+               absl::StrJoin(prefill_workers, ","));
     return 2;
   }
   if (!colocated && prefill_workers.empty()) {
-    std::fprintf(stderr, "preft-router: --prefill is required (or --colocated, without a prefill "
-                         "tier)\n");
+    log::Error("--prefill is required (or --colocated, without a prefill tier)");
     return 2;
   }
   base::InstallTerminationHandler();
@@ -117,21 +120,21 @@ int main(int argc, char** argv) {
   auto channel_credentials = rpc::MakeChannelCredentials(tls);
   for (const absl::Status& s : {server_credentials.status(), channel_credentials.status()}) {
     if (!s.ok()) {
-      std::fprintf(stderr, "preft-router: %s\n", s.ToString().c_str());
+      log::Error("{}", s);
       return 2;
     }
   }
 
   auto config = model::ModelConfig::FromFile(model_dir + "/config.json");
   if (!config.ok()) {
-    std::fprintf(stderr, "preft-router: %s\n", config.status().ToString().c_str());
+    log::Error("{}", config.status());
     return 1;
   }
   std::unique_ptr<text::Tokenizer> tokenizer;
   if (std::filesystem::exists(model_dir + "/tokenizer.json")) {
     auto t = text::Tokenizer::LoadFromModelDir(model_dir);
     if (!t.ok()) {
-      std::fprintf(stderr, "preft-router: %s\n", t.status().ToString().c_str());
+      log::Error("{}", t.status());
       return 1;
     }
     tokenizer = std::move(t).value();
@@ -148,7 +151,7 @@ int main(int argc, char** argv) {
     for (const auto& spec : *specs) {  // malformed is a usage error; unresolvable may heal
       if (auto r = router::ResolveSpec(spec);
           !r.ok() && r.status().code() == absl::StatusCode::kInvalidArgument) {
-        std::fprintf(stderr, "preft-router: %s\n", r.status().ToString().c_str());
+        log::Error("{}", r.status());
         return 2;
       }
     }
@@ -159,7 +162,7 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<router::RegistryStore>> store =
       router::OpenRegistryStore(registry_url, adapter_root);
   if (!store.ok()) {
-    std::fprintf(stderr, "preft-router: --registry: %s\n", store.status().ToString().c_str());
+    log::Error("--registry: {}", store.status());
     return store.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
   router::AdapterRegistry registry(*config, base_name, adapter_root, load, *std::move(store));
@@ -177,7 +180,7 @@ int main(int argc, char** argv) {
     if (file->empty()) continue;
     absl::StatusOr<std::string> t = router::ReadTokenFile(*file);
     if (!t.ok()) {
-      std::fprintf(stderr, "preft-router: %s\n", t.status().ToString().c_str());
+      log::Error("{}", t.status());
       return 2;
     }
     *token = *std::move(t);
@@ -186,7 +189,7 @@ int main(int argc, char** argv) {
   if (!metrics_listen.empty()) {
     auto m = metrics::MetricsServer::Start(metrics_listen);
     if (!m.ok()) {
-      std::fprintf(stderr, "preft-router: --metrics-listen: %s\n", m.status().ToString().c_str());
+      log::Error("--metrics-listen: {}", m.status());
       return 1;
     }
     metrics = std::move(m).value();
@@ -202,7 +205,7 @@ int main(int argc, char** argv) {
   server_options.services = {&service};
   auto server = rpc::Server::Start(server_options);
   if (!server.ok()) {
-    std::fprintf(stderr, "preft-router: %s\n", server.status().ToString().c_str());
+    log::Error("{}", server.status());
     return 1;
   }
   std::unique_ptr<router::OpenAiServer> http;
@@ -217,13 +220,13 @@ int main(int argc, char** argv) {
     h.tokenizer = tokenizer.get();
     auto chat = router::ChatRendererFor(model_dir);
     if (!chat.ok()) {
-      std::fprintf(stderr, "preft-router: %s\n", chat.status().ToString().c_str());
+      log::Error("{}", chat.status());
       return 1;
     }
     h.render_chat = *std::move(chat);
     auto started = router::OpenAiServer::Start(std::move(h));
     if (!started.ok()) {
-      std::fprintf(stderr, "preft-router: --http-listen: %s\n", started.status().ToString().c_str());
+      log::Error("--http-listen: {}", started.status());
       return 1;
     }
     http = *std::move(started);
@@ -232,7 +235,8 @@ int main(int argc, char** argv) {
   std::printf("preft-router listening on %s\n", (*server)->address().c_str());
   std::fflush(stdout);
 
-  base::WaitForTerminationSignal();
+  const int sig = base::WaitForTerminationSignal();
+  log::Info("signal {}, draining", sig);
   service.StartDrain();
   (*server)->SetServing("", false);
   const absl::Time until = absl::Now() + absl::Seconds(drain_timeout_s);

@@ -76,6 +76,19 @@ expect 2 "excludes" -- serve --colocated --prefill-workers 2
 expect_of "$router" 2 "--colocated runs whole requests on the decode workers: give no --prefill workers \(got a:1\)" -- --model "$work/m" --colocated --prefill a:1 --decode b:2
 expect_of "$router" 2 "--prefill is required \(or --colocated" -- --model "$work/m" --decode b:2
 expect_of "$router" 2 "--registry: .*\"file\" \(the adapter root\) or a postgresql:// URI" -- --model "$work/m" --prefill a:1 --decode b:2 --registry mysql://x
+# Logs as JSON lines (--log-format json): each stderr line one object with level, service, msg.
+expect_of "$router" 2 '"msg":"--prefill is required \(or --colocated' -- --model "$work/m" --decode b:2 --log-format json
+checks=$((checks + 1))
+if ! /usr/bin/python3 -c '
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+assert lines and all(l["service"] == "preft-router" and l["level"] == "error" and l["time"].endswith("Z") for l in lines), lines
+' "$work/err"; then
+  echo "FAIL: preft-router --log-format json wrote lines that are not the JSON log objects:"; sed 's/^/  /' "$work/err"
+  failures=$((failures + 1))
+fi
+expect_of "$decode" 2 "--log-format: xml not in" -- --model "$work/m" --log-format xml
+expect_of "$prefill" 2 "--log-level: loud not in" -- --model "$work/m" --log-level loud
 # An unreachable database: exit 1 naming libpq's reason, never the URI's password.
 expect_of "$router" 1 "--registry: UNAVAILABLE: adapter registry database: " -- --model "$work/m" --prefill a:1 --decode b:2 --registry "postgresql://preft:s3cret@127.0.0.1:1/db"
 checks=$((checks + 1))

@@ -16,6 +16,8 @@ if [[ "$device" != cpu ]] && ! nvidia-smi > /dev/null 2>&1; then
 fi
 rm -rf "$work" && mkdir -p "$work/adapters"
 export RUN_DIR="$work/run"
+# Every process logs JSON lines at debug level: checked below (request ids across the tiers).
+export PREFT_LOG_FLAGS="--log-format json --log-level debug"
 preft="$build/tools/preft"
 failures=0
 fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
@@ -67,6 +69,25 @@ trap - EXIT
 for log in "$RUN_DIR"/*.log; do
   grep -q "signal" "$log" || [[ $log == *router.log ]] || fail "$(basename "$log") did not drain: $(tail -2 "$log")"
 done
+# Logs: every stderr line a JSON object; a request's lines carry its id, in each tier it crossed.
+/usr/bin/python3 - "$RUN_DIR" <<'PY' || fail "JSON logs: see above"
+import glob, json, os, sys
+ids = {}
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.log"))):
+    tier = os.path.basename(path).split("-")[0].split(".")[0]
+    for line in open(path):
+        if not line.startswith("{"):
+            continue  # stdout: "listening on", "metrics on"
+        j = json.loads(line)
+        assert {"time", "level", "service", "msg"} <= j.keys(), j
+        if "request_id" in j:
+            ids.setdefault(j["request_id"], set()).add(tier)
+both = [i for i, tiers in ids.items() if {"prefill", "decode"} <= tiers]
+colocated = os.environ.get("PREFT_COLOCATED") == "1"
+if not ids or (not colocated and not both):
+    sys.exit(f"no request's id on lines of both tiers: {ids}")
+print(f"ok: JSON logs, {len(ids)} request ids ({len(both)} seen by prefill and decode)")
+PY
 if pgrep -f "$work/model" > /dev/null; then fail "processes left behind"; fi
 echo "local cluster: $failures failures"
 [[ $failures == 0 ]]

@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "common/base/termination_signal.h"
+#include "common/log/log.h"
 #include "common/model/make_model.h"
 #include "common/serving/worker_setup.h"
 #include "tools/preft/commands.h"
@@ -29,9 +30,11 @@ struct ServeFlags {
   std::string decode_adapters = "none";
   bool colocated = false;
   double drain_timeout_s = 30;
+  log::Options log;
 };
 
 int RunServe(const ServeFlags& f) {
+  log::Init(f.log);
   if (!std::filesystem::exists(f.model + "/config.json")) {
     // The default folder is the demo model: made on first run.
     const std::string preset = f.preset.empty() && f.model == ServeFlags().model ? "tiny" : f.preset;
@@ -125,6 +128,8 @@ void RegisterServeCommand(CLI::App& app, int* exit_code) {
       ->excludes(prefill_workers)
       ->excludes(adapters);
   cmd->add_option("--drain-timeout-s", flags->drain_timeout_s);
+  flags->log.service = "preft-serve";
+  log::AddFlags(*cmd, &flags->log);
   cmd->callback([flags, exit_code] { *exit_code = RunServe(*flags); });
 }
 

@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/log/log.h"
+
 namespace preft::kernels::cpu {
 namespace {
 
@@ -85,8 +87,7 @@ void ApplyCap(const char* cap, CpuFeatures* f) {
     f->avx2 = false;
     return;
   }
-  std::fprintf(stderr, "preft: ignoring PREFT_CPU_ISA=%s (want avx2|avx512|avx512bf16|amx)\n",
-               cap);
+  log::Warn("ignoring PREFT_CPU_ISA={} (want avx2|avx512|avx512bf16|amx)", cap);
   *f = Detect();
 }
 

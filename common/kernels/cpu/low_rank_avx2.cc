@@ -11,11 +11,6 @@
 #include "common/kernels/cpu/low_rank_kernels.h"
 #include "common/kernels/cpu/simd_avx2.h"
 
-// GCC 12's AVX-512 intrinsics build "undefined" vectors by self-initialisation, which -Wall
-// reports (as in the Linear kernels).
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-
 namespace preft::kernels::cpu::low_rank_internal {
 
 // z[r][k] = x[rows[r]] . S[k] (+ b[k]) for up to kRowsPerItem rows, four rows per pass over S.
@@ -173,16 +168,17 @@ void Expand(const float* z, const int32_t* rows, int64_t n, const MatrixView& e,
   }
 }
 
-template void Shrink<DType::kF32>(const float*, int64_t, const int32_t*, int64_t,
-                                  const MatrixView&, const float*, float*);
+// The dtypes LowRankAdd takes.
+template void Shrink<DType::kF32>(const float*, int64_t, const int32_t*, int64_t, const MatrixView&,
+                                  const float*, float*);
 template void Shrink<DType::kBF16>(const float*, int64_t, const int32_t*, int64_t,
                                    const MatrixView&, const float*, float*);
-template void Shrink<DType::kF16>(const float*, int64_t, const int32_t*, int64_t,
-                                  const MatrixView&, const float*, float*);
+template void Shrink<DType::kF16>(const float*, int64_t, const int32_t*, int64_t, const MatrixView&,
+                                  const float*, float*);
 template void Expand<DType::kF32>(const float*, const int32_t*, int64_t, const MatrixView&, float,
                                   float*, int64_t);
-template void Expand<DType::kBF16>(const float*, const int32_t*, int64_t, const MatrixView&,
-                                   float, float*, int64_t);
+template void Expand<DType::kBF16>(const float*, const int32_t*, int64_t, const MatrixView&, float,
+                                   float*, int64_t);
 template void Expand<DType::kF16>(const float*, const int32_t*, int64_t, const MatrixView&, float,
                                   float*, int64_t);
 

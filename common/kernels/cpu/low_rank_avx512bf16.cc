@@ -291,9 +291,9 @@ PREFT_AVX512BF16 void RunItemDotBf16(const float* x, int64_t x_stride, float* y,
     for (int64_t o = 0; o < out; o += 32) {
       for (int64_t p0 = 0; p0 < pairs; p0 += kExpandPairs) {
         const int64_t np = std::min(kExpandPairs, pairs - p0);
-        kExpandPasses[g.expand.paired][n > 1][np](zp + r0 * pairs, pairs, rows + r0, rn, e, RowStep(g.expand),
-                                 ColScale(g.expand), rank, out, o, 2 * p0, p0 == 0,
-                                 p0 + kExpandPairs >= pairs, g.scale, yy, ys, t);
+        kExpandPasses[g.expand.paired][n > 1][np](
+            zp + r0 * pairs, pairs, rows + r0, rn, e, RowStep(g.expand), ColScale(g.expand), rank,
+            out, o, 2 * p0, p0 == 0, p0 + kExpandPairs >= pairs, g.scale, yy, ys, t);
       }
     }
   }

@@ -11,11 +11,6 @@
 #include "common/kernels/cpu/linear_driver.h"
 #include "common/kernels/dtype.h"
 
-// GCC 12's AVX-512 intrinsics build "undefined" vectors by self-initialisation, which -Wall
-// reports (as in the Linear kernels).
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-
 // Like the bf16 GEMMs (and PEFT running a bf16 model), the rows of x and the shrink results z
 // are rounded to bf16 (RNE) and the products accumulate in f32: half the multiply
 // instructions of widening the weights to f32, the same rounding as the base linears. The
@@ -31,9 +26,10 @@ inline constexpr int64_t kDotElems = 32;
 // (rank 16) stay in L1 across the passes over them.
 inline constexpr int64_t kShrinkBlock = 512;
 
-// xb[r] = x[rows[r]] in bf16, zero from `in` up to ld (a multiple of kDotElems).
-PREFT_AVX512BF16 void PackRowsBf16(const float* x, int64_t x_stride, const int32_t* rows,
-                                   int64_t n, int64_t in, int64_t ld, uint16_t* xb);
+// xb[r] = x[rows[r]] in bf16, zero from `in` up to ld (a multiple of kDotElems). In
+// low_rank_avx512bf16.cc.
+PREFT_AVX512BF16 void PackRowsBf16(const float* x, int64_t x_stride, const int32_t* rows, int64_t n,
+                                   int64_t in, int64_t ld, uint16_t* xb);
 
 // The 16 sums of acc[f] (f = 4 i + j) in lanes 0 .. 15, by a transposing tree (45 shuffles and
 // adds instead of 16 full reductions).

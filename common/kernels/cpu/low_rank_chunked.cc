@@ -166,7 +166,8 @@ PREFT_AVX512BF16 void ExpandChunkedRows(const uint32_t* const* zp, const uint16_
   for (int n = 0; n < N; ++n) {
     sc[n] = _mm512_set1_ps(scale[n]);
     if constexpr (kHoist) {
-      for (int p = 0; p < NP; ++p) zb[n][p] = (__m512bh)_mm512_set1_epi32(static_cast<int>(zp[n][p]));
+      for (int p = 0; p < NP; ++p)
+        zb[n][p] = (__m512bh)_mm512_set1_epi32(static_cast<int>(zp[n][p]));
     }
   }
   for (int64_t o = o0; o < o1; o += kChunkCols) {

@@ -40,12 +40,11 @@ void Expand(const float* z, const int32_t* rows, int64_t n, const MatrixView& e,
 void ShrinkRowBf16Avx512(const float* xr, const uint16_t* s, int64_t rank, int64_t in,
                          const float* bias, float* z);
 // yr += scale * z E for one row; out <= kMaxExpandOut.
-void ExpandRowBf16Avx512(const float* z, const uint16_t* e, int64_t rank, int64_t out,
-                         float scale, float* yr);
+void ExpandRowBf16Avx512(const float* z, const uint16_t* e, int64_t rank, int64_t out, float scale,
+                         float* yr);
 // z[r][k] = x[rows[r]] . S[k] (+ b[k]) for n rows, in ShrinkRowBf16Avx512's order.
 void ShrinkRowsBf16Avx512(const float* x, int64_t x_stride, const int32_t* rows, int64_t n,
-                          const uint16_t* s, int64_t rank, int64_t in, const float* bias,
-                          float* z);
+                          const uint16_t* s, int64_t rank, int64_t in, const float* bias, float* z);
 // y[rows[r]] += scale * z[r] E for n rows.
 void ExpandRowsBf16Avx512(const float* z, const int32_t* rows, int64_t n, const uint16_t* e,
                           int64_t rank, int64_t out, float scale, float* y, int64_t y_stride);

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/base/status_macros.h"
 #include "common/kernels/cuda/runtime.cuh"
+#include "common/log/log.h"
 #include "common/transport/cuda_ipc/cuda_ipc_address.h"
 
 namespace preft::transport {
@@ -82,9 +83,8 @@ absl::Status CudaIpcTransport::Start(kv::KvCache* /*host_cache*/, const KvLayout
   absl::MutexLock lock(&mu_);
   started_ = true;
   copier_ = std::thread([this] { CopyLoop(); });
-  std::fprintf(stderr, "preft cuda_ipc: KV blocks device to device on GPU %s (%lld blocks), "
-               "notices over %s\n", device_.c_str(),
-               static_cast<long long>(cache_.shape.num_blocks), control_->name().c_str());
+  log::Info("cuda_ipc: KV blocks device to device on GPU {} ({} blocks), notices over {}",
+            device_, cache_.shape.num_blocks, control_->name());
   return absl::OkStatus();
 }
 
@@ -137,9 +137,8 @@ absl::StatusOr<PeerId> CudaIpcTransport::Connect(const std::string& peer_address
     peer.base = static_cast<char*>(mapped);
     peer.opened = true;
   }
-  std::fprintf(stderr, "preft cuda_ipc: peer on GPU %s connected (process %lld, %s)\n",
-               a.device.c_str(), static_cast<long long>(a.pid),
-               peer.opened ? "mapped through IPC" : "same process");
+  log::Info("cuda_ipc: peer on GPU {} connected (process {}, {})", a.device, a.pid,
+            peer.opened ? "mapped through IPC" : "same process");
   absl::MutexLock lock(&mu_);
   const PeerId id = next_peer_++;
   peers_[id] = peer;

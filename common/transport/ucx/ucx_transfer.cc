@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/log/log.h"
 #include "common/transport/ucx/ucx_context.h"
 #include "common/transport/ucx/ucx_transport_impl.h"
 
@@ -189,8 +190,7 @@ void UcxTransport::Impl::FailPeer(Peer& peer, const absl::Status& status) {
   if (!peer.failed.ok()) return;
   peer.failed = status;
   if (!shutting_down_) {
-    std::fprintf(stderr, "preft ucx: peer %lld dropped: %s\n", static_cast<long long>(peer.id),
-                 std::string(status.message()).c_str());
+    log::Warn("ucx: peer {} dropped: {}", peer.id, std::string(status.message()));
   }
   std::vector<uint64_t> seqs;
   for (auto& [seq, transfer] : transfers_) {

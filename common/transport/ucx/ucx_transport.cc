@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/log/log.h"
 #include "common/transport/ucx/ucx_context.h"
 #include "common/transport/ucx/ucx_transport_impl.h"
 
@@ -92,18 +93,16 @@ absl::Status UcxTransport::Impl::Start(kv::KvCache* cache, const KvLayout& layou
   std::vector<std::string> transports = ContextTransports(context_);
   const char* env_tls = std::getenv("UCX_TLS");
   const char* env_devices = std::getenv("UCX_NET_DEVICES");
-  std::fprintf(stderr,
-               "preft ucx: started, transports %s (tls=%s net_devices=%s), %zu bytes of KV "
-               "registered, address %zu bytes, %s\n",
-               absl::StrJoin(transports, ",").c_str(),
-               !options_.tls.empty() ? options_.tls.c_str()
-               : env_tls             ? env_tls
-                                     : "default",
-               !options_.net_devices.empty() ? options_.net_devices.c_str()
-               : env_devices                 ? env_devices
-                                             : "default",
-               cache->bytes(), worker_address_size,
-               efd_ >= 0 ? "event-driven progress" : "polled progress (no event fd)");
+  log::Info(
+      "ucx: started, transports {} (tls={} net_devices={}), {} bytes of KV registered, address {} "
+      "bytes, {}",
+      absl::StrJoin(transports, ","),
+      !options_.tls.empty() ? options_.tls.c_str() : env_tls ? env_tls : "default",
+      !options_.net_devices.empty() ? options_.net_devices.c_str()
+      : env_devices                 ? env_devices
+                                    : "default",
+      cache->bytes(), worker_address_size,
+      efd_ >= 0 ? "event-driven progress" : "polled progress (no event fd)");
   // Over shared memory a put is already a copy: gathering would add one. Over the network the
   // per-put cost dominates, so scattered source blocks are gathered first.
   gather_scattered_ = true;
@@ -305,9 +304,8 @@ absl::StatusOr<PeerId> UcxTransport::Impl::DoConnect(const UcxPeerAddress& addre
     FailPeer(kept, UcxError("ucp_ep_rkey_unpack", st));
     return kept.failed;
   }
-  std::fprintf(stderr, "preft ucx: peer %lld connected (%lld blocks, %llu bytes): %s\n",
-               static_cast<long long>(peer->id), static_cast<long long>(address.num_blocks),
-               static_cast<unsigned long long>(address.bytes), EndpointLanes(peer->ep).c_str());
+  log::Info("ucx: peer {} connected ({} blocks, {} bytes): {}", peer->id, address.num_blocks,
+            address.bytes, EndpointLanes(peer->ep));
   const PeerId id = peer->id;
   peers_[id] = std::move(peer);
   return id;
