@@ -28,11 +28,11 @@ using WeightsPtr = std::shared_ptr<const AdapterWeights>;
 using Callback = AdapterStore::AcquireCallback;
 
 // A callback and its answer, collected under the lock and called after it is released.
-using Ready = std::pair<Callback, absl::StatusOr<AdapterLease>>;
+using Ready = std::pair<Callback, absl::StatusOr<AdapterPin>>;
 
 void Fire(std::vector<Ready>* ready) {
   for (auto& [done, result] : *ready) done(std::move(result));
-  ready->clear();  // drops any lease a callback did not take, still without the lock
+  ready->clear();  // drops any pin a callback did not take, still without the lock
 }
 
 // Where a version's pending Acquires stand. At most one flight per version: the single load
@@ -40,7 +40,7 @@ void Fire(std::vector<Ready>* ready) {
 enum class Flight { kNone, kQueued, kLoading, kWaitingRoom };
 
 // One version of one adapter. Retired when superseded by Update or removed by Unregister: it
-// then leaves both LRU lists and lives on only for its leases and pending Acquires.
+// then leaves both LRU lists and lives on only for its pins and pending Acquires.
 struct Version {
   std::string name;
   std::string dir;
@@ -54,7 +54,7 @@ struct Version {
   WeightsPtr compute;  // in the compute dtype; in compute_lru_ while set and not retired
   int64_t compute_bytes = 0;
   std::list<std::shared_ptr<Version>>::iterator compute_pos;
-  int64_t leases = 0;  // Acquire grants not yet released; pinned while > 0
+  int64_t pins = 0;  // Acquire grants not yet released; pinned while > 0
 
   Flight flight = Flight::kNone;
   std::vector<Callback> waiters;  // Acquires answered when the flight lands
@@ -68,8 +68,8 @@ struct Entry {
   int64_t last_version = 0;
 };
 
-// Everything the loader threads and the leases share. Leases hold a shared_ptr to it, so a
-// lease released after the store is gone still finds it.
+// Everything the loader threads and the pins share. Pins hold a shared_ptr to it, so a
+// pin released after the store is gone still finds it.
 class StoreCore : public std::enable_shared_from_this<StoreCore> {
  public:
   StoreCore(const model::ModelConfig& base, const AdapterStoreOptions& options)
@@ -88,7 +88,7 @@ class StoreCore : public std::enable_shared_from_this<StoreCore> {
   void Release(const VersionPtr& v);
 
  private:
-  // The lease's deleter: the last copy of a lease unpins its version.
+  // The pin's deleter: the last copy of a pin unpins its version.
   struct Unpin {
     std::shared_ptr<StoreCore> core;
     VersionPtr version;
@@ -103,7 +103,7 @@ class StoreCore : public std::enable_shared_from_this<StoreCore> {
   // Parses `dir` for the host tier (in the compute dtype), on the calling thread.
   absl::StatusOr<WeightsPtr> LoadHost(const std::string& name, const std::string& dir) const;
 
-  AdapterLease MakeLease(const VersionPtr& v) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  AdapterPin MakePin(const VersionPtr& v) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TouchHost(const VersionPtr& v) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void InsertHost(const VersionPtr& v, WeightsPtr w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropHost(Version* v) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -227,7 +227,7 @@ absl::Status StoreCore::Unregister(const std::string& name) {
 }
 
 void StoreCore::Acquire(const std::string& name, Callback done) {
-  absl::StatusOr<AdapterLease> result;
+  absl::StatusOr<AdapterPin> result;
   {
     absl::MutexLock lock(&mu_);
     auto it = entries_.find(name);
@@ -241,7 +241,7 @@ void StoreCore::Acquire(const std::string& name, Callback done) {
       if (v->compute != nullptr) {
         ++stats_.compute_hits;
         compute_lru_.splice(compute_lru_.begin(), compute_lru_, v->compute_pos);
-        result = MakeLease(v);
+        result = MakePin(v);
       } else {
         v->waiters.push_back(std::move(done));
         if (v->flight == Flight::kNone) {
@@ -328,20 +328,20 @@ void StoreCore::FailWaiters(Version* v, const absl::Status& s, std::vector<Ready
   v->flight = Flight::kNone;
 }
 
-AdapterLease StoreCore::MakeLease(const VersionPtr& v) {
+AdapterPin StoreCore::MakePin(const VersionPtr& v) {
   PREFT_CHECK(v->compute != nullptr);
-  if (v->leases++ == 0) ++stats_.pinned;
-  AdapterLease lease;
-  lease.weights = WeightsPtr(v->compute.get(), Unpin{shared_from_this(), v, v->compute});
-  lease.name = v->name;
-  lease.version = v->number;
-  return lease;
+  if (v->pins++ == 0) ++stats_.pinned;
+  AdapterPin pin;
+  pin.weights = WeightsPtr(v->compute.get(), Unpin{shared_from_this(), v, v->compute});
+  pin.name = v->name;
+  pin.version = v->number;
+  return pin;
 }
 
 void StoreCore::Release(const VersionPtr& v) {
   absl::MutexLock lock(&mu_);
-  PREFT_CHECK(v->leases > 0);
-  if (--v->leases > 0) return;
+  PREFT_CHECK(v->pins > 0);
+  if (--v->pins > 0) return;
   --stats_.pinned;
   if (v->retired) DropCompute(v.get());  // superseded or unregistered: nobody will ask again
   RoomFreed();                           // an unpinned copy can be evicted now
@@ -380,13 +380,13 @@ bool StoreCore::Admit(const VersionPtr& v, std::vector<Ready>* ready) {
   if (stats_.compute_bytes_used + need > budget) {
     int64_t evictable = 0;
     for (const VersionPtr& e : compute_lru_) {
-      if (e->leases == 0) evictable += e->compute_bytes;
+      if (e->pins == 0) evictable += e->compute_bytes;
     }
     if (stats_.compute_bytes_used - evictable + need > budget) return false;
     auto it = compute_lru_.end();
     while (stats_.compute_bytes_used + need > budget) {
       --it;
-      if ((*it)->leases > 0) continue;
+      if ((*it)->pins > 0) continue;
       VersionPtr e = *it;
       it = compute_lru_.erase(it);
       stats_.compute_bytes_used -= e->compute_bytes;
@@ -396,7 +396,7 @@ bool StoreCore::Admit(const VersionPtr& v, std::vector<Ready>* ready) {
   }
   InstallCompute(v, std::move(v->pending));
   v->flight = Flight::kNone;
-  for (Callback& done : v->waiters) ready->emplace_back(std::move(done), MakeLease(v));
+  for (Callback& done : v->waiters) ready->emplace_back(std::move(done), MakePin(v));
   v->waiters.clear();
   return true;
 }
@@ -406,7 +406,7 @@ void StoreCore::InstallCompute(const VersionPtr& v, WeightsPtr w) {
   v->compute = std::move(w);
   v->compute_bytes = static_cast<int64_t>(v->compute->bytes());
   stats_.compute_bytes_used += v->compute_bytes;
-  if (!v->retired) {  // a retired version's copy lives only for the leases it is about to get
+  if (!v->retired) {  // a retired version's copy lives only for the pins it is about to get
     compute_lru_.push_front(v);
     v->compute_pos = compute_lru_.begin();
   }
@@ -433,7 +433,7 @@ void StoreCore::Retire(const VersionPtr& v) {
   DropHost(v.get());
   if (v->compute != nullptr) {
     compute_lru_.erase(v->compute_pos);
-    if (v->leases == 0) DropCompute(v.get());
+    if (v->pins == 0) DropCompute(v.get());
     RoomFreed();
   }
   // A flight in progress still answers its waiters: they asked before the version was retired.
@@ -445,7 +445,7 @@ std::vector<AdapterInfo> StoreCore::List() const {
   out.reserve(entries_.size());
   for (const auto& [name, e] : entries_) {
     const Version& v = *e.current;
-    out.push_back({name, v.dir, v.number, v.host != nullptr, v.compute != nullptr, v.leases,
+    out.push_back({name, v.dir, v.number, v.host != nullptr, v.compute != nullptr, v.pins,
                    std::max(v.host_bytes, v.compute_bytes)});
   }
   return out;
@@ -529,10 +529,10 @@ void AdapterStore::Acquire(const std::string& name, AcquireCallback done) {
   impl_->core->Acquire(name, std::move(done));
 }
 
-absl::StatusOr<AdapterLease> AdapterStore::AcquireBlocking(const std::string& name) {
+absl::StatusOr<AdapterPin> AdapterStore::AcquireBlocking(const std::string& name) {
   absl::Notification done;
-  absl::StatusOr<AdapterLease> out;
-  Acquire(name, [&](absl::StatusOr<AdapterLease> result) {
+  absl::StatusOr<AdapterPin> out;
+  Acquire(name, [&](absl::StatusOr<AdapterPin> result) {
     out = std::move(result);
     done.Notify();
   });

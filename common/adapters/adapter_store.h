@@ -5,12 +5,12 @@
 //   arena) -> compute slots (what a forward may read). On the CPU a compute slot is the host
 //   copy itself, counted in both budgets: a second copy in the same memory would only cost
 //   its copying (a device backend keeps its own copies of the slots it uses). An adapter
-//   leased by a running request is pinned in its compute slot; concurrent requests for a
+//   held by a running request is pinned in its compute slot; concurrent requests for a
 //   missing adapter share one load; loads run on the store's own threads, so the engine
 //   thread never waits on disk.
 // Every Acquire refreshes the version's place in both LRU lists (a hot adapter keeps its host
 // copy too). A copy waiting for compute room is held outside the budget until admitted.
-// Versions: Update() swaps an adapter's weights atomically under a new version; leases taken
+// Versions: Update() swaps an adapter's weights atomically under a new version; pins taken
 // before keep the old weights alive until released (requests finish on the version they
 // started with).
 
@@ -41,8 +41,8 @@ struct AdapterStoreOptions {
   LoadOptions load;  // max_rank; load.dtype is the compute dtype (the model's)
 };
 
-// A pinned adapter: the weights stay valid and resident while any copy of the lease lives.
-struct AdapterLease {
+// A pinned adapter: the weights stay valid and resident while any copy of the pin lives.
+struct AdapterPin {
   std::shared_ptr<const model::AdapterWeights> weights;
   std::string name;
   int64_t version = 0;
@@ -73,7 +73,7 @@ struct AdapterStoreStats {
   // object and count its bytes in both.
   int64_t compute_bytes_used = 0;
   int64_t host_bytes_used = 0;
-  int64_t pinned = 0;  // versions with live leases (superseded versions included)
+  int64_t pinned = 0;  // versions with live pins (superseded versions included)
 };
 
 struct AdapterInfo {
@@ -82,22 +82,22 @@ struct AdapterInfo {
   int64_t version = 0;
   bool in_host = false;
   bool in_compute = false;
-  int64_t leases = 0;  // outstanding Acquire grants on the current version
+  int64_t pins = 0;  // outstanding Acquire grants on the current version
   int64_t bytes = 0;   // of its weights in the compute dtype once loaded (kept after
                        // eviction); 0 if never loaded
 };
 
 // Thread-safe: every method may be called from any thread. Callbacks run without the store's
-// lock held, so they may call back into the store (and release leases) freely; they run on the
+// lock held, so they may call back into the store (and release pins) freely; they run on the
 // Acquire caller's thread (compute hit, NotFound) or on a loader thread, so they should be
-// quick (hand the lease to the engine's queue).
+// quick (hand the pin to the engine's queue).
 class AdapterStore {
  public:
-  using AcquireCallback = std::function<void(absl::StatusOr<AdapterLease>)>;
+  using AcquireCallback = std::function<void(absl::StatusOr<AdapterPin>)>;
 
   AdapterStore(const model::ModelConfig& base, const AdapterStoreOptions& options);
   // Stops the loader threads after the loads they are running (a load is not interrupted) and
-  // answers every pending Acquire with Cancelled. Leases should be released first; one that
+  // answers every pending Acquire with Cancelled. Pins should be released first; one that
   // outlives the store still keeps its weights valid.
   ~AdapterStore();
 
@@ -107,24 +107,24 @@ class AdapterStore {
   // next version; returns that version. On any error (the loader's, or ResourceExhausted when
   // it alone exceeds a tier's budget) the current version stays. The new version goes to host
   // memory (evicting LRU copies) and to a compute slot if one is free without evicting.
-  // Acquires issued before the swap (leased or still pending) keep the old weights; its
-  // compute copy is dropped when its last lease is released.
+  // Acquires issued before the swap (pinned or still pending) keep the old weights; its
+  // compute copy is dropped when its last pin is released.
   absl::StatusOr<int64_t> Update(const std::string& name, const std::string& dir);
-  // Forgets the adapter: later Acquires get NotFound; leases and Acquires already pending are
+  // Forgets the adapter: later Acquires get NotFound; pins and Acquires already pending are
   // served with the weights they asked for. NotFound if unknown. The name may be registered
   // again (starting at version 1).
   absl::Status Unregister(const std::string& name);
 
-  // Calls `done` with a lease on the current version: at once (on the caller's thread) when it
+  // Calls `done` with a pin on the current version: at once (on the caller's thread) when it
   // is in a compute slot or the name is unknown (NotFound); otherwise returns at once and
   // calls `done` from a loader thread once loaded, or with the error (the loader's, or
   // ResourceExhausted if the adapter alone exceeds a tier's budget). A failed load is not
   // remembered: the next Acquire tries again. When the compute slots are full of pinned
-  // adapters the call waits, in arrival order, until leases are released.
+  // adapters the call waits, in arrival order, until pins are released.
   void Acquire(const std::string& name, AcquireCallback done);
   // Acquire and wait (CLI and tests). Never call it from a loader callback, nor while holding
-  // leases that might be needed to make room.
-  absl::StatusOr<AdapterLease> AcquireBlocking(const std::string& name);
+  // pins that might be needed to make room.
+  absl::StatusOr<AdapterPin> AcquireBlocking(const std::string& name);
 
   std::vector<AdapterInfo> List() const;  // sorted by name
   AdapterStoreStats stats() const;

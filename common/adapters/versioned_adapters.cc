@@ -87,7 +87,7 @@ void VersionedAdapters::Acquire(const std::string& name, int64_t version, const 
                                                     superseded_by)));
     return;
   }
-  store_->Acquire(key, [done = std::move(done), name, version](absl::StatusOr<AdapterLease> l) {
+  store_->Acquire(key, [done = std::move(done), name, version](absl::StatusOr<AdapterPin> l) {
     if (l.ok()) {  // report the router's name and version, not the store key
       l->name = name;
       l->version = version;

@@ -3,7 +3,7 @@
 // Adapters as workers see them: the router names each request's adapter by (name, version,
 // folder), and a worker must run exactly that version. Each version is its own entry
 // ("name@vN") in the worker's AdapterStore, registered on first sight; a newer version retires
-// the older ones (their leases keep the weights until requests on them finish), so an RL
+// the older ones (their pins keep the weights until requests on them finish), so an RL
 // weight update never changes a request mid-flight and stale copies leave memory by themselves.
 // Folders must lie under the configured root (after resolving symlinks and "..").
 
@@ -31,13 +31,13 @@ class VersionedAdapters {
   VersionedAdapters(AdapterStore* store, std::string root)
       : store_(store), root_(std::move(root)) {}
 
-  // Leases (name, version) from `dir`: `done` is called as AdapterStore::Acquire does. A
+  // Pins (name, version) from `dir`: `done` is called as AdapterStore::Acquire does. A
   // version older than the newest seen for the name is FailedPrecondition (the router moved
   // on); a bad path is answered at once with ResolveUnderRoot's error.
   void Acquire(const std::string& name, int64_t version, const std::string& dir,
                AdapterStore::AcquireCallback done);
 
-  // Forgets `name`: its newest version leaves the store (leases keep their weights until
+  // Forgets `name`: its newest version leaves the store (pins keep their weights until
   // released); a later Acquire registers it afresh. OK if the name was never seen.
   void Forget(const std::string& name);
 

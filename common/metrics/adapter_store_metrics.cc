@@ -30,7 +30,7 @@ AdapterStoreMetrics::State AdapterStoreMetrics::Read(
 AdapterStoreMetrics::AdapterStoreMetrics(prometheus::Registry& r)
     : versions_(GaugeFamily(r, "preft:adapters",
                             "Adapter versions by state: compute (in a compute slot), host (parsed "
-                            "in host memory), pinned (leased by requests).")),
+                            "in host memory), pinned (held by running requests).")),
       bytes_(GaugeFamily(r, "preft:adapter_bytes", "Adapter bytes held, by tier (compute, host).")),
       capacity_(GaugeFamily(r, "preft:adapter_capacity_bytes",
                             "Adapter budget, by tier (compute, host).")),

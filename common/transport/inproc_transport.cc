@@ -162,13 +162,7 @@ void InprocTransport::Run() {
         stopping ? absl::UnavailableError("inproc transport: shut down") : Deliver(job, &bytes);
     {
       absl::MutexLock lock(&mu_);
-      if (status.ok()) {
-        ++stats_.transfers;
-        stats_.bytes += bytes;
-      } else {
-        ++stats_.failures;
-      }
-      stats_.seconds += absl::ToDoubleSeconds(absl::Now() - job.start);
+      stats_.Record(status.ok(), bytes, absl::ToDoubleSeconds(absl::Now() - job.start));
     }
     if (job.done) job.done(std::move(status));
   }

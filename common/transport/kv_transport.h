@@ -44,10 +44,21 @@ struct BlockTransfer {
 };
 
 struct TransportStats {
-  int64_t transfers = 0;
+  int64_t transfers = 0;  // completed
   int64_t failures = 0;
-  int64_t bytes = 0;
-  double seconds = 0;  // summed transfer latency (Write call to done)
+  int64_t bytes = 0;      // of completed transfers
+  double seconds = 0;     // summed transfer latency (Write call to done), failures included
+
+  // One transfer ended: every transport counts it here, the same way.
+  void Record(bool ok, int64_t transfer_bytes, double transfer_seconds) {
+    if (ok) {
+      ++transfers;
+      bytes += transfer_bytes;
+    } else {
+      ++failures;
+    }
+    seconds += transfer_seconds;
+  }
 };
 
 // InvalidArgument (naming the list, index and id) unless both lists have the same length and

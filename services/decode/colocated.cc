@@ -52,8 +52,8 @@ absl::Status DecodeService::Impl::BeginRun(const std::shared_ptr<StartStream>& s
     // Loads off the engine thread; on a compute hit the callback runs here, at once.
     versioned->Acquire(req.adapter(), req.adapter_version(), req.adapter_path(),
                        [this, stream, positions = wire::FromProto(req.adapter_positions())](
-                           absl::StatusOr<adapters::AdapterLease> lease) {
-                         OnRunAdapter(stream, positions, std::move(lease));
+                           absl::StatusOr<adapters::AdapterPin> pin) {
+                         OnRunAdapter(stream, positions, std::move(pin));
                        });
   }
   return absl::OkStatus();
@@ -61,20 +61,20 @@ absl::Status DecodeService::Impl::BeginRun(const std::shared_ptr<StartStream>& s
 
 void DecodeService::Impl::OnRunAdapter(const std::shared_ptr<StartStream>& stream,
                                        std::optional<model::AdapterPositions> positions,
-                                       absl::StatusOr<adapters::AdapterLease> lease) {
-  if (!lease.ok()) {
-    stream->Fail(rpc::ToGrpcStatus(lease.status()));
+                                       absl::StatusOr<adapters::AdapterPin> pin) {
+  if (!pin.ok()) {
+    stream->Fail(pin.status());
     return;
   }
   stream->ResolveAdapterPositions(
-      wire::ToProto(positions.value_or(lease->weights->default_positions)));
+      wire::ToProto(positions.value_or(pin->weights->default_positions)));
   absl::MutexLock lock(&mu);
   auto it = starts.find(stream.get());
-  // Ended or cancelled meanwhile: the lease is dropped, nothing reaches the engine.
+  // Ended or cancelled meanwhile: the pin is dropped, nothing reaches the engine.
   if (it == starts.end() || it->second.cancelled || stopping) return;
   Start& start = it->second;
   start.request.adapter =
-      engine::RequestAdapter{lease->weights, lease->name, lease->version, positions};
+      engine::RequestAdapter{pin->weights, pin->name, pin->version, positions};
   start.adapter_pending = false;
   CommitRunLocked(start);
 }
@@ -86,7 +86,7 @@ void DecodeService::Impl::CommitRunLocked(Start& start) {
   request.on_token = [stream](const engine::TokenEvent& e) { stream->OnEvent(e); };
   loop->Post([request = std::move(request), stream](engine::Engine& e) mutable {
     const absl::Status s = e.Add(std::move(request));
-    if (!s.ok()) stream->Fail(rpc::ToGrpcStatus(s));
+    if (!s.ok()) stream->Fail(s);
   });
 }
 

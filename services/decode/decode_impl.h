@@ -51,7 +51,7 @@ struct DecodeService::Impl {
     std::string request_id;
     uint64_t reservation_id = 0;      // Start only
     bool claimed = false;             // the reservation's waiter
-    bool adapter_pending = false;     // all-position mode or Run: acquiring the adapter's lease
+    bool adapter_pending = false;     // all-position mode or Run: acquiring the adapter's pin
     bool cancelled = false;           // the client went away: never hand it to the engine
     bool committed = false;           // handed to the engine
     engine::Request request;          // `on_token` and `imported` are added at commit
@@ -64,7 +64,7 @@ struct DecodeService::Impl {
   };
 
   // Streams to end once mu is released.
-  using Failures = std::vector<std::pair<std::shared_ptr<StartStream>, grpc::Status>>;
+  using Failures = std::vector<std::pair<std::shared_ptr<StartStream>, absl::Status>>;
 
   // What Reserve asks the engine thread for.
   struct ReservePlan {
@@ -93,16 +93,16 @@ struct DecodeService::Impl {
                               const google::protobuf::RepeatedField<int32_t>& prompt_ids) const;
   absl::Status BeginStart(const std::shared_ptr<StartStream>& stream,
                           const worker::v1::StartRequest& req);
-  // Colocated (colocated.cc): validates, leases the adapter, then CommitRun.
+  // Colocated (colocated.cc): validates, pins the adapter, then CommitRun.
   absl::Status BeginRun(const std::shared_ptr<StartStream>& stream,
                         const worker::v1::RunRequest& req);
   void OnRunAdapter(const std::shared_ptr<StartStream>& stream,
                     std::optional<model::AdapterPositions> positions,
-                    absl::StatusOr<adapters::AdapterLease> lease);
+                    absl::StatusOr<adapters::AdapterPin> pin);
   // Hands a Run's request to the engine as a local request (the prompt is computed here).
   void CommitRunLocked(Start& start) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   void OnAdapter(const std::shared_ptr<StartStream>& stream,
-                 absl::StatusOr<adapters::AdapterLease> lease);
+                 absl::StatusOr<adapters::AdapterPin> pin);
   absl::Status Release(const worker::v1::ReleaseRequest& req, Failures* failures);
   void OnDoneNotice(uint64_t id, uint32_t generation);
   void OnStreamCancel(StartStream* stream);
@@ -113,7 +113,7 @@ struct DecodeService::Impl {
   // Ends a reservation not started: its waiter (if any) fails with `waiter_status` and its
   // blocks go to quarantine.
   void AbortLocked(uint64_t id, Reservation& r, const std::string& why,
-                   const grpc::Status& waiter_status, Failures* failures)
+                   const absl::Status& waiter_status, Failures* failures)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Engine thread: reserved -> quarantined, freed after options.quarantine by the timer.
   void QuarantineLocked(std::vector<int32_t> blocks) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);

@@ -9,11 +9,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status_macros.h"
-#include "services/wire/convert.h"
-#include "services/wire/grpc_kv_transport.h"
+#include "common/kv/blocks.h"
 #include "common/rpc/status.h"
 #include "services/decode/decode_impl.h"
-#include "common/kv/blocks.h"
+#include "services/wire/adapter_admin.h"
+#include "services/wire/convert.h"
+#include "services/wire/grpc_kv_transport.h"
 
 namespace preft::decode {
 
@@ -23,8 +24,7 @@ DecodeService::Impl::~Impl() {
     absl::MutexLock lock(&mu);
     stopping = true;
     for (auto& [ptr, start] : starts) {
-      failures.emplace_back(start.stream, grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                                       "decode worker is shutting down"));
+      failures.emplace_back(start.stream, absl::UnavailableError("decode worker is shutting down"));
     }
     timer_cv.Signal();
   }
@@ -35,7 +35,7 @@ DecodeService::Impl::~Impl() {
   loop.reset();
   {
     absl::MutexLock lock(&mu);
-    starts.clear();  // adapter leases go before the store
+    starts.clear();  // adapter pins go before the store
   }
   versioned.reset();
   store.reset();
@@ -158,29 +158,29 @@ absl::Status DecodeService::Impl::BeginStart(const std::shared_ptr<StartStream>&
   }
   if (with_adapter) {
     versioned->Acquire(req.adapter(), req.adapter_version(), req.adapter_path(),
-                       [this, stream](absl::StatusOr<adapters::AdapterLease> lease) {
-                         OnAdapter(stream, std::move(lease));
+                       [this, stream](absl::StatusOr<adapters::AdapterPin> pin) {
+                         OnAdapter(stream, std::move(pin));
                        });
   }
   return absl::OkStatus();
 }
 
 void DecodeService::Impl::OnAdapter(const std::shared_ptr<StartStream>& stream,
-                                    absl::StatusOr<adapters::AdapterLease> lease) {
+                                    absl::StatusOr<adapters::AdapterPin> pin) {
   Failures failures;
   {
     absl::MutexLock lock(&mu);
     auto it = starts.find(stream.get());
-    if (it == starts.end() || !it->second.claimed) return;  // ended meanwhile: lease dropped
+    if (it == starts.end() || !it->second.claimed) return;  // ended meanwhile: pin dropped
     Start& start = it->second;
     auto rit = reservations.find(start.reservation_id);
     if (rit == reservations.end()) return;
     Reservation& r = rit->second;
-    if (!lease.ok()) {
-      AbortLocked(rit->first, r, absl::StrCat("adapter failed: ", lease.status().message()),
-                  rpc::ToGrpcStatus(lease.status()), &failures);
+    if (!pin.ok()) {
+      AbortLocked(rit->first, r, absl::StrCat("adapter failed: ", pin.status().message()),
+                  pin.status(), &failures);
     } else {
-      start.request.adapter = engine::RequestAdapter{lease->weights, lease->name, lease->version,
+      start.request.adapter = engine::RequestAdapter{pin->weights, pin->name, pin->version,
                                                      model::AdapterPositions::kAll};
       start.adapter_pending = false;
       if (r.done) CommitLocked(r, start);
@@ -196,15 +196,14 @@ void DecodeService::Impl::OnStreamCancel(StartStream* stream) {
     auto it = starts.find(stream);
     if (it == starts.end()) return;
     Start& start = it->second;
-    start.cancelled = true;  // a Run still leasing its adapter is dropped when the lease comes
+    start.cancelled = true;  // a Run still pinning its adapter is dropped when the pin comes
     if (start.committed) {
       loop->Post([id = start.request_id](engine::Engine& e) { (void)e.Abort(id); });
     } else if (start.claimed) {
       auto rit = reservations.find(start.reservation_id);
       if (rit == reservations.end()) return;
       AbortLocked(rit->first, rit->second, "its Start call was cancelled",
-                  grpc::Status(grpc::StatusCode::CANCELLED, "the Start call was cancelled"),
-                  &failures);
+                  absl::CancelledError("the Start call was cancelled"), &failures);
     }
   }
   Fail(failures);
@@ -221,7 +220,7 @@ void DecodeService::Impl::OnStreamDone(StartStream* stream) {
       auto rit = reservations.find(it->second.reservation_id);
       if (rit != reservations.end())
         AbortLocked(rit->first, rit->second, "its Start call ended",
-                    grpc::Status(grpc::StatusCode::CANCELLED, "the Start call ended"), &failures);
+                    absl::CancelledError("the Start call ended"), &failures);
     }
     gone = starts.extract(it);
   }
@@ -315,8 +314,8 @@ class WriteKvReactor final : public grpc::ServerReadReactor<worker::v1::KvChunk>
   WriteKvReactor(wire::GrpcKvTransport* transport, worker::v1::KvWriteAck* ack)
       : transport_(transport), ack_(ack) {
     if (transport_ == nullptr) {
-      Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                          "this decode worker's KV transport is not grpc"));
+      Finish(rpc::ToGrpcStatus(
+          absl::FailedPreconditionError("this decode worker's KV transport is not grpc")));
       return;
     }
     StartRead(&chunk_);
@@ -407,7 +406,7 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* DecodeService::Start(
     grpc::CallbackServerContext* context, const worker::v1::StartRequest* request) {
   std::shared_ptr<StartStream> stream = impl_->OpenStream(FinishInfoOf(*request));
   const absl::Status s = impl_->BeginStart(stream, *request);
-  if (!s.ok()) stream->Fail(rpc::ToGrpcStatus(s));
+  if (!s.ok()) stream->Fail(s);
   return stream->reactor();
 }
 
@@ -415,7 +414,7 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* DecodeService::Run(
     grpc::CallbackServerContext* context, const worker::v1::RunRequest* request) {
   std::shared_ptr<StartStream> stream = impl_->OpenStream(FinishInfoOf(*request));
   const absl::Status s = impl_->BeginRun(stream, *request);
-  if (!s.ok()) stream->Fail(rpc::ToGrpcStatus(s));
+  if (!s.ok()) stream->Fail(s);
   return stream->reactor();
 }
 
@@ -438,8 +437,7 @@ grpc::ServerUnaryReactor* DecodeService::Status(grpc::CallbackServerContext* con
   {
     absl::MutexLock lock(&impl->mu);
     if (impl->stopping) {
-      reactor->Finish(
-          grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode worker is shutting down"));
+      reactor->Finish(rpc::ToGrpcStatus(absl::UnavailableError("decode worker is shutting down")));
       return reactor;
     }
   }
@@ -472,33 +470,24 @@ grpc::ServerUnaryReactor* DecodeService::LoadAdapter(
     worker::v1::AdapterState* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (impl_->versioned == nullptr) {
-    reactor->Finish(grpc::Status(
-        grpc::StatusCode::FAILED_PRECONDITION,
+    reactor->Finish(rpc::ToGrpcStatus(absl::FailedPreconditionError(
         "this decode worker runs no adapters (a PreFT decode tier); start it with --colocated "
-        "or --adapters all-positions to load them"));
+        "or --adapters all-positions to load them")));
     return reactor;
   }
-  // Leased like a request's adapter, then released at once: it stays resident until evicted.
-  auto loaded = [reactor, response](absl::StatusOr<adapters::AdapterLease> lease) {
-    if (lease.ok()) {
-      *response = wire::ResidentState(lease->name, lease->version,
-                                      static_cast<int64_t>(lease->weights->bytes()));
-    }
-    const absl::Status status = lease.status();
-    lease = absl::CancelledError();  // unpinned before the caller hears back
-    reactor->Finish(rpc::ToGrpcStatus(status));
-  };
-  impl_->versioned->Acquire(request->name(), request->version(), request->path(),
-                            std::move(loaded));
+  wire::LoadAdapterFor(*impl_->versioned, *request, response, reactor);
   return reactor;
 }
 
 grpc::ServerUnaryReactor* DecodeService::UnloadAdapter(
     grpc::CallbackServerContext* context, const worker::v1::WorkerAdapterRequest* request,
     worker::v1::UnloadWorkerAdapterResponse*) {
-  if (impl_->versioned != nullptr) impl_->versioned->Forget(request->name());
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
+  if (impl_->versioned == nullptr) {  // nothing loaded here: nothing to forget
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+  wire::UnloadAdapterFor(*impl_->versioned, *request, reactor);
   return reactor;
 }
 

@@ -15,7 +15,7 @@
 // late writes and DONE notices of the old generation cannot touch the new attempt.
 //
 // Colocated (options.colocated; the deployment vLLM users run without disaggregation): Run
-// takes a whole request, leases its adapter, and the engine computes the prompt and decodes it
+// takes a whole request, pins its adapter, and the engine computes the prompt and decodes it
 // in the same batch as every other Run; such a sequence may be preempted and recomputed. Reserve
 // is refused, so no imported prompt (which must never be preempted) shares that cache.
 
@@ -64,7 +64,7 @@ struct DecodeServiceOptions {
 // Release of a started reservation, of a released one or of an older generation is a no-op.
 // Run is FAILED_PRECONDITION unless colocated (Reserve is FAILED_PRECONDITION if colocated),
 // INVALID_ARGUMENT for a bad request, UNAVAILABLE while draining, and fails with the adapter
-// store's status when its adapter cannot be leased. LoadAdapter is FAILED_PRECONDITION on a
+// store's status when its adapter cannot be pinned. LoadAdapter is FAILED_PRECONDITION on a
 // worker without adapters, else the adapter store's status (as Run's).
 //
 // Shut the gRPC server down (which ends every call) before destroying the service.

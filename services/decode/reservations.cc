@@ -8,9 +8,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status_macros.h"
+#include "common/kv/blocks.h"
 #include "common/rpc/status.h"
 #include "services/decode/decode_impl.h"
-#include "common/kv/blocks.h"
 
 namespace preft::decode {
 namespace {
@@ -98,10 +98,10 @@ absl::Status DecodeService::Impl::ReserveOnEngine(engine::Engine& e,
       Start& start = starts.at(r->waiter);
       start.claimed = false;
       failures->emplace_back(
-          start.stream, grpc::Status(grpc::StatusCode::ABORTED,
-                                     absl::StrCat("reservation ", id, " generation ", r->generation,
-                                                  " was superseded by generation ",
-                                                  r->generation + 1, " (retry)")));
+          start.stream,
+          absl::AbortedError(absl::StrCat("reservation ", id, " generation ", r->generation,
+                                          " was superseded by generation ", r->generation + 1,
+                                          " (retry)")));
       r->waiter = nullptr;
     }
     // Late writes of the old generation may still land in the old blocks.
@@ -147,13 +147,13 @@ void DecodeService::Impl::CommitLocked(Reservation& r, Start& start) {
     const absl::Status s = e.Add(std::move(request));
     if (!s.ok()) {
       e.FreeBlocks(blocks);  // DONE arrived: no write can still land in them
-      stream->Fail(rpc::ToGrpcStatus(s));
+      stream->Fail(s);
     }
   });
 }
 
 void DecodeService::Impl::AbortLocked(uint64_t id, Reservation& r, const std::string& why,
-                                      const grpc::Status& waiter_status, Failures* failures) {
+                                      const absl::Status& waiter_status, Failures* failures) {
   if (r.waiter != nullptr) {
     Start& start = starts.at(r.waiter);
     start.claimed = false;
@@ -203,7 +203,7 @@ absl::Status DecodeService::Impl::Release(const worker::v1::ReleaseRequest& req,
   const std::string why = req.reason().empty() ? "released" : "released: " + req.reason();
   AbortLocked(
       id, r, why,
-      grpc::Status(grpc::StatusCode::ABORTED, absl::StrCat("reservation ", id, " was ", why)),
+      absl::AbortedError(absl::StrCat("reservation ", id, " was ", why)),
       failures);
   return absl::OkStatus();
 }
@@ -237,9 +237,9 @@ void DecodeService::Impl::TimerLoop() {
           const std::string why =
               absl::StrCat("lease of ", absl::ToInt64Milliseconds(r.lease), " ms expired");
           AbortLocked(it->first, r, why,
-                      grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                                   absl::StrCat("no DONE notice for reservation ", it->first,
-                                                " generation ", r.generation, " before its ", why)),
+                      absl::DeadlineExceededError(
+                          absl::StrCat("no DONE notice for reservation ", it->first,
+                                       " generation ", r.generation, " before its ", why)),
                       &failures);
         }
         next = std::min(next, r.state == State::kReserved ? r.lease_deadline : r.forget_at);

@@ -52,7 +52,7 @@ void StartStream::OnEvent(const engine::TokenEvent& event) {
   Pump();
 }
 
-void StartStream::Fail(const grpc::Status& status) {
+void StartStream::Fail(const absl::Status& status) {
   {
     absl::MutexLock lock(&mu_);
     if (finishing_ || failure_) return;
@@ -96,13 +96,13 @@ void StartStream::OnDone() {
 void StartStream::Pump() {
   enum class Action { kNone, kWrite, kWriteAndFinish, kFinish };
   Action action = Action::kNone;
-  grpc::Status status;
+  absl::Status status;
   {
     absl::MutexLock lock(&mu_);
     if (finishing_ || write_in_flight_) return;
     if (cancelled_) {
       action = Action::kFinish;
-      status = grpc::Status(grpc::StatusCode::CANCELLED, "the Start call was cancelled");
+      status = absl::CancelledError("the Start call was cancelled");
     } else if (failure_) {
       action = Action::kFinish;
       status = *failure_;
@@ -120,13 +120,12 @@ void StartStream::Pump() {
           if (out_.token_ids_size() > 0) break;
           action = Action::kFinish;
           if (e.finish == engine::FinishReason::kAbort) {
-            status = grpc::Status(grpc::StatusCode::CANCELLED,
-                                  "request '" + info_.request_id + "' was aborted");
+            status = absl::CancelledError("request '" + info_.request_id + "' was aborted");
           } else if (e.status.ok()) {
-            status = grpc::Status(grpc::StatusCode::INTERNAL,
-                                  "request '" + info_.request_id + "' failed without a status");
+            status = absl::InternalError("request '" + info_.request_id +
+                                         "' failed without a status");
           } else {
-            status = rpc::ToGrpcStatus(e.status);
+            status = e.status;
           }
           pending_.pop_front();
           break;
@@ -172,9 +171,9 @@ void StartStream::Pump() {
       reactor_->StartWriteAndFinish(&out_, grpc::WriteOptions(), grpc::Status::OK);
       break;
     case Action::kFinish:
-      log::Debug(log::Request{info_.request_id}, "stream ended: {} after {} tokens",
-                 status.error_message(), completion_tokens_);
-      reactor_->Finish(status);
+      log::Debug(log::Request{info_.request_id}, "stream ended: {} after {} tokens", status,
+                 completion_tokens_);
+      reactor_->Finish(rpc::ToGrpcStatus(status));
       break;
   }
 }

@@ -56,7 +56,7 @@ class StartStream {
   void OnEvent(const engine::TokenEvent& event);
   // Ends the stream with `status` (not OK) once the write in flight, if any, is done. Queued
   // tokens are dropped. Ignored once the stream is finishing.
-  void Fail(const grpc::Status& status);
+  void Fail(const absl::Status& status);
   // Run: the positions an UNSPECIFIED request resolved to (the adapter's default), known once
   // its lease is in. Call before the engine has the request.
   void ResolveAdapterPositions(v1::AdapterPositions positions);
@@ -86,7 +86,7 @@ class StartStream {
   absl::Mutex mu_;
   StreamFinishInfo info_ ABSL_GUARDED_BY(mu_);
   std::deque<Event> pending_ ABSL_GUARDED_BY(mu_);
-  std::optional<grpc::Status> failure_ ABSL_GUARDED_BY(mu_);
+  std::optional<absl::Status> failure_ ABSL_GUARDED_BY(mu_);
   int32_t completion_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool cancel_reported_ ABSL_GUARDED_BY(mu_) = false;

@@ -28,6 +28,7 @@
 #include "common/log/log.h"
 #include "common/rpc/status.h"
 #include "services/prefill/prefill_metrics.h"
+#include "services/wire/adapter_admin.h"
 #include "services/wire/convert.h"
 #include "services/wire/kv_path.h"
 
@@ -85,7 +86,7 @@ struct PrefillService::Impl {
   std::atomic<bool> draining{false};
   std::atomic<int64_t> active{0};     // Prefill calls not answered yet
   std::atomic<int64_t> transfers{0};  // KV writes in flight
-  std::atomic<int64_t> awaiting_adapter{0};  // calls waiting for their adapter's lease
+  std::atomic<int64_t> awaiting_adapter{0};  // calls waiting for their adapter's pin
   std::atomic<uint64_t> next_call{0};
 
   absl::Mutex mu;
@@ -126,14 +127,14 @@ class PrefillService::Impl::Call : public std::enable_shared_from_this<Call> {
 
  private:
   absl::Status Validate() const;
-  void OnLease(absl::StatusOr<adapters::AdapterLease> lease);
+  void OnPin(absl::StatusOr<adapters::AdapterPin> pin);
   void Enqueue();
   void Add(engine::Engine& engine);                    // engine thread
   void OnPrefilled(const engine::PrefilledPrompt& p);  // engine thread
   void OnEngineEnd(const engine::TokenEvent& event);   // engine thread
   void OnTransferred(const absl::Status& status, int64_t bytes,
                      absl::Duration took);  // transport thread
-  void EngineRequestEnded();                // nothing left to abort; drops the adapter lease
+  void EngineRequestEnded();                // nothing left to abort; drops the adapter pin
   void PostRelease();
   // Answers once; later calls do nothing. `kv_path_failed` blames the decode worker's side
   // of the KV path (wire::kKvPathFailedKey).
@@ -148,13 +149,13 @@ class PrefillService::Impl::Call : public std::enable_shared_from_this<Call> {
   const absl::Time arrival_;
   transport::PeerId peer_ = -1;  // set by Start before the call is shared
   absl::Time acquire_started_;   // set by Start before the call is shared
-  std::thread::id acquire_thread_;  // a lease answered on it was resident (no load)
+  std::thread::id acquire_thread_;  // a pin answered on it was resident (no load)
 
   absl::Mutex mu_;
   bool in_engine_ ABSL_GUARDED_BY(mu_) = false;  // Add posted, not prefilled yet
   bool answered_ ABSL_GUARDED_BY(mu_) = false;
   // Pins the adapter until the engine request ends (the engine holds a copy of the weights too).
-  adapters::AdapterLease lease_ ABSL_GUARDED_BY(mu_);
+  adapters::AdapterPin pin_ ABSL_GUARDED_BY(mu_);
   PrefillResponse result_ ABSL_GUARDED_BY(mu_);
   absl::Time added_ ABSL_GUARDED_BY(mu_);
   absl::Time prefilled_ ABSL_GUARDED_BY(mu_);
@@ -251,12 +252,12 @@ void PrefillService::Impl::Call::Connected(absl::StatusOr<transport::PeerId> pee
   // The callback comes at once (compute hit, bad path) or on a loader thread.
   impl_->versioned->Acquire(
       request_.adapter(), request_.adapter_version(), request_.adapter_path(),
-      [self = shared_from_this()](absl::StatusOr<adapters::AdapterLease> lease) {
-        self->OnLease(std::move(lease));
+      [self = shared_from_this()](absl::StatusOr<adapters::AdapterPin> pin) {
+        self->OnPin(std::move(pin));
       });
 }
 
-void PrefillService::Impl::Call::OnLease(absl::StatusOr<adapters::AdapterLease> lease) {
+void PrefillService::Impl::Call::OnPin(absl::StatusOr<adapters::AdapterPin> pin) {
   const std::string key = adapters::VersionKey(request_.adapter(), request_.adapter_version());
   impl_->LoadEnded(key);
   impl_->awaiting_adapter.fetch_sub(1);
@@ -264,8 +265,8 @@ void PrefillService::Impl::Call::OnLease(absl::StatusOr<adapters::AdapterLease> 
     impl_->metrics->OnAdapterWait(absl::Now() - acquire_started_,
                                   /*loaded=*/std::this_thread::get_id() != acquire_thread_);
   }
-  if (!lease.ok()) {
-    const absl::Status& s = lease.status();
+  if (!pin.ok()) {
+    const absl::Status& s = pin.status();
     // Cancelled: the store is shutting down, not the client.
     const absl::StatusCode code =
         s.code() == absl::StatusCode::kCancelled ? absl::StatusCode::kUnavailable : s.code();
@@ -274,7 +275,7 @@ void PrefillService::Impl::Call::OnLease(absl::StatusOr<adapters::AdapterLease> 
   }
   {
     absl::MutexLock lock(&mu_);
-    lease_ = *std::move(lease);
+    pin_ = *std::move(pin);
   }
   Enqueue();
 }
@@ -297,13 +298,13 @@ void PrefillService::Impl::Call::Add(engine::Engine& engine) {
     absl::MutexLock lock(&mu_);
     if (answered_) return;
     added_ = absl::Now();
-    if (lease_.weights != nullptr) {
+    if (pin_.weights != nullptr) {
       r.adapter =
-          engine::RequestAdapter{lease_.weights, request_.adapter(), request_.adapter_version(),
+          engine::RequestAdapter{pin_.weights, request_.adapter(), request_.adapter_version(),
                                  wire::FromProto(request_.adapter_positions())};
       result_.set_adapter_version(request_.adapter_version());
       result_.set_adapter_positions(
-          wire::ToProto(r.adapter.positions.value_or(lease_.weights->default_positions)));
+          wire::ToProto(r.adapter.positions.value_or(pin_.weights->default_positions)));
     }
   }
   r.id = engine_id_;
@@ -321,7 +322,7 @@ void PrefillService::Impl::Call::Add(engine::Engine& engine) {
 void PrefillService::Impl::Call::EngineRequestEnded() {
   absl::MutexLock lock(&mu_);
   in_engine_ = false;
-  lease_ = adapters::AdapterLease{};  // the engine lets go of its copy as the request ends
+  pin_ = adapters::AdapterPin{};  // the engine lets go of its copy as the request ends
 }
 
 void PrefillService::Impl::Call::OnPrefilled(const engine::PrefilledPrompt& p) {
@@ -530,7 +531,7 @@ void PrefillService::Impl::LoadEnded(const std::string& key) {
 }
 
 void PrefillService::Impl::FillStatus(worker::v1::PrefillStatusResponse* response) {
-  // Taken before adapters_mu: VersionedAdapters may answer an Acquire (OnLease -> LoadEnded)
+  // Taken before adapters_mu: VersionedAdapters may answer an Acquire (OnPin -> LoadEnded)
   // under its own lock.
   const std::map<std::string, int64_t> versions = versioned->versions();
   const std::vector<adapters::AdapterInfo> store_list = store->List();
@@ -568,7 +569,7 @@ PrefillMetrics::State PrefillService::Impl::ReadMetricsState() {
   s.store = metrics::AdapterStoreMetrics::Read(*store, options.store, listed);
   auto name_of = [](const std::string& key) { return key.substr(0, key.rfind("@v")); };
   for (const adapters::AdapterInfo& a : listed) {
-    if (a.leases > 0) s.running_adapters.push_back(name_of(a.name));
+    if (a.pins > 0) s.running_adapters.push_back(name_of(a.name));
   }
   {
     absl::MutexLock lock(&adapters_mu);
@@ -635,8 +636,8 @@ grpc::ServerUnaryReactor* PrefillService::Prefill(grpc::CallbackServerContext* c
                                                   PrefillResponse* response) {
   auto* reactor = new PrefillReactor();
   if (impl_->draining) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                 "draining: this prefill worker takes no new requests"));
+    reactor->Finish(rpc::ToGrpcStatus(
+        absl::UnavailableError("draining: this prefill worker takes no new requests")));
     return reactor;
   }
   impl_->active.fetch_add(1);
@@ -660,7 +661,7 @@ grpc::ServerUnaryReactor* PrefillService::Status(grpc::CallbackServerContext* co
     reactor->Finish(grpc::Status::OK);
   });
   if (!posted) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "prefill worker is shutting down"));
+    reactor->Finish(rpc::ToGrpcStatus(absl::UnavailableError("prefill worker is shutting down")));
   }
   return reactor;
 }
@@ -689,29 +690,17 @@ grpc::ServerUnaryReactor* PrefillService::LoadAdapter(grpc::CallbackServerContex
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   Impl* impl = impl_.get();
   const std::string key = adapters::VersionKey(request->name(), request->version());
-  impl->LoadStarted(key);
-  // Loaded like a request's adapter, then unpinned at once: it stays resident until evicted.
-  impl->versioned->Acquire(
-      request->name(), request->version(), request->path(),
-      [impl, reactor, response, key](absl::StatusOr<adapters::AdapterLease> lease) {
-        impl->LoadEnded(key);
-        if (lease.ok()) {
-          *response = wire::ResidentState(lease->name, lease->version,
-                                          static_cast<int64_t>(lease->weights->bytes()));
-        }
-        const absl::Status status = lease.status();
-        lease = absl::CancelledError();  // unpinned before the caller hears back
-        reactor->Finish(rpc::ToGrpcStatus(status));
-      });
+  impl->LoadStarted(key);  // the Status RPC reports it LOADING meanwhile
+  wire::LoadAdapterFor(*impl->versioned, *request, response, reactor,
+                       [impl, key] { impl->LoadEnded(key); });
   return reactor;
 }
 
 grpc::ServerUnaryReactor* PrefillService::UnloadAdapter(
     grpc::CallbackServerContext* context, const worker::v1::WorkerAdapterRequest* request,
     worker::v1::UnloadWorkerAdapterResponse*) {
-  impl_->versioned->Forget(request->name());
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
+  wire::UnloadAdapterFor(*impl_->versioned, *request, reactor);
   return reactor;
 }
 

@@ -37,7 +37,7 @@ struct PrefillServiceOptions {
 // engine borrows its model, which must outlive the service. Shut the gRPC server down before
 // destroying the service.
 //
-// A Prefill call: validate -> connect the decode peer (once per address) -> lease the adapter
+// A Prefill call: validate -> connect the decode peer (once per address) -> pin the adapter
 // version (store loader thread) -> queue a prefill-only request on the engine thread -> the
 // prompt's KV is written into the reservation (transport thread) -> release the prompt's blocks
 // and answer. Cancelling the call aborts the engine request; blocks are freed whatever happens.

@@ -30,9 +30,8 @@ rpc::Task<absl::Status> GenerateCall::RunColocated(const std::vector<int32_t>& p
     req.set_adapter_positions(positions);
     finish = FinishAdapter{adapter->name, adapter->version, positions};
   }
-  std::vector<std::string> tried;
-  std::string last_error = "none was healthy";
-  for (int attempt = 0; attempt < router_->options.max_prefill_attempts;) {
+  WorkerAttempts attempts(router_->options.max_prefill_attempts, "none was healthy");
+  while (!attempts.exhausted()) {
     if (stopped()) {
       const absl::Status aborted = co_await AbortedResult();
       co_return aborted;
@@ -41,20 +40,17 @@ rpc::Task<absl::Status> GenerateCall::RunColocated(const std::vector<int32_t>& p
         const DecodeChoice c,
         DecodeCandidates(static_cast<int64_t>(prompt.size()), sampling.max_tokens));
     std::vector<DecodeView> views = c.views;
-    for (size_t i = 0; i < views.size(); ++i) {
-      if (std::find(tried.begin(), tried.end(), c.workers[i]->address) != tried.end())
-        views[i].healthy = false;
-    }
+    attempts.ExcludeTried(c.workers, &views);
     // Any worker may take it (its engine queues what does not fit yet): most free first.
     const std::vector<size_t> order = RankDecode(views, 0);
     if (order.empty()) {
       if (absl::Now() >= admission_deadline_) {
         co_return absl::UnavailableError(
-            absl::StrCat("no colocated decode worker could run the request (last: ", last_error,
-                         ")"));
+            absl::StrCat("no colocated decode worker could run the request (last: ",
+                         attempts.last_error(), ")"));
       }
       co_await WaitForCapacity();
-      if (!tried.empty() && tried.size() >= c.workers.size()) tried.clear();  // all failed once
+      attempts.ForgetTriedIfAllFailed(c.workers.size());
       continue;
     }
     const std::shared_ptr<DecodeWorker>& w = c.workers[order.front()];
@@ -74,17 +70,16 @@ rpc::Task<absl::Status> GenerateCall::RunColocated(const std::vector<int32_t>& p
     Untrack();
     const absl::Status& s = relayed.status;
     // Before its first token the request has cost the client nothing: run it elsewhere.
-    if (s.ok() || relayed.client_gone || stopped() || completion_tokens_ > 0 ||
-        !Retryable(s.code())) {
+    if (relayed.client_gone || stopped() ||
+        !RetryElsewhere(s, /*client_saw_output=*/completion_tokens_ > 0)) {
       const absl::Status end = co_await RelayEnd(relayed, *w);
       co_return end;
     }
-    ++attempt;
-    AttemptFailed("decode", *w, s, &last_error, &tried);
+    AttemptFailed("decode", *w, s, &attempts);
   }
-  co_return absl::UnavailableError(absl::StrCat("the request failed on ",
-                                             router_->options.max_prefill_attempts,
-                                             " decode workers (last: ", last_error, ")"));
+  co_return absl::UnavailableError(absl::StrCat("the request failed on ", attempts.max_attempts(),
+                                             " decode workers (last: ", attempts.last_error(),
+                                             ")"));
 }
 
 }  // namespace preft::router

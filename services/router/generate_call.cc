@@ -12,12 +12,6 @@
 
 namespace preft::router {
 
-bool GenerateCall::Retryable(absl::StatusCode code) {
-  // The worker is gone or failed the call itself: another worker may succeed.
-  return code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kInternal ||
-         code == absl::StatusCode::kAborted || code == absl::StatusCode::kUnknown;
-}
-
 GenerateCall::GenerateCall(RouterService::Impl* router, grpc::CallbackServerContext* context,
                            const v1::GenerateRequest* request)
     : router_(router), context_(context), request_(*request), arrival_(absl::Now()) {
@@ -312,9 +306,8 @@ rpc::Task<bool> GenerateCall::WaitForCapacity() {
 rpc::Task<absl::StatusOr<worker::v1::PrefillResponse>> GenerateCall::Prefill(
     Reservation* res, const std::vector<int32_t>& prompt,
     const std::optional<RegisteredAdapter>& adapter, const engine::SamplingParams& sampling) {
-  std::vector<std::string> tried;
-  std::string last_error = "no prefill worker is available";
-  for (int attempt = 0; attempt < router_->options.max_prefill_attempts;) {
+  WorkerAttempts attempts(router_->options.max_prefill_attempts, "no prefill worker is available");
+  while (!attempts.exhausted()) {
     if (stopped()) co_return absl::CancelledError("cancelled");
     const auto workers = router_->pool->prefill();
     std::vector<PrefillView> views;
@@ -328,18 +321,19 @@ rpc::Task<absl::StatusOr<worker::v1::PrefillResponse>> GenerateCall::Prefill(
           v.adapter_loading = a.residency() == v1::ADAPTER_RESIDENCY_LOADING;
         }
       }
-      if (std::find(tried.begin(), tried.end(), w->address) != tried.end()) v.healthy = false;
       views.push_back(v);
     }
+    attempts.ExcludeTried(workers, &views);
     const std::vector<size_t> order =
         RankPrefill(views, adapter.has_value(), adapter ? adapter->bytes : 0);
     if (order.empty()) {
       if (absl::Now() >= admission_deadline_) {
         co_return absl::UnavailableError(
-            absl::StrCat("no prefill worker could run the prompt (last: ", last_error, ")"));
+            absl::StrCat("no prefill worker could run the prompt (last: ", attempts.last_error(),
+                         ")"));
       }
       co_await WaitForCapacity();
-      if (!tried.empty() && tried.size() >= workers.size()) tried.clear();  // all failed once
+      attempts.ForgetTriedIfAllFailed(workers.size());
       continue;
     }
     const auto& w = workers[order.front()];
@@ -374,14 +368,14 @@ rpc::Task<absl::StatusOr<worker::v1::PrefillResponse>> GenerateCall::Prefill(
     Untrack();
     if (s.ok()) co_return out;
     if (stopped()) co_return absl::CancelledError("cancelled");
-    if (!Retryable(s.code())) co_return s;  // the request itself is bad: no other worker helps
-    ++attempt;
+    // The request itself is bad: no other worker helps.
+    if (!RetryElsewhere(s, /*client_saw_output=*/false)) co_return s;
     if (ctx.GetServerTrailingMetadata().count(wire::kKvPathFailedKey) > 0) {
       // The decode worker's side of the KV path failed, not this prefill worker: hold that
       // decode worker back and move the reservation (over shared memory a sender killed
       // mid-message can leave a receiver deaf for good: docs/ARCHITECTURE.md).
       router_->metrics->Retried("kv_path", s);
-      last_error = absl::StrCat(w->address, ": ", s.message());
+      attempts.FailedElsewhere(w->address, s);
       log::Warn(log::Request{id_},
                 "KV could not reach decode worker {} ({}); holding it back for {} and retrying "
                 "elsewhere",
@@ -392,7 +386,7 @@ rpc::Task<absl::StatusOr<worker::v1::PrefillResponse>> GenerateCall::Prefill(
       PREFT_CO_RETURN_IF_ERROR(moved);
       continue;
     }
-    AttemptFailed("prefill", *w, s, &last_error, &tried);
+    AttemptFailed("prefill", *w, s, &attempts);
     // Same reservation, next generation: late writes of the failed attempt cannot land in it.
     grpc::ClientContext rctx;
     ReserveDeadline(&rctx);
@@ -413,9 +407,8 @@ rpc::Task<absl::StatusOr<worker::v1::PrefillResponse>> GenerateCall::Prefill(
                                                         s, "prefill failed; re-reserving");
     PREFT_CO_RETURN_IF_ERROR(moved);
   }
-  co_return absl::UnavailableError(absl::StrCat("prefill failed on ",
-                                             router_->options.max_prefill_attempts,
-                                             " workers (last: ", last_error, ")"));
+  co_return absl::UnavailableError(absl::StrCat("prefill failed on ", attempts.max_attempts(),
+                                             " workers (last: ", attempts.last_error(), ")"));
 }
 
 rpc::Task<absl::Status> GenerateCall::MoveReservation(Reservation* res, int64_t prompt_tokens,

@@ -8,7 +8,6 @@
 
 #include <grpcpp/grpcpp.h>
 
-#include <cstdio>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -67,7 +66,6 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
   using Task = rpc::Task<T>;
 
   // A worker call failed this way: another worker may succeed.
-  static bool Retryable(absl::StatusCode code);
   rpc::Detached Drive();
   // Everything up to the end of the decode stream; returns the call's status.
   Task<absl::Status> Run();
@@ -109,13 +107,11 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
   // A worker call failed in a way another worker may not: counted, logged, the worker skipped
   // until its next poll if it is gone, and remembered as tried by this request.
   template <typename Worker>
-  void AttemptFailed(const char* tier, Worker& w, const absl::Status& s, std::string* last_error,
-                     std::vector<std::string>* tried) {
+  void AttemptFailed(const char* tier, Worker& w, const absl::Status& s, WorkerAttempts* attempts) {
     router_->metrics->Retried(tier, s);
-    *last_error = absl::StrCat(w.address, ": ", s.message());
+    attempts->Failed(w.address, s);
     log::Warn(log::Request{id_}, "{} on {} failed ({}); retrying", tier, w.address, s);
     if (s.code() == absl::StatusCode::kUnavailable) WorkerPool::MarkUnhealthy(w);
-    tried->push_back(w.address);
   }
   // Client context for a worker call: the client's deadline, registered for cancellation.
   void Track(grpc::ClientContext* ctx);

@@ -28,18 +28,21 @@ struct RouterService::Impl {
   std::unique_ptr<Access> access;
   // CPU work of calls (admission: tokenising, the registry): a few threads, however many calls.
   std::unique_ptr<base::ThreadPool> cpu;
+  // Admin work that blocks on disk or on workers (RegisterAdapter reads the adapter, loads wait
+  // for every worker, preloads onto a rejoining worker): a few threads of its own, so it never
+  // holds up admission; more admin calls than threads queue.
+  std::unique_ptr<base::ThreadPool> admin;
 
   std::mutex mu;
   std::condition_variable idle;  // threads == 0
-  int64_t threads = 0;           // work in flight: Generate calls and spawned admin work
+  int64_t threads = 0;           // work in flight: Generate calls and admin work
   bool draining = false;
   std::map<std::string, GenerateCall*> active;  // by request id
   uint64_t next_id = 0;
   std::mt19937_64 rng{std::random_device{}()};
 
-  // Runs `fn` on its own thread, counted so the destructor can wait for it (rare admin work:
-  // an adapter read from disk, preloads onto a rejoining worker).
-  void Spawn(std::function<void()> fn);
+  // Runs `fn` on the admin pool, counted so the destructor can wait for it.
+  void RunAdmin(std::function<void()> fn);
 };
 
 }  // namespace preft::router

@@ -12,16 +12,16 @@
 
 namespace preft::router {
 
-void RouterService::Impl::Spawn(std::function<void()> fn) {
+void RouterService::Impl::RunAdmin(std::function<void()> fn) {
   {
     std::lock_guard<std::mutex> lock(mu);
     ++threads;
   }
-  std::thread([this, fn = std::move(fn)] {
+  admin->Post([this, fn = std::move(fn)] {
     fn();
     std::lock_guard<std::mutex> lock(mu);
     if (--threads == 0) idle.notify_all();
-  }).detach();
+  });
 }
 
 RouterService::RouterService(const model::ModelConfig& config, const text::Tokenizer* tokenizer,
@@ -40,6 +40,7 @@ RouterService::RouterService(const model::ModelConfig& config, const text::Token
   impl_->metrics = std::make_unique<RouterMetrics>(*metrics);
   impl_->access = std::make_unique<Access>(impl_->options.access);
   impl_->cpu = std::make_unique<base::ThreadPool>(impl_->options.cpu_threads);
+  impl_->admin = std::make_unique<base::ThreadPool>(impl_->options.admin_threads);
   Impl* impl = impl_.get();
   pool->OnPrefillRejoin([impl](const std::shared_ptr<PrefillWorker>& w) {
     {
@@ -48,7 +49,7 @@ RouterService::RouterService(const model::ModelConfig& config, const text::Token
     }
     // Adapters an admin loaded ahead of traffic (RegisterAdapter(load), LoadAdapter), as the
     // registry keeps them: loaded again onto the rejoining worker, off the polling thread.
-    impl->Spawn([impl, w] {
+    impl->RunAdmin([impl, w] {
       const absl::StatusOr<std::vector<std::string>> preloaded = impl->registry->Preloaded();
       if (!preloaded.ok()) return;  // the registry is unreachable: requests load on demand
       for (const std::string& name : *preloaded) {
@@ -68,9 +69,14 @@ RouterService::RouterService(const model::ModelConfig& config, const text::Token
 }
 
 RouterService::~RouterService() {
-  impl_->pool->OnPrefillRejoin(nullptr);  // no new preload threads after this
-  std::unique_lock<std::mutex> lock(impl_->mu);
-  impl_->idle.wait(lock, [&] { return impl_->threads == 0; });
+  impl_->pool->OnPrefillRejoin(nullptr);  // no new preloads after this
+  {
+    std::unique_lock<std::mutex> lock(impl_->mu);
+    impl_->idle.wait(lock, [&] { return impl_->threads == 0; });
+  }
+  // Joined while the mutex their last task let go of still exists.
+  impl_->admin.reset();
+  impl_->cpu.reset();
 }
 
 void RouterService::StartDrain() {
@@ -116,8 +122,8 @@ grpc::ServerUnaryReactor* RouterService::Abort(grpc::CallbackServerContext* cont
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->active.find(request->request_id());
   if (it == impl_->active.end()) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::NOT_FOUND,
-                                 absl::StrCat("no running request '", request->request_id(), "'")));
+    reactor->Finish(rpc::ToGrpcStatus(
+        absl::NotFoundError(absl::StrCat("no running request '", request->request_id(), "'"))));
   } else {
     it->second->Abort();
     reactor->Finish(grpc::Status::OK);
@@ -253,7 +259,7 @@ grpc::ServerUnaryReactor* RouterService::RegisterAdapter(grpc::CallbackServerCon
                                                          v1::RegisterAdapterResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (Refused(*impl_->access, *context, Scope::kAdmin, reactor)) return reactor;
-  impl_->Spawn([this, reactor, request, response] {  // reads the adapter from disk
+  impl_->RunAdmin([this, reactor, request, response] {  // reads the adapter from disk
     absl::StatusOr<RegisteredAdapter> a =
         impl_->registry->Register(request->name(), request->path());
     absl::Status s = a.status();
@@ -274,7 +280,7 @@ grpc::ServerUnaryReactor* RouterService::LoadAdapter(grpc::CallbackServerContext
                                                      v1::LoadAdapterResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (Refused(*impl_->access, *context, Scope::kAdmin, reactor)) return reactor;
-  impl_->Spawn([this, reactor, request, response] {
+  impl_->RunAdmin([this, reactor, request, response] {
     absl::StatusOr<RegisteredAdapter> a = impl_->registry->Get(request->name());
     absl::Status s = a.status();
     if (s.ok()) {
@@ -296,7 +302,7 @@ grpc::ServerUnaryReactor* RouterService::UnloadAdapter(grpc::CallbackServerConte
                                                        v1::UnloadAdapterResponse*) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (Refused(*impl_->access, *context, Scope::kAdmin, reactor)) return reactor;
-  impl_->Spawn([this, reactor, request] {
+  impl_->RunAdmin([this, reactor, request] {
     absl::Status s = impl_->registry->Get(request->name()).status();
     if (s.ok()) s = UnloadOnWorkers(impl_->pool, request->name());
     if (s.ok() && !request->unregister()) s = impl_->registry->SetPreload(request->name(), false);
@@ -367,12 +373,12 @@ class UpdateReactor final : public grpc::ServerReadReactor<v1::UpdateAdapterRequ
 
  private:
   void Fail(const std::string& message) {
-    Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, message));
+    Finish(rpc::ToGrpcStatus(absl::InvalidArgumentError(message)));
   }
 
   void Complete() {
     if (!header_) return Fail("no header was sent");
-    router_->Spawn([this] {
+    router_->RunAdmin([this] {
       std::optional<int64_t> expected;
       if (header_->has_expected_version()) expected = header_->expected_version();
       absl::StatusOr<RegisteredAdapter> a = router_->registry->Update(header_->name(), expected, files_);

@@ -36,6 +36,7 @@ struct RouterOptions {
   // Threads that admit calls (tokenise, read the registry); every other step of a call is a
   // callback, so this and gRPC's own few threads are all a router runs, however many streams.
   int cpu_threads = 2;
+  int admin_threads = 4;  // admin RPCs that wait on disk or workers (RegisterAdapter, loads)
   // How long a decode worker stays a last resort (DecodeView::kv_path_suspect) after a prefill
   // worker could not deliver KV to it.
   absl::Duration kv_path_suspect = absl::Seconds(30);

@@ -117,4 +117,31 @@ std::vector<size_t> RankPrefill(const std::vector<PrefillView>& workers, bool ha
   return order;
 }
 
+bool Retryable(absl::StatusCode code) {
+  return code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kInternal ||
+         code == absl::StatusCode::kAborted || code == absl::StatusCode::kUnknown;
+}
+
+bool RetryElsewhere(const absl::Status& s, bool client_saw_output) {
+  return !s.ok() && Retryable(s.code()) && !client_saw_output;
+}
+
+bool WorkerAttempts::Tried(const std::string& address) const {
+  return std::find(tried_.begin(), tried_.end(), address) != tried_.end();
+}
+
+void WorkerAttempts::Failed(const std::string& address, const absl::Status& s) {
+  FailedElsewhere(address, s);
+  tried_.push_back(address);
+}
+
+void WorkerAttempts::FailedElsewhere(const std::string& address, const absl::Status& s) {
+  ++attempts_;
+  last_error_ = absl::StrCat(address, ": ", s.message());
+}
+
+void WorkerAttempts::ForgetTriedIfAllFailed(size_t workers) {
+  if (!tried_.empty() && tried_.size() >= workers) tried_.clear();
+}
+
 }  // namespace preft::router

@@ -6,8 +6,10 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 namespace preft::router {
@@ -76,5 +78,52 @@ Residency Classify(const PrefillView& w, bool has_adapter, int64_t adapter_bytes
 // free slot (bounded-load affinity), so an idle worker takes the overflow.
 std::vector<size_t> RankPrefill(const std::vector<PrefillView>& workers, bool has_adapter,
                                 int64_t adapter_bytes);
+
+// ---- Retries: one policy for every tier that tries a request on one worker after another ----
+
+// A worker call that ended with this code may succeed on another worker: the worker is gone
+// or failed the call itself. Anything else is about the request, and no other worker helps.
+bool Retryable(absl::StatusCode code);
+
+// Whether a request whose worker call ended with `s` runs again elsewhere: only for a
+// retryable failure, and only while the client has seen none of this attempt's answer
+// (tokens already streamed cannot be taken back).
+bool RetryElsewhere(const absl::Status& s, bool client_saw_output);
+
+// One request's walk over the workers of a tier: at most `max_attempts` calls, each failed
+// worker left out of the next choice. When no worker may be chosen and every one has failed
+// once (ForgetTriedIfAllFailed), they may all be tried again: a worker that restarted may
+// take the request.
+class WorkerAttempts {
+ public:
+  WorkerAttempts(int max_attempts, std::string no_worker_error)
+      : max_attempts_(max_attempts), last_error_(std::move(no_worker_error)) {}
+
+  bool exhausted() const { return attempts_ >= max_attempts_; }
+  bool Tried(const std::string& address) const;
+  // Marks the workers tried so far unhealthy in `views` (parallel to `workers`, whose
+  // elements point to something with an `address`).
+  template <typename WorkerPtr, typename View>
+  void ExcludeTried(const std::vector<WorkerPtr>& workers, std::vector<View>* views) const {
+    for (size_t i = 0; i < views->size(); ++i) {
+      if (Tried(workers[i]->address)) (*views)[i].healthy = false;
+    }
+  }
+  // An attempt on `address` failed with `s` (an attempt; the worker is left out next time).
+  void Failed(const std::string& address, const absl::Status& s);
+  // A failure that counts as an attempt but blames no worker of this tier (the KV path to a
+  // decode worker): recorded as the last error only.
+  void FailedElsewhere(const std::string& address, const absl::Status& s);
+  void ForgetTriedIfAllFailed(size_t workers);
+  // "<address>: <message>" of the last failure, or the error given when none was tried.
+  const std::string& last_error() const { return last_error_; }
+  int max_attempts() const { return max_attempts_; }
+
+ private:
+  const int max_attempts_;
+  int attempts_ = 0;
+  std::vector<std::string> tried_;
+  std::string last_error_;
+};
 
 }  // namespace preft::router

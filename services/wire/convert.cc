@@ -46,7 +46,7 @@ void AppendAdapterStates(const std::map<std::string, int64_t>& versions,
       a->set_residency(v1::ADAPTER_RESIDENCY_DISK);
     }
     a->set_bytes(info != nullptr ? info->bytes : 0);
-    a->set_leases(info != nullptr ? static_cast<int32_t>(info->leases) : 0);
+    a->set_pins(info != nullptr ? static_cast<int32_t>(info->pins) : 0);
   }
 }
 

@@ -113,13 +113,7 @@ void GrpcKvTransport::Write(transport::PeerId peer, const transport::BlockTransf
     }
     {
       absl::MutexLock lock(&mu_);
-      ++stats_.transfers;
-      if (s.ok()) {
-        stats_.bytes += bytes;
-      } else {
-        ++stats_.failures;
-      }
-      stats_.seconds += absl::ToDoubleSeconds(absl::Now() - start);
+      stats_.Record(s.ok(), bytes, absl::ToDoubleSeconds(absl::Now() - start));
     }
     done(s);
     absl::MutexLock lock(&mu_);

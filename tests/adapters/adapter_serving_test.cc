@@ -1,6 +1,6 @@
 // The adapter store feeding the engine, as a prefill worker will: requests across 2,000
 // adapters under small budgets, acquired asynchronously (loads on the store's threads while
-// the engine keeps stepping), each request holding its lease until it finishes. Outputs must
+// the engine keeps stepping), each request holding its pin until it finishes. Outputs must
 // equal the same request run alone with a directly loaded adapter; nothing may leak.
 
 #include <gtest/gtest.h>
@@ -97,31 +97,31 @@ TEST(AdapterServingTest, TwoThousandAdaptersUnderSmallBudgetsServeExactOutputs) 
   auto eng = engine::Engine::Create(m->get(), nullptr, eo);
   ASSERT_TRUE(eng.ok());
 
-  // Leases arrive on loader threads (or at once, on a hit) and queue for the engine thread.
+  // Pins arrive on loader threads (or at once, on a hit) and queue for the engine thread.
   std::mutex mu;
-  std::deque<std::pair<int, absl::StatusOr<adapters::AdapterLease>>> ready;
+  std::deque<std::pair<int, absl::StatusOr<adapters::AdapterPin>>> ready;
   std::map<std::string, Served> served;
   int finished = 0, issued = 0;
   auto issue = [&](int r) {
-    store.Acquire(requests[r].adapter.name, [&, r](absl::StatusOr<adapters::AdapterLease> lease) {
+    store.Acquire(requests[r].adapter.name, [&, r](absl::StatusOr<adapters::AdapterPin> pin) {
       std::lock_guard<std::mutex> lock(mu);
-      ready.emplace_back(r, std::move(lease));
+      ready.emplace_back(r, std::move(pin));
     });
   };
   // Keep up to 16 requests in flight (acquiring or running).
   while (finished < kRequests) {
     while (issued < kRequests && issued - finished < 16) issue(issued++);
-    std::deque<std::pair<int, absl::StatusOr<adapters::AdapterLease>>> batch;
+    std::deque<std::pair<int, absl::StatusOr<adapters::AdapterPin>>> batch;
     {
       std::lock_guard<std::mutex> lock(mu);
       batch.swap(ready);
     }
-    for (auto& [r, lease] : batch) {
-      ASSERT_TRUE(lease.ok()) << lease.status();
+    for (auto& [r, pin] : batch) {
+      ASSERT_TRUE(pin.ok()) << pin.status();
       engine::Request req = requests[r];
-      req.adapter.weights = lease->weights;
-      req.adapter.version = lease->version;
-      req.on_token = [&served, &finished, version = lease->version](const engine::TokenEvent& e) {
+      req.adapter.weights = pin->weights;
+      req.adapter.version = pin->version;
+      req.on_token = [&served, &finished, version = pin->version](const engine::TokenEvent& e) {
         Served& s = served[e.request_id];
         if (e.token_id >= 0) s.tokens.push_back(e.token_id);
         s.version = version;
@@ -155,7 +155,7 @@ TEST(AdapterServingTest, TwoThousandAdaptersUnderSmallBudgetsServeExactOutputs) 
     EXPECT_EQ(out->at(0).token_ids, s.tokens) << requests[r].id << " on " << req.adapter.name;
   }
 
-  // No leak: no lease left, budgets held, every KV block back, counters add up.
+  // No leak: no pin left, budgets held, every KV block back, counters add up.
   const adapters::AdapterStoreStats st = store.stats();
   EXPECT_EQ(st.pinned, 0);
   EXPECT_LE(st.compute_bytes_used, so.compute_bytes);

@@ -162,11 +162,11 @@ AdapterStoreOptions Budgets(int64_t host_bytes, int64_t compute_bytes) {
   return o;
 }
 
-// Acquires and drops the lease at once; returns the version.
+// Acquires and drops the pin at once; returns the version.
 int64_t Touch(AdapterStore& store, const std::string& name) {
-  auto lease = store.AcquireBlocking(name);
-  EXPECT_TRUE(lease.ok()) << name << ": " << lease.status();
-  return lease.ok() ? lease->version : -1;
+  auto pin = store.AcquireBlocking(name);
+  EXPECT_TRUE(pin.ok()) << name << ": " << pin.status();
+  return pin.ok() ? pin->version : -1;
 }
 
 bool InCompute(const AdapterStore& store, const std::string& name) {
@@ -247,8 +247,8 @@ TEST_F(AdapterStoreTest, MissesLoadOnLoaderThread) {
   for (int i = 0; i < 2; ++i) {
     absl::Notification done;
     std::thread::id callback_thread;
-    store.Acquire("a", [&](absl::StatusOr<AdapterLease> lease) {
-      EXPECT_TRUE(lease.ok()) << lease.status();
+    store.Acquire("a", [&](absl::StatusOr<AdapterPin> pin) {
+      EXPECT_TRUE(pin.ok()) << pin.status();
       callback_thread = std::this_thread::get_id();
       done.Notify();
     });
@@ -279,8 +279,8 @@ TEST_F(AdapterStoreTest, LoaderThreadsRunNicer) {
     ASSERT_TRUE(store.Register("a", root_ + "/a").ok());
     absl::Notification done;
     int loader = -100;
-    store.Acquire("a", [&](absl::StatusOr<AdapterLease> lease) {  // a miss: on the loader
-      EXPECT_TRUE(lease.ok()) << lease.status();
+    store.Acquire("a", [&](absl::StatusOr<AdapterPin> pin) {  // a miss: on the loader
+      EXPECT_TRUE(pin.ok()) << pin.status();
       loader = ::getpriority(PRIO_PROCESS, 0);
       done.Notify();
     });
@@ -297,10 +297,10 @@ TEST_F(AdapterStoreTest, ComputeCopyIsConverted) {
   options.load.dtype = DType::kBF16;
   AdapterStore store(TinyConfig(), options);
   ASSERT_TRUE(store.Register("a", dir).ok());
-  auto lease = store.AcquireBlocking("a");
-  ASSERT_TRUE(lease.ok()) << lease.status();
-  EXPECT_EQ(lease->weights->dtype(), DType::kBF16);
-  EXPECT_EQ(Checksum(*lease->weights), DirectChecksum(dir, DType::kBF16));
+  auto pin = store.AcquireBlocking("a");
+  ASSERT_TRUE(pin.ok()) << pin.status();
+  EXPECT_EQ(pin->weights->dtype(), DType::kBF16);
+  EXPECT_EQ(Checksum(*pin->weights), DirectChecksum(dir, DType::kBF16));
   const AdapterStoreStats st = store.stats();
   EXPECT_EQ(st.host_bytes_used, Bytes(dir, DType::kBF16));
   EXPECT_EQ(st.compute_bytes_used, Bytes(dir, DType::kBF16));
@@ -322,9 +322,9 @@ TEST_F(AdapterStoreTest, PinnedAdaptersAreNeverEvictedAndAcquireWaits) {
   EXPECT_EQ(store.stats().pinned, 2);
 
   absl::Notification c_done;
-  absl::StatusOr<AdapterLease> c;
-  store.Acquire("c", [&](absl::StatusOr<AdapterLease> lease) {
-    c = std::move(lease);
+  absl::StatusOr<AdapterPin> c;
+  store.Acquire("c", [&](absl::StatusOr<AdapterPin> pin) {
+    c = std::move(pin);
     c_done.Notify();
   });
   // The load itself finishes; the Acquire then waits for room instead of failing.
@@ -340,7 +340,7 @@ TEST_F(AdapterStoreTest, PinnedAdaptersAreNeverEvictedAndAcquireWaits) {
   ASSERT_TRUE(a2.ok());
   EXPECT_EQ(a2->weights.get(), a->weights.get());
 
-  // Releasing one of b's leases frees room (a still has two).
+  // Releasing one of b's pins frees room (a still has two).
   b = absl::CancelledError("released");
   ASSERT_TRUE(c_done.WaitForNotificationWithTimeout(absl::Seconds(10)));
   ASSERT_TRUE(c.ok()) << c.status();
@@ -350,7 +350,7 @@ TEST_F(AdapterStoreTest, PinnedAdaptersAreNeverEvictedAndAcquireWaits) {
   EXPECT_EQ(Checksum(*a->weights), a_sum);
   AdapterStoreStats st = store.stats();
   EXPECT_EQ(st.compute_evictions, 1);
-  EXPECT_EQ(st.pinned, 2);  // a (two leases) and c
+  EXPECT_EQ(st.pinned, 2);  // a (two pins) and c
   EXPECT_EQ(st.compute_bytes_used, 2 * s);
 
   a = absl::CancelledError("released");
@@ -367,9 +367,9 @@ TEST_F(AdapterStoreTest, AdapterLargerThanBudgetIsResourceExhausted) {
   for (const auto& [host, compute] : {std::pair{10 * s, s - 1}, std::pair{s - 1, 10 * s}}) {
     AdapterStore store(TinyConfig(), Budgets(host, compute));
     ASSERT_TRUE(store.Register("a", dir).ok());
-    auto lease = store.AcquireBlocking("a");
-    EXPECT_EQ(lease.status().code(), absl::StatusCode::kResourceExhausted) << lease.status();
-    EXPECT_THAT(lease.status().message(), HasSubstr("budget"));
+    auto pin = store.AcquireBlocking("a");
+    EXPECT_EQ(pin.status().code(), absl::StatusCode::kResourceExhausted) << pin.status();
+    EXPECT_THAT(pin.status().message(), HasSubstr("budget"));
     EXPECT_EQ(store.stats().load_failures, 1);
     EXPECT_EQ(store.stats().compute_bytes_used, 0);
     EXPECT_EQ(store.stats().host_bytes_used, 0);
@@ -389,14 +389,14 @@ TEST_F(AdapterStoreTest, ConcurrentMissesShareOneLoad) {
 
   constexpr int kThreads = 16;
   std::latch start(kThreads);
-  std::vector<AdapterLease> leases(kThreads);
+  std::vector<AdapterPin> pins(kThreads);
   std::vector<std::thread> threads;
   for (int i = 0; i < kThreads; ++i) {
     threads.emplace_back([&, i] {
       start.arrive_and_wait();
-      auto lease = store.AcquireBlocking("big");
-      ASSERT_TRUE(lease.ok()) << lease.status();
-      leases[i] = *std::move(lease);
+      auto pin = store.AcquireBlocking("big");
+      ASSERT_TRUE(pin.ok()) << pin.status();
+      pins[i] = *std::move(pin);
     });
   }
   for (std::thread& t : threads) t.join();
@@ -405,10 +405,10 @@ TEST_F(AdapterStoreTest, ConcurrentMissesShareOneLoad) {
   EXPECT_EQ(st.host_hits, 0);
   EXPECT_EQ(st.compute_hits + st.joined, kThreads - 1);
   EXPECT_EQ(st.pinned, 1);
-  for (const AdapterLease& lease : leases) EXPECT_EQ(lease.weights.get(), leases[0].weights.get());
+  for (const AdapterPin& pin : pins) EXPECT_EQ(pin.weights.get(), pins[0].weights.get());
 }
 
-// 4. Update swaps versions; leases on the old version keep its weights until released.
+// 4. Update swaps versions; pins on the old version keep its weights until released.
 TEST_F(AdapterStoreTest, UpdateSwapsVersionsAndOldLeasesSurvive) {
   Watchdog watchdog(30);
   const std::string v1_dir = Write("v1", 4, 1);
@@ -473,13 +473,13 @@ TEST_F(AdapterStoreTest, UpdateSwapsVersionsAndOldLeasesSurvive) {
   EXPECT_EQ(st.pinned, 1);
 }
 
-// 5. Many adapters, four threads, small budgets: every lease holds the right weights and the
+// 5. Many adapters, four threads, small budgets: every pin holds the right weights and the
 // books balance at the end.
 TEST_F(AdapterStoreTest, StressManyAdaptersManyThreads) {
   Watchdog watchdog(120);
   constexpr int kAdapters = 2000;
   constexpr int kThreads = 4;
-  constexpr int kHeld = 3;  // leases a thread holds at once
+  constexpr int kHeld = 3;  // pins a thread holds at once
   constexpr int kOpsPerThread = 1500;
   const model::ModelConfig config = TinyConfig(16);
   const auto t0 = std::chrono::steady_clock::now();
@@ -508,7 +508,7 @@ TEST_F(AdapterStoreTest, StressManyAdaptersManyThreads) {
   std::printf("wrote and checksummed %d adapters in %.2f s\n", kAdapters, write_s);
 
   AdapterStoreOptions options;
-  // Room for every lease the threads can hold at once plus the ones they wait for, so no
+  // Room for every pin the threads can hold at once plus the ones they wait for, so no
   // thread can wait forever on a slot another waiting thread pins.
   options.compute_bytes = kThreads * (kHeld + 1) * max_bytes + max_bytes;
   options.host_bytes = 40 * max_bytes;
@@ -526,18 +526,18 @@ TEST_F(AdapterStoreTest, StressManyAdaptersManyThreads) {
       std::mt19937 rng(1234 + t);
       // A small hot set makes hits as well as misses.
       std::uniform_int_distribution<int> any(0, kAdapters - 1), hot(0, 15), coin(0, 2);
-      std::vector<std::pair<int, AdapterLease>> held;
+      std::vector<std::pair<int, AdapterPin>> held;
       for (int op = 0; op < kOpsPerThread; ++op) {
         if (held.size() == kHeld) held.erase(held.begin() + rng() % kHeld);
         const int i = coin(rng) == 0 ? any(rng) : hot(rng);
-        auto lease = store.AcquireBlocking(names[i]);
+        auto pin = store.AcquireBlocking(names[i]);
         ++acquires;
-        if (!lease.ok() || lease->name != names[i] || lease->version != 1 ||
-            Checksum(*lease->weights) != sums[i]) {
+        if (!pin.ok() || pin->name != names[i] || pin->version != 1 ||
+            Checksum(*pin->weights) != sums[i]) {
           ++wrong;
           continue;
         }
-        held.emplace_back(i, *std::move(lease));
+        held.emplace_back(i, *std::move(pin));
         if (op % 64 == 0) {
           const AdapterStoreStats st = store.stats();
           if (st.compute_bytes_used > options.compute_bytes ||
@@ -545,8 +545,8 @@ TEST_F(AdapterStoreTest, StressManyAdaptersManyThreads) {
             ++over_budget;
         }
       }
-      for (auto& [i, lease] : held) {
-        if (Checksum(*lease.weights) != sums[i]) ++wrong;  // still intact after churn
+      for (auto& [i, pin] : held) {
+        if (Checksum(*pin.weights) != sums[i]) ++wrong;  // still intact after churn
       }
     });
   }
@@ -563,9 +563,9 @@ TEST_F(AdapterStoreTest, StressManyAdaptersManyThreads) {
   EXPECT_GT(st.disk_loads, 0);
   EXPECT_GT(st.compute_evictions, 0);
   EXPECT_GT(st.host_evictions, 0);
-  int64_t leases = 0;
-  for (const AdapterInfo& info : store.List()) leases += info.leases;
-  EXPECT_EQ(leases, 0);
+  int64_t pins = 0;
+  for (const AdapterInfo& info : store.List()) pins += info.pins;
+  EXPECT_EQ(pins, 0);
   std::printf("acquires %lld: compute hits %lld, joined %lld, host hits %lld, disk loads %lld\n",
               static_cast<long long>(acquires.load()), static_cast<long long>(st.compute_hits),
               static_cast<long long>(st.joined), static_cast<long long>(st.host_hits),
@@ -629,8 +629,8 @@ TEST_F(AdapterStoreTest, BadAdaptersFailAloneAndAreRetried) {
   std::thread good_thread([&] {
     for (int round = 0; round < 5; ++round) {
       for (int i = 0; i < 8; ++i) {
-        auto lease = store.AcquireBlocking(absl::StrCat("good", i));
-        if (lease.ok() && Checksum(*lease->weights) == good_sum) ++good_ok;
+        auto pin = store.AcquireBlocking(absl::StrCat("good", i));
+        if (pin.ok() && Checksum(*pin->weights) == good_sum) ++good_ok;
       }
     }
   });
@@ -686,27 +686,27 @@ TEST_F(AdapterStoreTest, UnregisterKeepsLeasesAndForgetsTheName) {
 
   // NotFound answers at once, on the caller's thread.
   bool called = false;
-  store.Acquire("nope", [&](absl::StatusOr<AdapterLease> lease) {
-    EXPECT_EQ(lease.status().code(), absl::StatusCode::kNotFound);
-    EXPECT_THAT(lease.status().message(), HasSubstr("nope"));
+  store.Acquire("nope", [&](absl::StatusOr<AdapterPin> pin) {
+    EXPECT_EQ(pin.status().code(), absl::StatusCode::kNotFound);
+    EXPECT_THAT(pin.status().message(), HasSubstr("nope"));
     called = true;
   });
   EXPECT_TRUE(called);
 
-  auto lease = store.AcquireBlocking("a");
-  ASSERT_TRUE(lease.ok());
-  const uint64_t sum = Checksum(*lease->weights);
+  auto pin = store.AcquireBlocking("a");
+  ASSERT_TRUE(pin.ok());
+  const uint64_t sum = Checksum(*pin->weights);
   ASSERT_TRUE(store.Unregister("a").ok());
   EXPECT_EQ(store.Unregister("a").code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(store.AcquireBlocking("a").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(store.Update("a", dir).status().code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(store.List().empty());
-  EXPECT_EQ(Checksum(*lease->weights), sum);
+  EXPECT_EQ(Checksum(*pin->weights), sum);
   AdapterStoreStats st = store.stats();
   EXPECT_EQ(st.compute_bytes_used, s);
   EXPECT_EQ(st.host_bytes_used, 0);
   EXPECT_EQ(st.pinned, 1);
-  lease = absl::CancelledError("released");
+  pin = absl::CancelledError("released");
   st = store.stats();
   EXPECT_EQ(st.compute_bytes_used, 0);
   EXPECT_EQ(st.pinned, 0);
@@ -720,7 +720,7 @@ TEST_F(AdapterStoreTest, UnregisterKeepsLeasesAndForgetsTheName) {
 }
 
 // 7. Destroying the store with loads queued and Acquires waiting for room: every callback runs
-// once, with Cancelled, nothing hangs, and leases released after the store are safe.
+// once, with Cancelled, nothing hangs, and pins released after the store are safe.
 TEST_F(AdapterStoreTest, DestructorCancelsPendingAcquires) {
   Watchdog watchdog(30);
   constexpr int kAdapters = 40;
@@ -728,16 +728,16 @@ TEST_F(AdapterStoreTest, DestructorCancelsPendingAcquires) {
   const int64_t s = Bytes(root_ + "/a0");
 
   std::atomic<int> ok{0}, cancelled{0}, other{0};
-  auto count = [&](absl::StatusOr<AdapterLease> lease) {
-    if (lease.ok()) {
-      ++ok;  // the lease is released right here, on a loader thread
-    } else if (lease.status().code() == absl::StatusCode::kCancelled) {
+  auto count = [&](absl::StatusOr<AdapterPin> pin) {
+    if (pin.ok()) {
+      ++ok;  // the pin is released right here, on a loader thread
+    } else if (pin.status().code() == absl::StatusCode::kCancelled) {
       ++cancelled;
     } else {
       ++other;
     }
   };
-  absl::StatusOr<AdapterLease> outliving, pin;
+  absl::StatusOr<AdapterPin> outliving, pin;
   {
     AdapterStore store(TinyConfig(), Budgets(100 * s, 2 * s));
     for (int i = 0; i < kAdapters; ++i) {
@@ -759,7 +759,7 @@ TEST_F(AdapterStoreTest, DestructorCancelsPendingAcquires) {
   outliving = absl::CancelledError("released after the store");
   pin = absl::CancelledError("released after the store");
 
-  // Loads in flight at destruction, leases released inside callbacks: each answered once.
+  // Loads in flight at destruction, pins released inside callbacks: each answered once.
   ok = cancelled = other = 0;
   {
     AdapterStoreOptions options;

@@ -256,9 +256,7 @@ absl::Status CudaIpcTransport::Copy(const Peer& peer, const BlockTransfer& trans
 
 void CudaIpcTransport::Count(bool ok, int64_t bytes, double start) {
   absl::MutexLock lock(&mu_);
-  ++(ok ? stats_.transfers : stats_.failures);
-  stats_.bytes += bytes;
-  stats_.seconds += Now() - start;
+  stats_.Record(ok, bytes, Now() - start);
 }
 
 TransportStats CudaIpcTransport::stats() const {

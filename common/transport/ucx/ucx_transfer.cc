@@ -155,13 +155,7 @@ void UcxTransport::Impl::Complete(std::function<void(absl::Status)> done, absl::
                                   Clock::time_point start, int64_t bytes) {
   {
     absl::MutexLock lock(&mu_);
-    if (status.ok()) {
-      ++stats_.transfers;
-      stats_.bytes += bytes;
-    } else {
-      ++stats_.failures;
-    }
-    stats_.seconds += std::chrono::duration<double>(Clock::now() - start).count();
+    stats_.Record(status.ok(), bytes, std::chrono::duration<double>(Clock::now() - start).count());
   }
   completions_.emplace_back(std::move(done), std::move(status));
 }

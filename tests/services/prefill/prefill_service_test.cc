@@ -27,15 +27,15 @@
 #include "common/adapters/adapter_loader.h"
 #include "common/adapters/make_adapter.h"
 #include "common/engine/engine.h"
+#include "common/kv/blocks.h"
 #include "common/model/model.h"
-#include "services/wire/convert.h"
-#include "services/wire/kv_path.h"
 #include "common/rpc/server.h"
 #include "common/transport/inproc_transport.h"
 #include "proto/preft/v1/worker.grpc.pb.h"
+#include "services/wire/convert.h"
+#include "services/wire/kv_path.h"
 #include "tests/testing/cacheless_backend.h"
 #include "tests/testing/fixtures.h"
-#include "common/kv/blocks.h"
 
 namespace preft::prefill {
 namespace {
@@ -672,7 +672,7 @@ TEST_F(PrefillServiceTest, NewerAdapterVersionIsUsedAndReported) {
   EXPECT_EQ(status.adapters(0).version(), 1);
   EXPECT_EQ(status.adapters(0).residency(), v1::ADAPTER_RESIDENCY_RESIDENT);
   EXPECT_GT(status.adapters(0).bytes(), 0);
-  EXPECT_EQ(status.adapters(0).leases(), 0);
+  EXPECT_EQ(status.adapters(0).pins(), 0);
   EXPECT_EQ(status.loading(), 0);
   EXPECT_EQ(status.adapter_bytes_total(), adapters::AdapterStoreOptions{}.compute_bytes);
   EXPECT_EQ(status.adapter_bytes_free(), status.adapter_bytes_total() - status.adapters(0).bytes());

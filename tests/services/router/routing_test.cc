@@ -2,6 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <memory>
+#include <string>
+#include <vector>
+
 #include "services/router/worker_pool.h"
 
 namespace preft::router {
@@ -137,6 +141,67 @@ TEST(RoutingTest, WorkerSpecsParseAndResolve) {
   EXPECT_EQ(ResolveSpec("dns:x").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ResolveSpec("dns:no-such-host.invalid:80").status().code(),
             absl::StatusCode::kUnavailable);
+}
+
+// ---- The retry policy shared by prefill and colocated calls ----
+
+TEST(RetryTest, OnlyWorkerFailuresAreRetryable) {
+  for (absl::StatusCode c : {absl::StatusCode::kUnavailable, absl::StatusCode::kInternal,
+                             absl::StatusCode::kAborted, absl::StatusCode::kUnknown}) {
+    EXPECT_TRUE(Retryable(c)) << absl::StatusCodeToString(c);
+  }
+  for (absl::StatusCode c :
+       {absl::StatusCode::kInvalidArgument, absl::StatusCode::kNotFound,
+        absl::StatusCode::kResourceExhausted, absl::StatusCode::kCancelled,
+        absl::StatusCode::kDeadlineExceeded, absl::StatusCode::kFailedPrecondition,
+        absl::StatusCode::kPermissionDenied}) {
+    EXPECT_FALSE(Retryable(c)) << absl::StatusCodeToString(c);
+  }
+}
+
+TEST(RetryTest, ARequestRunsElsewhereOnlyBeforeTheClientSawOutput) {
+  const absl::Status gone = absl::UnavailableError("worker gone");
+  EXPECT_TRUE(RetryElsewhere(gone, /*client_saw_output=*/false));
+  EXPECT_FALSE(RetryElsewhere(gone, /*client_saw_output=*/true));
+  EXPECT_FALSE(RetryElsewhere(absl::OkStatus(), false));
+  EXPECT_FALSE(RetryElsewhere(absl::InvalidArgumentError("bad prompt"), false));
+}
+
+struct FakeWorker {
+  std::string address;
+};
+
+TEST(RetryTest, FailedWorkersAreLeftOutUntilEveryOneFailed) {
+  const std::vector<std::shared_ptr<FakeWorker>> workers = {
+      std::make_shared<FakeWorker>(FakeWorker{"a:1"}), std::make_shared<FakeWorker>(FakeWorker{"b:2"})};
+  WorkerAttempts attempts(3, "none was healthy");
+  EXPECT_EQ(attempts.last_error(), "none was healthy");
+  attempts.Failed("a:1", absl::UnavailableError("connection refused"));
+  EXPECT_EQ(attempts.last_error(), "a:1: connection refused");
+  std::vector<DecodeView> views(2);
+  for (DecodeView& v : views) v.healthy = true;
+  attempts.ExcludeTried(workers, &views);
+  EXPECT_FALSE(views[0].healthy);
+  EXPECT_TRUE(views[1].healthy);
+
+  attempts.ForgetTriedIfAllFailed(workers.size());  // b:2 not tried yet: a:1 stays out
+  EXPECT_TRUE(attempts.Tried("a:1"));
+  attempts.Failed("b:2", absl::InternalError("engine failed"));
+  attempts.ForgetTriedIfAllFailed(workers.size());  // both failed once: both may be tried again
+  EXPECT_FALSE(attempts.Tried("a:1"));
+  EXPECT_FALSE(attempts.Tried("b:2"));
+  EXPECT_FALSE(attempts.exhausted());
+}
+
+TEST(RetryTest, AttemptsEndAtTheLimitAndAKvPathFailureCountsWithoutBlamingTheWorker) {
+  WorkerAttempts attempts(2, "no prefill worker is available");
+  attempts.FailedElsewhere("p:1", absl::UnavailableError("KV write to d:9 failed"));
+  EXPECT_FALSE(attempts.Tried("p:1"));  // the prefill worker is not to blame
+  EXPECT_EQ(attempts.last_error(), "p:1: KV write to d:9 failed");
+  EXPECT_FALSE(attempts.exhausted());
+  attempts.Failed("p:1", absl::UnavailableError("gone"));
+  EXPECT_TRUE(attempts.exhausted());
+  EXPECT_EQ(attempts.max_attempts(), 2);
 }
 
 }  // namespace
