@@ -261,7 +261,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
     Drain();
   }
   void Drain() {
-    socket_.async_read_some(net::buffer(drain_), [self = shared_from_this()](
+    // Only a closing connection needs it: 16 KiB held by every open stream otherwise.
+    if (drain_ == nullptr) drain_ = std::make_unique<char[]>(kDrainChunk);
+    socket_.async_read_some(net::buffer(drain_.get(), kDrainChunk), [self = shared_from_this()](
                                                      beast::error_code ec, size_t n) {
       if (self->closed_) return;
       self->drained_ += n;
@@ -271,11 +273,15 @@ class Connection : public std::enable_shared_from_this<Connection> {
   }
   static constexpr absl::Duration kLinger = absl::Seconds(2);
   static constexpr size_t kMaxDrainBytes = size_t{64} << 20;
+  static constexpr size_t kDrainChunk = 16384;
 
   void WatchForLeaving() {
     if (buffer_.size() > 0) return;  // a pipelined request is already here: the client is alive
     watching_ = true;
-    socket_.async_read_some(buffer_.prepare(4096),
+    // A streamed response may last minutes: keep no request-sized buffer for it. What arrives
+    // meanwhile (a pipelined request, mostly nothing) is read in small pieces.
+    buffer_.shrink_to_fit();
+    socket_.async_read_some(buffer_.prepare(512),
                             [self = shared_from_this()](beast::error_code ec, size_t n) {
                               self->watching_ = false;
                               if (!ec) self->buffer_.commit(n);
@@ -317,7 +323,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   beast::flat_buffer buffer_;
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
   std::string continue_;
-  char drain_[16384];
+  std::unique_ptr<char[]> drain_;  // LingerClose's, allocated when it starts
   size_t drained_ = 0;
   std::shared_ptr<Exchange> exchange_;  // the response in progress
   std::deque<Piece> out_;

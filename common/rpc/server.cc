@@ -4,6 +4,7 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
+#include <grpcpp/support/channel_arguments.h>
 
 #include <algorithm>
 #include <string>
@@ -67,6 +68,12 @@ Server::Server(std::unique_ptr<grpc::Server> server, int port, std::string addre
     : server_(std::move(server)), port_(port), address_(std::move(address)) {}
 
 Server::~Server() { Shutdown(absl::ZeroDuration()); }
+
+std::shared_ptr<grpc::Channel> Server::InProcessChannel() {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
+  return server_->InProcessChannel(args);
+}
 
 void Server::SetServing(const std::string& service, bool serving) {
   // The default health service ignores updates once shut down, so no lock of ours is needed

@@ -73,6 +73,9 @@ class Server {
   // The underlying server, for in-process channels (InProcessChannel) in tests and the
   // embedded cluster.
   grpc::Server* grpc_server() { return server_.get(); }
+  // A channel to this server within the process (the HTTP front door's), without gRPC's own
+  // retries: callers retry themselves, and retry state costs every open call memory.
+  std::shared_ptr<grpc::Channel> InProcessChannel();
 
  private:
   Server(std::unique_ptr<grpc::Server> server, int port, std::string address);

@@ -32,7 +32,8 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromModelDir(const std::string& dir) 
       source = it->get<std::string>();
     } else if (it->is_array()) {  // [{"name": "default", "template": ...}, ...]
       for (const jinja::Value& named : *it) {
-        if (named.is_object() && named.value("name", "") == "default" &&
+        if (named.is_object() && named.contains("name") && named["name"].is_string() &&
+            named["name"] == "default" &&
             named.contains("template") && named["template"].is_string()) {
           source = named["template"].get<std::string>();
         }

@@ -12,6 +12,25 @@
 
 namespace preft::router {
 
+absl::StatusOr<std::shared_ptr<DecodeWorker>> GenerateCall::PickColocated(
+    int64_t prompt_tokens, int64_t max_new, const WorkerAttempts& attempts, size_t* known) {
+  PREFT_ASSIGN_OR_RETURN(const DecodeChoice c, DecodeCandidates(prompt_tokens, max_new));
+  *known = c.workers.size();
+  std::vector<DecodeView> views = c.views;
+  attempts.ExcludeTried(c.workers, &views);
+  // Any worker may take it (its engine queues what does not fit yet): most free first.
+  const std::vector<size_t> order = RankDecode(views, 0);
+  if (order.empty()) return nullptr;
+  const std::shared_ptr<DecodeWorker>& w = c.workers[order.front()];
+  router_->metrics->Routed("decode", "most_free");
+  // Until the next poll says otherwise, so a burst spreads over the workers; never below 0,
+  // which would take the worker out of the ranking although its engine would queue.
+  absl::MutexLock lock(&w->mu);
+  w->view.free_blocks = std::max<int64_t>(0, w->view.free_blocks - c.blocks);
+  ++w->view.queue_depth;
+  return w;
+}
+
 rpc::Task<absl::Status> GenerateCall::RunColocated(const std::vector<int32_t>& prompt,
                                                   const std::optional<RegisteredAdapter>& adapter,
                                                   const engine::SamplingParams& sampling) {
@@ -36,31 +55,19 @@ rpc::Task<absl::Status> GenerateCall::RunColocated(const std::vector<int32_t>& p
       const absl::Status aborted = co_await AbortedResult();
       co_return aborted;
     }
+    size_t known = 0;
     PREFT_CO_ASSIGN_OR_RETURN(
-        const DecodeChoice c,
-        DecodeCandidates(static_cast<int64_t>(prompt.size()), sampling.max_tokens));
-    std::vector<DecodeView> views = c.views;
-    attempts.ExcludeTried(c.workers, &views);
-    // Any worker may take it (its engine queues what does not fit yet): most free first.
-    const std::vector<size_t> order = RankDecode(views, 0);
-    if (order.empty()) {
+        const std::shared_ptr<DecodeWorker> w,
+        PickColocated(static_cast<int64_t>(prompt.size()), sampling.max_tokens, attempts, &known));
+    if (w == nullptr) {
       if (absl::Now() >= admission_deadline_) {
         co_return absl::UnavailableError(
             absl::StrCat("no colocated decode worker could run the request (last: ",
                          attempts.last_error(), ")"));
       }
       co_await WaitForCapacity();
-      attempts.ForgetTriedIfAllFailed(c.workers.size());
+      attempts.ForgetTriedIfAllFailed(known);
       continue;
-    }
-    const std::shared_ptr<DecodeWorker>& w = c.workers[order.front()];
-    router_->metrics->Routed("decode", "most_free");
-    {
-      // Until the next poll says otherwise, so a burst spreads over the workers; never below
-      // 0, which would take the worker out of the ranking although its engine would queue.
-      absl::MutexLock lock(&w->mu);
-      w->view.free_blocks = std::max<int64_t>(0, w->view.free_blocks - c.blocks);
-      ++w->view.queue_depth;
     }
     grpc::ClientContext ctx;
     Track(&ctx);

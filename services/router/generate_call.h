@@ -84,6 +84,13 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
                             const worker::v1::PrefillResponse& first);
   // Colocated (colocated_call.cc): Run on a decode worker, relayed; replaces a worker that
   // fails before the first token.
+  // The colocated decode worker to try next: most free first, tried ones left out; null when
+  // none may take the request now (`*known` says how many workers there are). A plain function
+  // so that the candidates do not live in the coroutine's frame while the request runs.
+  absl::StatusOr<std::shared_ptr<DecodeWorker>> PickColocated(int64_t prompt_tokens,
+                                                              int64_t max_new,
+                                                              const WorkerAttempts& attempts,
+                                                              size_t* known);
   Task<absl::Status> RunColocated(const std::vector<int32_t>& prompt,
                                   const std::optional<RegisteredAdapter>& adapter,
                                   const engine::SamplingParams& sampling);

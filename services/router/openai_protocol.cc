@@ -339,11 +339,14 @@ absl::StatusOr<json> ChatMessages(const json& body) {
       content = c->get<std::string>();
     } else if (c != nullptr && c->is_array()) {  // [{type: "text", text}]
       for (const json& part : *c) {
-        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
-            !part["text"].is_string()) {
+        // Each field's type is checked before it is read (json::value throws on a number).
+        const json* type = part.is_object() ? Field(part, "type") : nullptr;
+        const json* text = part.is_object() ? Field(part, "text") : nullptr;
+        if (type == nullptr || !type->is_string() || *type != "text" || text == nullptr ||
+            !text->is_string()) {
           return Bad(where + ".content", "parts other than {type: \"text\"} are not supported");
         }
-        content += part["text"].get<std::string>();
+        content += text->get<std::string>();
       }
     } else if (c != nullptr) {
       return Bad(where + ".content", "must be a string or a list of text parts");

@@ -89,7 +89,14 @@ absl::StatusOr<RegistryRecord> FileRegistryStore::Read(const std::string& name,
   PREFT_ASSIGN_OR_RETURN(std::string text, base::ReadFileToString(file));
   const json j = json::parse(text, nullptr, false);
   RegistryRecord r;
-  if (j.is_discarded() || !j.is_object() || !j.contains("path") || !j["path"].is_string()) {
+  // Every field of its type before any is read (json::value throws on another type).
+  auto typed = [&](const char* field, bool (json::*is)() const noexcept) {
+    return !j.contains(field) || (j[field].*is)();
+  };
+  if (j.is_discarded() || !j.is_object() || !j.contains("path") || !j["path"].is_string() ||
+      !typed("registered_path", &json::is_string) || !typed("kind", &json::is_string) ||
+      !typed("default_positions", &json::is_string) ||
+      !typed("rank", &json::is_number_integer) || !typed("bytes", &json::is_number_integer)) {
     return absl::DataLossError(absl::StrCat("adapter registry: the record of '", name,
                                             "' version ", version, " is unreadable"));
   }

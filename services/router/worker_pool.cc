@@ -59,6 +59,9 @@ std::shared_ptr<grpc::Channel> DefaultChannel(
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 250);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 250);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  // The router retries on other workers itself (routing.h); gRPC's transparent-retry state
+  // costs every open call ~6 KiB (bench/NOTES.md step 27).
+  args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
   return grpc::CreateCustomChannel(
       address, credentials != nullptr ? credentials : grpc::InsecureChannelCredentials(), args);
 }

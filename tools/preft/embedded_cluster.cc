@@ -114,7 +114,7 @@ absl::StatusOr<std::unique_ptr<EmbeddedCluster>> EmbeddedCluster::Start(
   if (!o.http_listen.empty()) {
     router::OpenAiServerOptions h;
     h.http.address = o.http_listen;
-    h.router = c->router_server_->grpc_server()->InProcessChannel(grpc::ChannelArguments());
+    h.router = c->router_server_->InProcessChannel();
     h.tokenizer = c->tokenizer_.get();
     h.http.max_body_bytes = o.max_request_bytes;
     h.timeout = o.http_request_timeout;

@@ -228,6 +228,25 @@ TEST_P(AdapterRegistryTest, RegistrationsAndVersionsSurviveARestart) {
   EXPECT_TRUE(restarted->Register("d", "direft").ok());  // the name is free again
 }
 
+// A record whose fields have other JSON types (a hand-edited or damaged file) is reported,
+// never thrown on (json::value would throw), whichever field it is.
+TEST_P(AdapterRegistryTest, ARecordWithFieldsOfTheWrongTypeIsReportedNotThrown) {
+  if (GetParam() != "file") GTEST_SKIP() << "records are rows in PostgreSQL";
+  ASSERT_TRUE(registry_->Register("u", "lora").ok());
+  const fs::path record = root_ / ".preft-registry" / "u" / "v1.json";
+  ASSERT_TRUE(fs::exists(record));
+  for (const char* bad : {R"({"path": "lora", "rank": "four"})", R"({"path": "lora", "kind": 1})",
+                          R"({"path": "lora", "registered_path": []})",
+                          R"({"path": "lora", "default_positions": {}})",
+                          R"({"path": "lora", "bytes": 1.5})", R"({"path": 7})"}) {
+    std::ofstream(record, std::ios::trunc) << bad;
+    std::unique_ptr<AdapterRegistry> restarted = MakeRegistry();
+    const absl::StatusOr<RegisteredAdapter> u = restarted->Get("u");
+    EXPECT_FALSE(u.ok()) << bad;
+    EXPECT_NE(u.status().message().find("unreadable"), std::string::npos) << u.status();
+  }
+}
+
 // Which adapters are preloaded is kept with the registry: another router (or a restarted one)
 // knows which to load onto a worker that rejoins.
 TEST_P(AdapterRegistryTest, PreloadMarksAreSharedAndGoWithTheAdapter) {

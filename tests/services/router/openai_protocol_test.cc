@@ -130,7 +130,12 @@ TEST(OpenAiProtocolTest, ChatMessagesAndChatLogprobs) {
   EXPECT_EQ((*messages)[1]["content"], "hi there");
   for (const char* bad : {R"({"messages": []})", R"({"messages": [{"content": "x"}]})",
                           R"({"messages": [{"role": "robot", "content": "x"}]})",
-                          R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})"}) {
+                          R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})",
+                          // Found by openai_fuzz: a part's type or text of another JSON type
+                          // threw (json::value) instead of answering 400.
+                          R"({"messages": [{"role": "user", "content": [{"type": 7, "text": "x"}]}]})",
+                          R"({"messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}]})",
+                          R"({"messages": [{"role": "user", "content": [7]}]})"}) {
     EXPECT_EQ(ChatMessages(json::parse(bad)).status().code(), absl::StatusCode::kInvalidArgument)
         << bad;
   }
