@@ -36,17 +36,11 @@ import tempfile
 import threading
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from router_streams import proc_status  # noqa: E402  (threads, RSS KiB of a pid)
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 MAX_RUNNING = 256  # common/engine/scheduler.h
-
-
-def proc_status(pid):
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            out[k] = v.strip()
-    return int(out["Threads"]), int(out["VmRSS"].split()[0])  # threads, KiB
 
 
 def smaps_rollup(pid):
