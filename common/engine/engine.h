@@ -74,6 +74,8 @@ class Engine {
   // The KV cache in host memory (what the KV transport moves); null on a GPU backend.
   kv::KvCache* cache() { return backend_->host_cache(); }
   const model::ModelConfig& config() const { return backend_->config(); }
+  // Sequences run at once (SchedulerConfig::max_running); more wait.
+  int64_t max_running() const { return options_.scheduler.max_running; }
   const backend::ForwardBackend& backend() const { return *backend_; }
   backend::ForwardBackend& backend() { return *backend_; }
 

@@ -453,6 +453,7 @@ grpc::ServerUnaryReactor* DecodeService::Status(grpc::CallbackServerContext* con
     response->set_block_tokens(static_cast<int32_t>(impl->block_tokens));
     response->set_running(static_cast<int32_t>(e.num_running()));
     response->set_queue_depth(static_cast<int32_t>(e.num_waiting()));
+    response->set_max_running(static_cast<int32_t>(e.max_running()));
     response->set_all_position_adapters(impl->options.all_position_adapters);
     response->set_colocated(impl->options.colocated);
     if (impl->versioned != nullptr) {  // no loads tracked here: a version not in memory is DISK

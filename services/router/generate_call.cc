@@ -260,6 +260,7 @@ rpc::Task<absl::StatusOr<GenerateCall::Reservation>> GenerateCall::Reserve(int64
         {
           absl::MutexLock lock(&workers[i]->mu);  // until the next poll says otherwise
           workers[i]->view.free_blocks -= res.r.block_ids_size();
+          ++workers[i]->view.queue_depth;
         }
         if (stopped()) {  // cancelled or aborted while reserving
           Release(res, "cancelled");

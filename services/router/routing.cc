@@ -58,12 +58,17 @@ std::vector<size_t> RankDecode(const std::vector<DecodeView>& workers, int64_t b
     const DecodeView& w = workers[i];
     if (w.healthy && !w.draining && w.free_blocks >= blocks_needed) order.push_back(i);
   }
+  // Free KV blocks alone let a burst fill one worker's batch past max_running while another
+  // has places (its engine then queues what the other would run).
+  auto batch_full = [](const DecodeView& w) {
+    return w.max_running > 0 && w.running + w.queue_depth >= w.max_running;
+  };
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
     const DecodeView& x = workers[a];
     const DecodeView& y = workers[b];
-    return std::make_tuple(x.kv_path_suspect, -(x.free_blocks - blocks_needed),
+    return std::make_tuple(x.kv_path_suspect, batch_full(x), -(x.free_blocks - blocks_needed),
                            x.running + x.queue_depth) <
-           std::make_tuple(y.kv_path_suspect, -(y.free_blocks - blocks_needed),
+           std::make_tuple(y.kv_path_suspect, batch_full(y), -(y.free_blocks - blocks_needed),
                            y.running + y.queue_depth);
   });
   return order;

@@ -22,6 +22,9 @@ struct DecodeView {
   int64_t block_tokens = 16;
   int64_t running = 0;
   int64_t queue_depth = 0;
+  // Sequences its engine runs at once (0: not reported). A worker with as many running and
+  // queued ranks after every worker with a free place in its batch: its engine would queue.
+  int64_t max_running = 0;
   bool adapters = false;  // runs adapters on generated tokens (the all-position baseline)
   bool colocated = false;  // runs whole requests (Run), refuses Reserve
   // A prefill worker recently could not deliver KV to it (no acknowledgement, no connection):
@@ -65,7 +68,8 @@ struct DecodeNeeds {
 absl::StatusOr<int64_t> EligibleDecode(std::vector<DecodeView>* views, const DecodeNeeds& needs);
 
 // Indices of decode workers to try, best first: healthy, not draining, with room for
-// `blocks_needed` (by the last report); most free blocks (after this request) first, then the
+// `blocks_needed` (by the last report); those with a free place in their batch (running +
+// queued under max_running) first, then most free blocks (after this request), then the
 // lightest batch (running + queued). Workers without room by the report are left out.
 std::vector<size_t> RankDecode(const std::vector<DecodeView>& workers, int64_t blocks_needed);
 

@@ -182,6 +182,7 @@ void WorkerPool::PollNow() {
     w->view.block_tokens = r.block_tokens();
     w->view.running = r.running();
     w->view.queue_depth = r.queue_depth();
+    w->view.max_running = r.max_running();
     w->view.adapters = r.all_position_adapters();
     w->view.colocated = r.colocated();
     w->status = std::move(r);

@@ -143,6 +143,27 @@ TEST(RoutingTest, WorkerSpecsParseAndResolve) {
             absl::StatusCode::kUnavailable);
 }
 
+// Free KV blocks alone once let a burst fill one worker's batch (max_running) while another had
+// places; a worker whose running and queued reach its max_running ranks after those with room
+// in their batch, and still before none (its engine queues).
+TEST(RoutingTest, AFullBatchRanksAfterWorkersWithPlacesInTheirBatch) {
+  DecodeView roomy;  // most free blocks, but its batch is full
+  roomy.healthy = true;
+  roomy.free_blocks = 900;
+  roomy.running = 250;
+  roomy.queue_depth = 6;
+  roomy.max_running = 256;
+  DecodeView places = roomy;  // fewer free blocks, places in its batch
+  places.free_blocks = 100;
+  places.running = 10;
+  places.queue_depth = 0;
+  DecodeView unknown = roomy;  // reports no max_running: taken to have places
+  unknown.free_blocks = 500;
+  unknown.max_running = 0;
+  EXPECT_EQ(RankDecode({roomy, places, unknown}, 10), (std::vector<size_t>{2, 1, 0}));
+  EXPECT_EQ(RankDecode({roomy}, 10), (std::vector<size_t>{0}));  // full, yet not left out
+}
+
 // ---- The retry policy shared by prefill and colocated calls ----
 
 TEST(RetryTest, OnlyWorkerFailuresAreRetryable) {
