@@ -33,13 +33,20 @@ export function killAll() {
   children.clear();
 }
 
+// Ports free now, for processes that bind them a moment later. Taken below Linux's ephemeral
+// range (32768-60999 by default), so the outgoing connections of whatever else runs on the
+// machine (other tests, a build) cannot take one in between; each is checked free by binding.
 async function freePorts(n) {
   const servers = [];
-  for (let i = 0; i < n; i++) {
+  for (let tries = 0; servers.length < n && tries < 1000; tries++) {
+    const port = 20000 + Math.floor(Math.random() * 12000);
     const s = createServer();
-    await new Promise((resolve, reject) => s.once("error", reject).listen(0, "127.0.0.1", resolve));
-    servers.push(s);
+    const ok = await new Promise((resolve) => {
+      s.once("error", () => resolve(false)).listen(port, "127.0.0.1", () => resolve(true));
+    });
+    if (ok) servers.push(s);
   }
+  if (servers.length < n) throw new Error(`no ${n} free ports below 32000`);
   const ports = servers.map((s) => s.address().port);
   await Promise.all(servers.map((s) => new Promise((r) => s.close(r))));
   return ports;
