@@ -147,8 +147,11 @@ TEST_F(EmbeddedClusterTest, CancellingOrAbortingAWaitForRoomEndsItAtOnce) {
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
   canceller.join();
   EXPECT_LT(absl::Now() - start, absl::Seconds(1.5));  // the admission timeout is 2 s
-  // Abort: the stream ends OK with finish ABORT, at once. The abort is repeated while the router
-  // answers NOT_FOUND (on a loaded machine the request may not be admitted 300 ms in).
+  // Abort: the stream ends OK with finish ABORT, at once. Another id: the cancelled call may
+  // still be unwinding in the router (its id taken) when the client has already seen CANCELLED.
+  // The abort is repeated while the router answers NOT_FOUND (on a loaded machine the request
+  // may not be admitted 300 ms in).
+  r.set_request_id("waiting-two");
   absl::Time aborted_at = absl::InfiniteFuture();
   std::thread aborter([&] {
     absl::SleepFor(absl::Milliseconds(300));
@@ -157,7 +160,7 @@ TEST_F(EmbeddedClusterTest, CancellingOrAbortingAWaitForRoomEndsItAtOnce) {
     do {
       grpc::ClientContext actx;
       v1::AbortRequest a;
-      a.set_request_id("waiting-one");
+      a.set_request_id("waiting-two");
       v1::AbortResponse out;
       s = stub_->Abort(&actx, a, &out);
       if (s.error_code() == grpc::StatusCode::NOT_FOUND) absl::SleepFor(absl::Milliseconds(20));
