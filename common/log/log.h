@@ -56,44 +56,50 @@ class RequestScope {
   std::string_view previous_;
 };
 std::string_view CurrentRequest();
+
+// Every line goes through here; a line below the level costs one comparison.
+template <typename... Args>
+void Write(spdlog::level::level_enum level, std::string_view request,
+           fmt::format_string<Args...> f, Args&&... args) {
+  spdlog::logger* logger = spdlog::default_logger_raw();
+  if (!logger->should_log(level)) return;
+  RequestScope scope(request);
+  logger->log(level, f, std::forward<Args>(args)...);
+}
 }  // namespace internal
 
 template <typename... Args>
 void Debug(fmt::format_string<Args...> f, Args&&... args) {
-  spdlog::debug(f, std::forward<Args>(args)...);
+  internal::Write(spdlog::level::debug, {}, f, std::forward<Args>(args)...);
 }
 template <typename... Args>
 void Info(fmt::format_string<Args...> f, Args&&... args) {
-  spdlog::info(f, std::forward<Args>(args)...);
+  internal::Write(spdlog::level::info, {}, f, std::forward<Args>(args)...);
 }
 template <typename... Args>
 void Warn(fmt::format_string<Args...> f, Args&&... args) {
-  spdlog::warn(f, std::forward<Args>(args)...);
+  internal::Write(spdlog::level::warn, {}, f, std::forward<Args>(args)...);
 }
 template <typename... Args>
 void Error(fmt::format_string<Args...> f, Args&&... args) {
-  spdlog::error(f, std::forward<Args>(args)...);
+  internal::Write(spdlog::level::err, {}, f, std::forward<Args>(args)...);
 }
 
 template <typename... Args>
 void Debug(Request r, fmt::format_string<Args...> f, Args&&... args) {
-  internal::RequestScope scope(r.id);
-  spdlog::debug(f, std::forward<Args>(args)...);
+  internal::Write(spdlog::level::debug, r.id, f, std::forward<Args>(args)...);
 }
 template <typename... Args>
 void Info(Request r, fmt::format_string<Args...> f, Args&&... args) {
-  internal::RequestScope scope(r.id);
-  spdlog::info(f, std::forward<Args>(args)...);
+  internal::Write(spdlog::level::info, r.id, f, std::forward<Args>(args)...);
 }
 template <typename... Args>
 void Warn(Request r, fmt::format_string<Args...> f, Args&&... args) {
-  internal::RequestScope scope(r.id);
-  spdlog::warn(f, std::forward<Args>(args)...);
+  internal::Write(spdlog::level::warn, r.id, f, std::forward<Args>(args)...);
 }
 template <typename... Args>
 void Error(Request r, fmt::format_string<Args...> f, Args&&... args) {
-  internal::RequestScope scope(r.id);
-  spdlog::error(f, std::forward<Args>(args)...);
+  internal::Write(spdlog::level::err, r.id, f, std::forward<Args>(args)...);
 }
 
 }  // namespace preft::log

@@ -1,12 +1,9 @@
 #include "common/serving/worker_setup.h"
 
-#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstdlib>
-
 #include <filesystem>
 #include <set>
 
