@@ -17,7 +17,6 @@
 
 #include <grpcpp/alarm.h>
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/support/client_callback.h>
 
 #include <atomic>
 #include <coroutine>
@@ -160,66 +159,5 @@ inline auto ResumeOn(base::ThreadPool* pool) {
   };
   return Awaiter{pool};
 }
-
-// A server-streaming client call driven by awaits: Start(), then Read() until false, then
-// Finish() (always, before the object goes: gRPC reports the end to it).
-template <typename Response>
-class ClientStream final : public grpc::ClientReadReactor<Response> {
- public:
-  // `begin(this)` is stub->async()->Method(ctx, &req, reactor).
-  template <typename Begin>
-  explicit ClientStream(Begin begin) {
-    begin(this);
-    // Between a read's end and the next StartRead (while the caller writes what it read),
-    // gRPC would otherwise see no operation pending and end the call (OnDone) with the
-    // stream's last read never reported: the hold keeps it open until Finish.
-    this->AddHold();
-    this->StartCall();
-  }
-
-  // The next message into *msg; false at the end of the stream (or on failure).
-  auto Read(Response* msg) {
-    struct Awaiter {
-      ClientStream* s;
-      Response* msg;
-      bool await_ready() const noexcept { return false; }
-      bool await_suspend(std::coroutine_handle<> h) {
-        s->read_.Reset();
-        s->StartRead(msg);
-        return s->read_.Suspend(h);
-      }
-      bool await_resume() const noexcept { return s->read_ok_; }
-    };
-    return Awaiter{this, msg};
-  }
-  // The call's status, once gRPC has ended it. Once, after Read gave false.
-  auto Finish() {
-    struct Awaiter {
-      ClientStream* s;
-      bool await_ready() const noexcept { return false; }
-      bool await_suspend(std::coroutine_handle<> h) {
-        s->RemoveHold();
-        return s->done_.Suspend(h);
-      }
-      grpc::Status await_resume() const { return s->status_; }
-    };
-    return Awaiter{this};
-  }
-
-  void OnReadDone(bool ok) override {
-    read_ok_ = ok;
-    read_.Complete();
-  }
-  void OnDone(const grpc::Status& s) override {
-    status_ = s;
-    done_.Complete();
-  }
-
- private:
-  Rendezvous read_;
-  bool read_ok_ = false;
-  Rendezvous done_;
-  grpc::Status status_;
-};
 
 }  // namespace preft::rpc

@@ -28,6 +28,18 @@
 
 namespace preft::decode {
 
+// What a stream's last message reports (StartRequest and RunRequest name the same fields).
+template <typename CallRequest>
+StreamFinishInfo FinishInfoOf(const CallRequest& r) {
+  StreamFinishInfo info;
+  info.request_id = r.request_id();
+  info.prompt_tokens = r.prompt_ids_size();
+  info.adapter = r.adapter();
+  info.adapter_version = r.adapter_version();
+  info.adapter_positions = r.adapter_positions();
+  return info;
+}
+
 // Lock order: mu, then EngineLoop's queue (Post). StartStream::Fail, whose Finish may run gRPC
 // work, is called only with mu released (see Failures).
 struct DecodeService::Impl {
@@ -85,8 +97,9 @@ struct DecodeService::Impl {
   absl::Status ReserveOnEngine(engine::Engine& e, const worker::v1::ReserveRequest& req,
                                const ReservePlan& plan, worker::v1::ReserveResponse* resp,
                                Failures* failures);
-  // A Start or Run stream, registered in `starts` until gRPC is done with it.
-  std::shared_ptr<StartStream> OpenStream(StreamFinishInfo info);
+  // A Start or Run stream, registered in `starts` until its sink is done with it: a call of its
+  // own (sink null) or `sink`.
+  std::shared_ptr<StartStream> OpenStream(StreamFinishInfo info, StreamSink* sink = nullptr);
   // INVALID_ARGUMENT naming the field: an empty id or prompt, a prompt that fills the context,
   // an id outside the vocabulary.
   absl::Status ValidatePrompt(const std::string& request_id,

@@ -12,6 +12,7 @@
 #include "common/kv/blocks.h"
 #include "common/rpc/status.h"
 #include "services/decode/decode_impl.h"
+#include "services/decode/streams_call.h"
 #include "services/wire/adapter_admin.h"
 #include "services/wire/convert.h"
 #include "services/wire/grpc_kv_transport.h"
@@ -41,12 +42,15 @@ DecodeService::Impl::~Impl() {
   store.reset();
 }
 
-std::shared_ptr<StartStream> DecodeService::Impl::OpenStream(StreamFinishInfo info) {
+std::shared_ptr<StartStream> DecodeService::Impl::OpenStream(StreamFinishInfo info,
+                                                             StreamSink* sink) {
   StartStream::Hooks hooks;
   hooks.on_cancel = [this](StartStream* s) { OnStreamCancel(s); };
   hooks.on_done = [this](StartStream* s) { OnStreamDone(s); };
   const std::string request_id = info.request_id;
-  std::shared_ptr<StartStream> stream = StartStream::Create(std::move(info), std::move(hooks));
+  std::shared_ptr<StartStream> stream =
+      sink == nullptr ? StartStream::Create(std::move(info), std::move(hooks))
+                      : StartStream::Create(std::move(info), std::move(hooks), sink);
   absl::MutexLock lock(&mu);
   Start& start = starts[stream.get()];
   start.stream = stream;
@@ -296,18 +300,6 @@ void DecodeService::SetAdvertisedAddress(const std::string& address) {
 
 namespace {
 
-// What a stream's last message reports (StartRequest and RunRequest name the same fields).
-template <typename CallRequest>
-StreamFinishInfo FinishInfoOf(const CallRequest& r) {
-  StreamFinishInfo info;
-  info.request_id = r.request_id();
-  info.prompt_tokens = r.prompt_ids_size();
-  info.adapter = r.adapter();
-  info.adapter_version = r.adapter_version();
-  info.adapter_positions = r.adapter_positions();
-  return info;
-}
-
 // One WriteKv stream: every chunk goes to the "grpc" transport, which writes it into the cache.
 class WriteKvReactor final : public grpc::ServerReadReactor<worker::v1::KvChunk> {
  public:
@@ -416,6 +408,11 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* DecodeService::Run(
   const absl::Status s = impl_->BeginRun(stream, *request);
   if (!s.ok()) stream->Fail(s);
   return stream->reactor();
+}
+
+grpc::ServerBidiReactor<worker::v1::StreamsRequest, worker::v1::StreamsResponse>*
+DecodeService::Streams(grpc::CallbackServerContext* context) {
+  return new StreamsCall(impl_.get());
 }
 
 grpc::ServerUnaryReactor* DecodeService::Release(grpc::CallbackServerContext* context,

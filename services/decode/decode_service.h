@@ -62,6 +62,8 @@ struct DecodeServiceOptions {
 // without DONE; ABORTED when a retry or Release supersedes the generation it waits for. A Start
 // that has claimed its reservation and then fails or is cancelled aborts the reservation.
 // Release of a started reservation, of a released one or of an older generation is a no-op.
+// Streams carries many Start and Run streams over one call (a router keeps one per worker):
+// each behaves as its own call would; the call's end cancels the streams still open on it.
 // Run is FAILED_PRECONDITION unless colocated (Reserve is FAILED_PRECONDITION if colocated),
 // INVALID_ARGUMENT for a bad request, UNAVAILABLE while draining, and fails with the adapter
 // store's status when its adapter cannot be pinned. LoadAdapter is FAILED_PRECONDITION on a
@@ -129,8 +131,11 @@ class DecodeService final : public worker::v1::DecodeWorker::CallbackService {
   grpc::ServerUnaryReactor* UnloadAdapter(grpc::CallbackServerContext* context,
                                           const worker::v1::WorkerAdapterRequest* request,
                                           worker::v1::UnloadWorkerAdapterResponse* response) override;
+  grpc::ServerBidiReactor<worker::v1::StreamsRequest, worker::v1::StreamsResponse>* Streams(
+      grpc::CallbackServerContext* context) override;
 
  private:
+  friend class StreamsCall;
   struct Impl;
   explicit DecodeService(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;

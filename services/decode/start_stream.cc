@@ -8,15 +8,27 @@
 
 namespace preft::decode {
 
-// The gRPC side: forwards its reactions to the stream, which it keeps alive until OnDone.
-class StartStream::Reactor final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
+// A stream's own gRPC call: its sink, and the reactions it forwards; it keeps the stream alive
+// until OnDone.
+class StartStream::Reactor final : public grpc::ServerWriteReactor<v1::GenerateResponse>,
+                                   public StreamSink {
  public:
   explicit Reactor(std::shared_ptr<StartStream> stream) : stream_(std::move(stream)) {}
 
-  void OnWriteDone(bool ok) override { stream_->OnWriteDone(ok); }
-  void OnCancel() override { stream_->OnCancel(); }
+  void Write(StartStream*, const v1::GenerateResponse& msg) override { StartWrite(&msg); }
+  void Finish(StartStream*, const v1::GenerateResponse* last,
+              const absl::Status& status) override {
+    if (last != nullptr) {
+      StartWriteAndFinish(last, grpc::WriteOptions(), rpc::ToGrpcStatus(status));
+    } else {
+      grpc::ServerWriteReactor<v1::GenerateResponse>::Finish(rpc::ToGrpcStatus(status));
+    }
+  }
+
+  void OnWriteDone(bool ok) override { stream_->WriteDone(ok); }
+  void OnCancel() override { stream_->Cancel(); }
   void OnDone() override {
-    stream_->OnDone();
+    stream_->Done();
     delete this;
   }
 
@@ -26,7 +38,16 @@ class StartStream::Reactor final : public grpc::ServerWriteReactor<v1::GenerateR
 
 std::shared_ptr<StartStream> StartStream::Create(StreamFinishInfo info, Hooks hooks) {
   std::shared_ptr<StartStream> stream(new StartStream(std::move(info), std::move(hooks)));
-  stream->reactor_ = new Reactor(stream);
+  auto* reactor = new Reactor(stream);
+  stream->reactor_ = reactor;
+  stream->sink_ = reactor;
+  return stream;
+}
+
+std::shared_ptr<StartStream> StartStream::Create(StreamFinishInfo info, Hooks hooks,
+                                                 StreamSink* sink) {
+  std::shared_ptr<StartStream> stream(new StartStream(std::move(info), std::move(hooks)));
+  stream->sink_ = sink;
   return stream;
 }
 
@@ -66,17 +87,17 @@ void StartStream::ResolveAdapterPositions(v1::AdapterPositions positions) {
   info_.adapter_positions = positions;
 }
 
-void StartStream::OnWriteDone(bool ok) {
+void StartStream::WriteDone(bool ok) {
   {
     absl::MutexLock lock(&mu_);
     write_in_flight_ = false;
     if (finishing_) return;  // the final write's completion, if reported at all
   }
-  if (!ok) OnCancel();  // the client is gone: the write could not be delivered
+  if (!ok) Cancel();  // the client is gone: the write could not be delivered
   Pump();
 }
 
-void StartStream::OnCancel() {
+void StartStream::Cancel() {
   bool report = false;
   {
     absl::MutexLock lock(&mu_);
@@ -89,11 +110,14 @@ void StartStream::OnCancel() {
   Pump();
 }
 
-void StartStream::OnDone() {
+void StartStream::Done() {
   if (hooks_.on_done) hooks_.on_done(this);
 }
 
 void StartStream::Pump() {
+  // A sink may report inline (a Streams call that is gone drops the message and calls Done,
+  // whose hook lets the service forget the stream): stay alive until this returns.
+  const std::shared_ptr<StartStream> self = shared_from_this();
   enum class Action { kNone, kWrite, kWriteAndFinish, kFinish };
   Action action = Action::kNone;
   absl::Status status;
@@ -159,21 +183,21 @@ void StartStream::Pump() {
     if (action == Action::kWrite) write_in_flight_ = true;
     if (action == Action::kWriteAndFinish || action == Action::kFinish) finishing_ = true;
   }
-  // The flags set above give this thread the reactor alone: OnDone cannot run before Finish.
+  // The flags set above give this thread the sink alone: Done cannot run before Finish.
   switch (action) {
     case Action::kNone:
       break;
     case Action::kWrite:
-      reactor_->StartWrite(&out_);
+      sink_->Write(this, out_);
       break;
     case Action::kWriteAndFinish:
       log::Debug(log::Request{info_.request_id}, "stream finished: {} tokens", completion_tokens_);
-      reactor_->StartWriteAndFinish(&out_, grpc::WriteOptions(), grpc::Status::OK);
+      sink_->Finish(this, &out_, absl::OkStatus());
       break;
     case Action::kFinish:
       log::Debug(log::Request{info_.request_id}, "stream ended: {} after {} tokens", status,
                  completion_tokens_);
-      reactor_->Finish(rpc::ToGrpcStatus(status));
+      sink_->Finish(this, nullptr, status);
       break;
   }
 }

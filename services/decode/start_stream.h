@@ -1,9 +1,11 @@
 #pragma once
 
-// One DecodeWorker.Start (or Run) call on its way to the client: the engine's token events are queued
-// and written one message at a time (events that arrive while a write is in flight go out
-// together in the next message); the last message carries the finish. The decode service
-// learns of the client's cancellation and of gRPC's end of the call through hooks.
+// One Start (or Run) stream on its way to the router: the engine's token events are queued and
+// written one message at a time (events that arrive while a write is in flight go out together
+// in the next message); the last message carries the finish. The messages go to a StreamSink:
+// the stream's own gRPC call (DecodeWorker.Start, .Run) or its tag on a Streams call shared by
+// many streams (streams_call.h). The decode service learns of the client's cancellation and of
+// the stream's end through hooks.
 
 #include <grpcpp/grpcpp.h>
 
@@ -31,11 +33,26 @@ struct StreamFinishInfo {
   v1::AdapterPositions adapter_positions = v1::ADAPTER_POSITIONS_UNSPECIFIED;
 };
 
-// Thread-safe: fed by the engine thread (OnEvent), the decode service (Fail) and gRPC's
-// reactor callbacks. Shared by its reactor, the engine request's on_token callback and the
-// service, it outlives the reactor: events after the call ended are dropped. Never blocks; at
-// most one write is in flight and Finish is called once, never with a write in flight.
-class StartStream {
+class StartStream;
+
+// Where a stream's messages go. Called by the stream with none of its locks held; at most one
+// Write in flight per stream, then one Finish.
+class StreamSink {
+ public:
+  virtual ~StreamSink() = default;
+  // Delivers `msg` (copy it: the stream reuses it after WriteDone), then calls
+  // stream->WriteDone(ok), maybe inline.
+  virtual void Write(StartStream* stream, const v1::GenerateResponse& msg) = 0;
+  // The stream's end: `last` (null: none) then `status`; then stream->Done(), maybe inline.
+  virtual void Finish(StartStream* stream, const v1::GenerateResponse* last,
+                      const absl::Status& status) = 0;
+};
+
+// Thread-safe: fed by the engine thread (OnEvent), the decode service (Fail) and its sink's
+// callbacks. Shared by its sink, the engine request's on_token callback and the service, it
+// outlives its call: events after the stream ended are dropped. Never blocks; at most one write
+// is in flight and Finish is called once, never with a write in flight.
+class StartStream : public std::enable_shared_from_this<StartStream> {
  public:
   struct Hooks {
     // Once, on a gRPC thread, when the client cancels or goes away (before on_done).
@@ -44,10 +61,14 @@ class StartStream {
     std::function<void(StartStream*)> on_done;
   };
 
-  // The reactor it returns is owned by gRPC: return it from the Start handler.
+  // A stream on a call of its own: reactor() is owned by gRPC, return it from the handler.
   static std::shared_ptr<StartStream> Create(StreamFinishInfo info, Hooks hooks);
+  // A stream whose messages go to `sink`, which must outlive the stream's Done.
+  static std::shared_ptr<StartStream> Create(StreamFinishInfo info, Hooks hooks,
+                                             StreamSink* sink);
   ~StartStream();
 
+  // Null for a stream created with a sink.
   grpc::ServerWriteReactor<v1::GenerateResponse>* reactor() { return reactor_; }
 
   // The engine's event for this request (engine thread). A token is queued; a finish ends
@@ -61,6 +82,13 @@ class StartStream {
   // its lease is in. Call before the engine has the request.
   void ResolveAdapterPositions(v1::AdapterPositions positions);
 
+  // For the sink: the write it was given is done (false: undeliverable, the client is gone).
+  void WriteDone(bool ok);
+  // For the sink: the client cancelled or went away. Calls on_cancel the first time.
+  void Cancel();
+  // For the sink: the end it was given is delivered (or dropped); calls on_done.
+  void Done();
+
  private:
   class Reactor;
   struct Event {
@@ -72,16 +100,11 @@ class StartStream {
   };
 
   StartStream(StreamFinishInfo info, Hooks hooks);
-  void OnWriteDone(bool ok);
-  void OnCancel();
-  void OnDone();
   // Starts the next write or the Finish when one is due; the gRPC calls run outside mu_.
   void Pump();
-  // Cancellation reported by OnCancel or a failed write; calls on_cancel the first time.
-  void Cancelled();
-
   const Hooks hooks_;
   grpc::ServerWriteReactor<v1::GenerateResponse>* reactor_ = nullptr;  // gRPC owns; until OnDone
+  StreamSink* sink_ = nullptr;  // reactor_ for a call of its own
 
   absl::Mutex mu_;
   StreamFinishInfo info_ ABSL_GUARDED_BY(mu_);

@@ -49,6 +49,8 @@ rpc::Task<absl::Status> GenerateCall::RunColocated(const std::vector<int32_t>& p
     req.set_adapter_positions(positions);
     finish = FinishAdapter{adapter->name, adapter->version, positions};
   }
+  worker::v1::StreamOpen open;
+  *open.mutable_run() = std::move(req);
   WorkerAttempts attempts(router_->options.max_prefill_attempts, "none was healthy");
   while (!attempts.exhausted()) {
     if (stopped()) {
@@ -69,11 +71,9 @@ rpc::Task<absl::Status> GenerateCall::RunColocated(const std::vector<int32_t>& p
       attempts.ForgetTriedIfAllFailed(known);
       continue;
     }
-    grpc::ClientContext ctx;
-    Track(&ctx);
-    rpc::ClientStream<v1::GenerateResponse> stream(
-        [&](auto* reactor) { w->stub->async()->Run(&ctx, &req, reactor); });
-    const Relayed relayed = co_await Relay(&ctx, &stream, finish);
+    const std::shared_ptr<DecodeStream> stream = w->OpenStream(open);
+    Track(stream);
+    const Relayed relayed = co_await Relay(*stream, finish);
     Untrack();
     const absl::Status& s = relayed.status;
     // Before its first token the request has cost the client nothing: run it elsewhere.

@@ -40,13 +40,17 @@ void GenerateCall::Abort() { Interrupt(&aborted_); }
 
 void GenerateCall::Interrupt(bool* reason) {
   std::shared_ptr<grpc::Alarm> waiting;
+  std::shared_ptr<DecodeStream> stream;
   {
     std::lock_guard<std::mutex> lock(mu_);
     *reason = true;
     if (current_ != nullptr) current_->TryCancel();
     waiting = waiting_;
+    stream = stream_;
   }
   if (waiting != nullptr) waiting->Cancel();
+  // Resumes the relay waiting on it, on this thread: so outside mu_.
+  if (stream != nullptr) stream->Cancel();
 }
 
 void GenerateCall::Track(grpc::ClientContext* ctx) {
@@ -54,6 +58,15 @@ void GenerateCall::Track(grpc::ClientContext* ctx) {
   std::lock_guard<std::mutex> lock(mu_);
   current_ = ctx;
   if (cancelled_ || aborted_) ctx->TryCancel();
+}
+
+void GenerateCall::Track(const std::shared_ptr<DecodeStream>& stream) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stream_ = stream;
+    if (!cancelled_ && !aborted_) return;
+  }
+  stream->Cancel();
 }
 
 void GenerateCall::ReserveDeadline(grpc::ClientContext* ctx) const {
@@ -64,6 +77,7 @@ void GenerateCall::ReserveDeadline(grpc::ClientContext* ctx) const {
 void GenerateCall::Untrack() {
   std::lock_guard<std::mutex> lock(mu_);
   current_ = nullptr;
+  stream_ = nullptr;
 }
 
 bool GenerateCall::stopped() {
@@ -468,13 +482,13 @@ rpc::Task<absl::Status> GenerateCall::Decode(const Reservation& res,
       req.set_adapter_path(adapter->path);
     }
   }
-  grpc::ClientContext ctx;
-  Track(&ctx);
-  rpc::ClientStream<v1::GenerateResponse> stream(
-      [&](auto* reactor) { res.worker->stub->async()->Start(&ctx, &req, reactor); });
+  worker::v1::StreamOpen open;
+  *open.mutable_start() = std::move(req);
+  const std::shared_ptr<DecodeStream> stream = res.worker->OpenStream(open);
+  Track(stream);
   std::optional<FinishAdapter> finish;
   if (adapter) finish = FinishAdapter{adapter->name, first.adapter_version(), first.adapter_positions()};
-  const Relayed relayed = co_await Relay(&ctx, &stream, finish);
+  const Relayed relayed = co_await Relay(*stream, finish);
   Untrack();
   // A Start that ended before it took the reservation (refused, or cancelled before the decode
   // worker saw it) leaves it held: give it back now rather than at lease expiry. A no-op for a
@@ -487,14 +501,13 @@ rpc::Task<absl::Status> GenerateCall::Decode(const Reservation& res,
   co_return end;
 }
 
-rpc::Task<GenerateCall::Relayed> GenerateCall::Relay(
-    grpc::ClientContext* ctx, rpc::ClientStream<v1::GenerateResponse>* stream,
-    const std::optional<FinishAdapter>& adapter) {
+rpc::Task<GenerateCall::Relayed> GenerateCall::Relay(DecodeStream& stream,
+                                                    const std::optional<FinishAdapter>& adapter) {
   Relayed out;
   out.all.set_request_id(id_);
   v1::GenerateResponse msg;
   for (;;) {
-    const bool more = co_await stream->Read(&msg);
+    const bool more = co_await stream.Read(&msg);
     if (!more) break;
     msg.set_request_id(id_);
     completion_tokens_ += msg.token_ids_size();
@@ -509,7 +522,7 @@ rpc::Task<GenerateCall::Relayed> GenerateCall::Relay(
         const bool written = co_await Write(msg);
         if (!written) {
           out.client_gone = true;
-          ctx->TryCancel();
+          stream.Cancel();
         }
       }
     } else {
@@ -519,8 +532,7 @@ rpc::Task<GenerateCall::Relayed> GenerateCall::Relay(
       if (msg.has_finish()) *out.all.mutable_finish() = msg.finish();
     }
   }
-  const grpc::Status finished = co_await stream->Finish();
-  out.status = rpc::FromGrpcStatus(finished);
+  out.status = stream.status();
   co_return out;
 }
 

@@ -95,9 +95,8 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
                                   const std::optional<RegisteredAdapter>& adapter,
                                   const engine::SamplingParams& sampling);
   // Relays a Start or Run stream to the client (each message as it comes when the client
-  // streams); the finish names `adapter`. Call with `ctx` tracked.
-  Task<Relayed> Relay(grpc::ClientContext* ctx, rpc::ClientStream<v1::GenerateResponse>* stream,
-                      const std::optional<FinishAdapter>& adapter);
+  // streams); the finish names `adapter`. Call with the stream tracked.
+  Task<Relayed> Relay(DecodeStream& stream, const std::optional<FinishAdapter>& adapter);
   // The call's end after a relayed stream from `worker`.
   Task<absl::Status> RelayEnd(const Relayed& relayed, DecodeWorker& worker);
   // Gives the reservation back, not awaited (lease expiry covers a lost Release).
@@ -122,6 +121,9 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
   }
   // Client context for a worker call: the client's deadline, registered for cancellation.
   void Track(grpc::ClientContext* ctx);
+  // A decode stream, registered for cancellation (the client's deadline ends the client's
+  // call, whose cancellation ends it).
+  void Track(const std::shared_ptr<DecodeStream>& stream);
   // Reserve calls are not cancelled midway (a reservation the worker made must be known here
   // to be released): they get a short deadline instead, and the caller checks stopped() after.
   void ReserveDeadline(grpc::ClientContext* ctx) const;
@@ -151,6 +153,7 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
   bool cancelled_ = false;
   bool aborted_ = false;
   grpc::ClientContext* current_ = nullptr;
+  std::shared_ptr<DecodeStream> stream_;  // the decode stream in progress
   // A capacity wait in progress: OnCancel and Abort cancel it outside mu_ (its callback may
   // resume the call, which takes mu_), holding a reference so it outlives that.
   std::shared_ptr<grpc::Alarm> waiting_;

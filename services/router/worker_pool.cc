@@ -92,6 +92,47 @@ WorkerPool::WorkerPool(WorkerPoolOptions options) : options_(std::move(options))
 WorkerPool::~WorkerPool() {
   stop_.Notify();
   thread_.join();
+  for (const auto& w : decode()) w->ShutdownStreams();
+}
+
+std::shared_ptr<DecodeStream> DecodeWorker::OpenStream(const worker::v1::StreamOpen& open) {
+  // A second try when the call was found ending between the check and the open (a draining
+  // worker's idle call closed, a broken connection noticed). A call marked to close when idle
+  // (its worker drains) still takes Starts for reservations made before the drain.
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    std::shared_ptr<DecodeStreams> call;
+    {
+      absl::MutexLock lock(&streams_mu);
+      if (streams == nullptr || streams->ending()) {
+        streams = DecodeStreams::Open(stub.get(), address);
+      }
+      call = streams;
+    }
+    if (std::shared_ptr<DecodeStream> s = call->Start(open)) return s;
+  }
+  return DecodeStream::Failed(absl::UnavailableError(
+      absl::StrCat("decode worker ", address, ": no Streams call could be opened")));
+}
+
+void DecodeWorker::CloseStreamsWhenIdle() {
+  absl::MutexLock lock(&streams_mu);
+  if (streams != nullptr && streams->CloseWhenIdle()) streams = nullptr;
+}
+
+void DecodeWorker::ShutdownStreams() {
+  std::shared_ptr<DecodeStreams> call;
+  {
+    absl::MutexLock lock(&streams_mu);
+    call = std::move(streams);
+  }
+  if (call != nullptr) call->Shutdown();
+}
+
+DecodeWorker::~DecodeWorker() {
+  // Normally ShutdownStreams has run. A worker dropped from membership may still have a call:
+  // cancel it; it holds itself until gRPC is done with it.
+  absl::MutexLock lock(&streams_mu);
+  if (streams != nullptr) streams->Cancel();
 }
 
 std::vector<std::shared_ptr<DecodeWorker>> WorkerPool::decode() const {
@@ -173,6 +214,7 @@ void WorkerPool::PollNow() {
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.poll_timeout));
     worker::v1::DecodeStatusResponse r;
     const grpc::Status s = w->stub->Status(&ctx, worker::v1::DecodeStatusRequest(), &r);
+    if (s.ok() && r.draining()) w->CloseStreamsWhenIdle();
     absl::MutexLock lock(&w->mu);
     w->view.healthy = s.ok();
     if (!s.ok()) continue;

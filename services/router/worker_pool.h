@@ -19,6 +19,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "proto/preft/v1/worker.grpc.pb.h"
+#include "services/router/decode_streams.h"
 #include "services/router/routing.h"
 
 namespace preft::router {
@@ -49,6 +50,20 @@ struct DecodeWorker {
     absl::MutexLock lock(&mu);
     kv_path_suspect_until = absl::Now() + hold;
   }
+
+  // A Start or Run stream on this worker, over its one Streams call (opened at first use, and
+  // again once it has ended). A stream that could not be opened has ended UNAVAILABLE.
+  std::shared_ptr<DecodeStream> OpenStream(const worker::v1::StreamOpen& open)
+      ABSL_LOCKS_EXCLUDED(streams_mu);
+  // Closes the Streams call once no stream is open on it (the worker drains: let it exit).
+  void CloseStreamsWhenIdle() ABSL_LOCKS_EXCLUDED(streams_mu);
+  // Ends the Streams call and waits for gRPC to be done with it (the pool's end).
+  void ShutdownStreams() ABSL_LOCKS_EXCLUDED(streams_mu);
+  ~DecodeWorker();
+
+ private:
+  absl::Mutex streams_mu;
+  std::shared_ptr<DecodeStreams> streams ABSL_GUARDED_BY(streams_mu);
 };
 
 struct PrefillWorker {

@@ -19,44 +19,6 @@
 namespace preft::decode {
 namespace {
 
-// A colocated worker (the deployment without disaggregation): Run computes the prompt here,
-// with the request's adapter at its positions, and decodes it in the same engine.
-class ColocatedDecodeTest : public DecodeServiceTest {
- protected:
-  void SetUp() override {
-    DecodeServiceOptions o;
-    o.colocated = true;
-    o.adapter_root = testing::TinyLlamaFixture();
-    StartService(o);
-  }
-
-  static worker::v1::RunRequest MakeRun(const engine::Request& r) {
-    worker::v1::RunRequest run;
-    run.set_request_id(r.id);
-    for (int32_t id : r.prompt_ids) run.add_prompt_ids(id);
-    *run.mutable_sampling() = wire::ToProto(r.sampling);
-    return run;
-  }
-
-  StreamResult CallRun(const worker::v1::RunRequest& req) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-    auto reader = stub_->Run(&ctx, req);
-    return Collect(*reader);
-  }
-
-  // Requests batched together: the same tokens and text as one engine running each alone; the
-  // logprobs agree to float rounding (the kernels' summation order depends on the batch).
-  static void ExpectSameTokens(const StreamResult& got, const engine::GenerationResult& ref) {
-    ASSERT_TRUE(got.status.ok()) << got.status.error_message();
-    EXPECT_EQ(got.tokens, ref.token_ids);
-    EXPECT_EQ(got.text, ref.text);
-    ASSERT_EQ(got.logprobs.size(), ref.logprobs.size());
-    for (size_t t = 0; t < ref.logprobs.size(); ++t)
-      EXPECT_NEAR(got.logprobs[t].logprob(), ref.logprobs[t].logprob, 1e-4) << t;
-  }
-};
-
 TEST_F(ColocatedDecodeTest, RunEqualsOneEngineWithAndWithoutAdapters) {
   auto lora = adapters::LoadAdapter(testing::TinyLlamaFixture() + "/lora", loaded_->model->config());
   auto direft =

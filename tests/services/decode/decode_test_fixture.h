@@ -214,14 +214,19 @@ class DecodeServiceTest : public ::testing::Test {
     return s;
   }
 
-  // The all-position baseline's path for `r` (its adapter is the fixture's "lora"): reserve,
-  // prefill, push the KV, then the Start that names the adapter for decode to run too.
-  StartRequest BaselineStart(const engine::Request& r, ReserveResponse* res) {
+  // The prefill tier's part for `r`: reserve, prefill, push the KV; then the Start for it.
+  StartRequest PrefilledStart(const engine::Request& r, ReserveResponse* res) {
     EXPECT_TRUE(Reserve(static_cast<int32_t>(r.prompt_ids.size()), r.sampling.max_tokens, res).ok());
     const engine::PrefilledPrompt p = Prefill(r);
     EXPECT_TRUE(Transfer(p, res->reservation_id(), 1, res->block_ids()).ok());
     EXPECT_TRUE(prefill_->ReleasePrefilled(p.request_id).ok());
-    StartRequest start = MakeStart(r, p, *res);
+    return MakeStart(r, p, *res);
+  }
+
+  // The all-position baseline's path for `r` (its adapter is the fixture's "lora"): reserve,
+  // prefill, push the KV, then the Start that names the adapter for decode to run too.
+  StartRequest BaselineStart(const engine::Request& r, ReserveResponse* res) {
+    StartRequest start = PrefilledStart(r, res);
     start.set_adapter("lora");
     start.set_adapter_version(1);
     start.set_adapter_path("lora");
@@ -287,6 +292,44 @@ class DecodeServiceTest : public ::testing::Test {
   std::unique_ptr<engine::Engine> prefill_;
   std::unique_ptr<transport::InprocTransport> prefill_transport_;
   transport::PeerId peer_ = 0;
+};
+
+// A colocated worker (the deployment without disaggregation): Run computes the prompt here,
+// with the request's adapter at its positions, and decodes it in the same engine.
+class ColocatedDecodeTest : public DecodeServiceTest {
+ protected:
+  void SetUp() override {
+    DecodeServiceOptions o;
+    o.colocated = true;
+    o.adapter_root = testing::TinyLlamaFixture();
+    StartService(o);
+  }
+
+  static worker::v1::RunRequest MakeRun(const engine::Request& r) {
+    worker::v1::RunRequest run;
+    run.set_request_id(r.id);
+    for (int32_t id : r.prompt_ids) run.add_prompt_ids(id);
+    *run.mutable_sampling() = wire::ToProto(r.sampling);
+    return run;
+  }
+
+  StreamResult CallRun(const worker::v1::RunRequest& req) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    auto reader = stub_->Run(&ctx, req);
+    return Collect(*reader);
+  }
+
+  // Requests batched together: the same tokens and text as one engine running each alone; the
+  // logprobs agree to float rounding (the kernels' summation order depends on the batch).
+  static void ExpectSameTokens(const StreamResult& got, const engine::GenerationResult& ref) {
+    ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+    EXPECT_EQ(got.tokens, ref.token_ids);
+    EXPECT_EQ(got.text, ref.text);
+    ASSERT_EQ(got.logprobs.size(), ref.logprobs.size());
+    for (size_t t = 0; t < ref.logprobs.size(); ++t)
+      EXPECT_NEAR(got.logprobs[t].logprob(), ref.logprobs[t].logprob, 1e-4) << t;
+  }
 };
 
 }  // namespace preft::decode
