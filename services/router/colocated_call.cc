@@ -34,7 +34,8 @@ absl::StatusOr<std::shared_ptr<DecodeWorker>> GenerateCall::PickColocated(
 rpc::Task<absl::Status> GenerateCall::RunColocated(const std::vector<int32_t>& prompt,
                                                   const std::optional<RegisteredAdapter>& adapter,
                                                   const engine::SamplingParams& sampling) {
-  worker::v1::RunRequest req;
+  worker::v1::StreamOpen open;
+  worker::v1::RunRequest& req = *open.mutable_run();
   req.set_request_id(id_);
   for (int32_t t : prompt) req.add_prompt_ids(t);
   *req.mutable_sampling() = wire::ToProto(sampling);
@@ -49,8 +50,6 @@ rpc::Task<absl::Status> GenerateCall::RunColocated(const std::vector<int32_t>& p
     req.set_adapter_positions(positions);
     finish = FinishAdapter{adapter->name, adapter->version, positions};
   }
-  worker::v1::StreamOpen open;
-  *open.mutable_run() = std::move(req);
   WorkerAttempts attempts(router_->options.max_prefill_attempts, "none was healthy");
   while (!attempts.exhausted()) {
     if (stopped()) {

@@ -465,7 +465,8 @@ rpc::Task<absl::Status> GenerateCall::Decode(const Reservation& res,
                                             const std::optional<RegisteredAdapter>& adapter,
                                             const engine::SamplingParams& sampling,
                                             const worker::v1::PrefillResponse& first) {
-  worker::v1::StartRequest req;
+  worker::v1::StreamOpen open;
+  worker::v1::StartRequest& req = *open.mutable_start();
   req.set_reservation_id(res.r.reservation_id());
   req.set_generation(res.r.generation());
   req.set_request_id(id_);
@@ -482,8 +483,6 @@ rpc::Task<absl::Status> GenerateCall::Decode(const Reservation& res,
       req.set_adapter_path(adapter->path);
     }
   }
-  worker::v1::StreamOpen open;
-  *open.mutable_start() = std::move(req);
   const std::shared_ptr<DecodeStream> stream = res.worker->OpenStream(open);
   Track(stream);
   std::optional<FinishAdapter> finish;
@@ -591,6 +590,14 @@ rpc::Task<absl::Status> GenerateCall::Run() {
     co_return ran;
   }
 
+  const absl::Status ran = co_await RunDisaggregated(prompt, adapter, sampling, admitted);
+  co_return ran;
+}
+
+rpc::Task<absl::Status> GenerateCall::RunDisaggregated(
+    const std::vector<int32_t>& prompt, const std::optional<RegisteredAdapter>& adapter,
+    const engine::SamplingParams& sampling, absl::Time admitted) {
+  RouterMetrics& m = *router_->metrics;
   absl::StatusOr<Reservation> res =
       co_await Reserve(static_cast<int64_t>(prompt.size()), sampling.max_tokens);
   if (!res.ok()) {

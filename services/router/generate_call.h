@@ -69,6 +69,11 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
   rpc::Detached Drive();
   // Everything up to the end of the decode stream; returns the call's status.
   Task<absl::Status> Run();
+  // Reserve, prefill, decode: the disaggregated path after admission (a coroutine of its own,
+  // so that a colocated call's frame does not hold its locals).
+  Task<absl::Status> RunDisaggregated(const std::vector<int32_t>& prompt,
+                                      const std::optional<RegisteredAdapter>& adapter,
+                                      const engine::SamplingParams& sampling, absl::Time admitted);
   absl::Status Admit(std::vector<int32_t>* prompt, std::optional<RegisteredAdapter>* adapter,
                      engine::SamplingParams* sampling);
   // FAILED_PRECONDITION when no healthy worker is of the kind the request needs (colocated or
@@ -143,7 +148,7 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
 
   RouterService::Impl* const router_;
   grpc::CallbackServerContext* const context_;
-  const v1::GenerateRequest request_;
+  const v1::GenerateRequest& request_;  // gRPC's, until OnDone
   std::string id_;
   absl::Time admission_deadline_;
   std::chrono::system_clock::time_point client_deadline_;
