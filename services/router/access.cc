@@ -20,25 +20,53 @@ bool SameToken(absl::string_view a, absl::string_view b) {
   return diff == 0;
 }
 
-// The bearer token of the call, or "" when it carries none.
-std::string BearerToken(const grpc::ServerContextBase& context) {
-  const auto& md = context.client_metadata();
-  auto it = md.find("authorization");
-  if (it == md.end()) return "";
-  const absl::string_view value(it->second.data(), it->second.size());
+// The bearer token of an `authorization` value, or "" when it carries none.
+std::string BearerToken(absl::string_view value) {
   constexpr absl::string_view kBearer = "Bearer ";
   if (value.size() <= kBearer.size() || !absl::StartsWithIgnoreCase(value, kBearer)) return "";
   return std::string(absl::StripAsciiWhitespace(value.substr(kBearer.size())));
 }
 
+std::string Metadata(const grpc::ServerContextBase& context, const char* key) {
+  const auto& md = context.client_metadata();
+  auto it = md.find(key);
+  return it == md.end() ? "" : std::string(it->second.data(), it->second.size());
+}
+
 }  // namespace
 
-absl::Status Access::Authorize(const grpc::ServerContextBase& context, Scope scope) const {
+Caller CallerOf(const grpc::ServerContextBase& context) {
+  Caller c;
+  c.authorization = Metadata(context, "authorization");
+  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  if (auth != nullptr && auth->IsPeerAuthenticated()) {
+    for (const grpc::string_ref& id : auth->GetPeerIdentity()) {
+      c.tls_identity.assign(id.data(), id.size());
+      break;
+    }
+  }
+  // "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000": the address without the port.
+  const std::string peer = context.peer();
+  // The OpenAI HTTP front end calls in-process and names its own client; only in-process
+  // callers are believed.
+  const bool network = absl::StartsWith(peer, "ipv4:") || absl::StartsWith(peer, "ipv6:") ||
+                       absl::StartsWith(peer, "unix:");
+  const std::string http_client = network ? "" : Metadata(context, "x-preft-http-client");
+  if (!http_client.empty()) {
+    c.address = absl::StrCat("http:", http_client);
+  } else {
+    const size_t colon = peer.rfind(':');
+    c.address = colon == std::string::npos ? peer : peer.substr(0, colon);
+  }
+  return c;
+}
+
+absl::Status Access::Authorize(const Caller& caller, Scope scope) const {
   const std::string& admin = options_.admin_token;
   const std::string& api = options_.api_token;
   const bool needed = scope == Scope::kAdmin ? !admin.empty() : !api.empty();
   if (!needed) return absl::OkStatus();
-  const std::string token = BearerToken(context);
+  const std::string token = BearerToken(caller.authorization);
   if (token.empty()) {
     return absl::UnauthenticatedError(
         "missing bearer token: send 'authorization: Bearer <token>' metadata");
@@ -54,37 +82,19 @@ absl::Status Access::Authorize(const grpc::ServerContextBase& context, Scope sco
   return absl::UnauthenticatedError("invalid bearer token");
 }
 
-std::string Access::ClientOf(const grpc::ServerContextBase& context) const {
-  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
-  if (auth != nullptr && auth->IsPeerAuthenticated()) {
-    for (const grpc::string_ref& id : auth->GetPeerIdentity()) {
-      return absl::StrCat("tls:", absl::string_view(id.data(), id.size()));
-    }
-  }
+std::string Access::ClientOf(const Caller& caller) const {
+  if (!caller.tls_identity.empty()) return absl::StrCat("tls:", caller.tls_identity);
   // Only a token this router knows names a client: an invented one would make every request a
   // new client and slip past the per-client stream cap.
-  const std::string token = BearerToken(context);
+  const std::string token = BearerToken(caller.authorization);
   const bool known = (!options_.api_token.empty() && SameToken(token, options_.api_token)) ||
                      (!options_.admin_token.empty() && SameToken(token, options_.admin_token));
   if (!token.empty() && known) return absl::StrCat("token:", absl::Hex(base::Fnv1a64(token)));
-  // "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000": the address without the port.
-  const std::string peer = context.peer();
-  // The OpenAI HTTP front end calls in-process and names its own client; only in-process
-  // callers are believed.
-  const bool network = absl::StartsWith(peer, "ipv4:") || absl::StartsWith(peer, "ipv6:") ||
-                       absl::StartsWith(peer, "unix:");
-  if (!network) {
-    const auto& md = context.client_metadata();
-    if (auto it = md.find("x-preft-http-client"); it != md.end()) {
-      return absl::StrCat("http:", absl::string_view(it->second.data(), it->second.size()));
-    }
-  }
-  const size_t colon = peer.rfind(':');
-  return colon == std::string::npos ? peer : peer.substr(0, colon);
+  return caller.address;
 }
 
-absl::StatusOr<Access::Slot> Access::OpenStream(const grpc::ServerContextBase& context) {
-  std::string client = ClientOf(context);
+absl::StatusOr<Access::Slot> Access::OpenStream(const Caller& caller) {
+  std::string client = ClientOf(caller);
   if (options_.max_streams_per_client <= 0) return Slot();
   absl::MutexLock lock(&mu_);
   int& open = streams_[client];

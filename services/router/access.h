@@ -34,12 +34,26 @@ struct AccessOptions {
 
 enum class Scope { kApi, kAdmin };
 
+// Who is calling, as a call's transport tells it.
+struct Caller {
+  std::string authorization;  // the `authorization` header's value ("Bearer <token>"), or ""
+  std::string tls_identity;   // the verified client certificate's subject (mutual TLS), or ""
+  std::string address;        // the client's address without the port
+};
+
+// A gRPC call's caller. The peer address is the network peer's; for an in-process call (the
+// OpenAI door's admin calls) the `x-preft-http-client` metadata it sets, believed only there.
+Caller CallerOf(const grpc::ServerContextBase& context);
+
 // Thread-safe.
 class Access {
  public:
   explicit Access(AccessOptions options) : options_(std::move(options)) {}
 
-  absl::Status Authorize(const grpc::ServerContextBase& context, Scope scope) const;
+  absl::Status Authorize(const Caller& caller, Scope scope) const;
+  absl::Status Authorize(const grpc::ServerContextBase& context, Scope scope) const {
+    return Authorize(CallerOf(context), scope);
+  }
 
   // A held stream slot; giving it back (destruction) frees it.
   class Slot {
@@ -56,10 +70,10 @@ class Access {
     std::string client_;
   };
   // RESOURCE_EXHAUSTED, naming the client and the cap, when it already holds the cap.
-  absl::StatusOr<Slot> OpenStream(const grpc::ServerContextBase& context);
+  absl::StatusOr<Slot> OpenStream(const Caller& caller);
 
   // The client's identity, as the stream cap counts it (for messages and tests).
-  std::string ClientOf(const grpc::ServerContextBase& context) const;
+  std::string ClientOf(const Caller& caller) const;
 
  private:
   void Close(const std::string& client);

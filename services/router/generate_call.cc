@@ -12,10 +12,16 @@
 
 namespace preft::router {
 
-GenerateCall::GenerateCall(RouterService::Impl* router, grpc::CallbackServerContext* context,
-                           const v1::GenerateRequest* request)
-    : router_(router), context_(context), request_(*request), arrival_(absl::Now()) {
-  client_deadline_ = context->deadline();
+GenerateCall::GenerateCall(RouterService::Impl* router, const v1::GenerateRequest& request,
+                           Caller caller, std::chrono::system_clock::time_point deadline,
+                           GenerateClient* client)
+    : router_(router),
+      client_(client),
+      request_(request),
+      caller_(std::move(caller)),
+      arrival_(absl::Now()) {
+  client->call_ = this;
+  client_deadline_ = deadline;
   has_deadline_ = client_deadline_ <
                   std::chrono::system_clock::time_point::max() - std::chrono::hours(24 * 365);
   // Waiting for capacity ends before the client's deadline, so the client hears
@@ -29,14 +35,41 @@ GenerateCall::GenerateCall(RouterService::Impl* router, grpc::CallbackServerCont
   Drive();  // runs until its first wait, then from callbacks
 }
 
-void GenerateCall::OnWriteDone(bool ok) {
+void GenerateCall::WriteDone(bool ok) {
   write_ok_ = ok;
   write_.Complete();
 }
 
-void GenerateCall::OnCancel() { Interrupt(&cancelled_); }
+void GenerateCall::Cancel() { Interrupt(&cancelled_); }
 
 void GenerateCall::Abort() { Interrupt(&aborted_); }
+
+void GenerateCall::WatchDeadline() {
+  if (!has_deadline_) return;
+  deadline_watch_ = std::make_shared<DeadlineWatch>();
+  deadline_watch_->call = this;
+  deadline_alarm_ = std::make_unique<grpc::Alarm>();
+  deadline_alarm_->Set(client_deadline_, [watch = deadline_watch_](bool fired) {
+    if (!fired) return;  // cancelled: the call ended first
+    std::lock_guard<std::mutex> lock(watch->mu);
+    GenerateCall* call = watch->call;
+    if (call == nullptr) return;
+    {
+      std::lock_guard<std::mutex> call_lock(call->mu_);
+      call->expired_ = true;
+    }
+    call->Interrupt(&call->cancelled_);  // starts nothing inline (see Interrupt)
+  });
+}
+
+void GenerateCall::UnwatchDeadline() {
+  if (deadline_watch_ == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(deadline_watch_->mu);
+    deadline_watch_->call = nullptr;
+  }
+  deadline_alarm_.reset();  // cancels it; its callback holds only the watch
+}
 
 void GenerateCall::Interrupt(bool* reason) {
   std::shared_ptr<grpc::Alarm> waiting;
@@ -49,8 +82,10 @@ void GenerateCall::Interrupt(bool* reason) {
     stream = stream_;
   }
   if (waiting != nullptr) waiting->Cancel();
-  // Resumes the relay waiting on it, on this thread: so outside mu_.
-  if (stream != nullptr) stream->Cancel();
+  // Cancelling a stream resumes the relay reading it on the cancelling thread: not this one,
+  // which may hold locks the call takes on its way out (the router's, for Abort; the OpenAI
+  // door's choice).
+  if (stream != nullptr) router_->cpu->Post([stream] { stream->Cancel(); });
 }
 
 void GenerateCall::Track(grpc::ClientContext* ctx) {
@@ -96,7 +131,7 @@ rpc::Task<bool> GenerateCall::Write(const v1::GenerateResponse& response) {
     bool await_ready() const noexcept { return false; }
     bool await_suspend(std::coroutine_handle<> h) {
       call->write_.Reset();
-      call->StartWrite(msg);
+      call->client_->StartWrite(msg);
       return call->write_.Suspend(h);
     }
     void await_resume() const noexcept {}
@@ -112,9 +147,11 @@ rpc::Detached GenerateCall::Drive() {
     std::lock_guard<std::mutex> lock(router_->mu);
     ++router_->threads;  // work in flight: the service's destructor waits for it
   }
+  WatchDeadline();
   // Admission tokenises and may read the registry: CPU and disk work, off the callback thread.
   co_await rpc::ResumeOn(router_->cpu.get());
   absl::Status status = co_await Run();
+  UnwatchDeadline();
   // Before the client hears the end: it may open its next stream at once, while gRPC destroys
   // this call (and would free the slot) only later.
   slot_ = Access::Slot();
@@ -126,7 +163,7 @@ rpc::Detached GenerateCall::Drive() {
     if (it != router_->active.end() && it->second == this) router_->active.erase(it);
   }
   RouterService::Impl* router = router_;
-  Finish(rpc::ToGrpcStatus(status));  // `this` may be deleted from here on
+  client_->Finish(status);  // `this` may be deleted from here on
   std::lock_guard<std::mutex> lock(router->mu);
   if (--router->threads == 0) router->idle.notify_all();
 }
@@ -147,11 +184,13 @@ void GenerateCall::ObserveTokens(int n) {
 }
 
 rpc::Task<absl::Status> GenerateCall::AbortedResult() {
-  bool cancelled;
+  bool cancelled, expired;
   {
     std::lock_guard<std::mutex> lock(mu_);
     cancelled = cancelled_;
+    expired = expired_;
   }
+  if (expired) co_return absl::DeadlineExceededError("Deadline Exceeded");
   if (cancelled) co_return absl::CancelledError("cancelled by the client");
   // Abort RPC: an ordinary end with finish ABORT.
   v1::GenerateResponse last;
@@ -536,11 +575,11 @@ rpc::Task<GenerateCall::Relayed> GenerateCall::Relay(DecodeStream& stream,
 }
 
 rpc::Task<absl::Status> GenerateCall::RelayEnd(const Relayed& relayed, DecodeWorker& worker) {
-  if (relayed.client_gone) co_return absl::CancelledError("the client went away");
-  if (stopped()) {
+  if (stopped()) {  // first: a deadline also makes writes fail as if the client had gone
     const absl::Status aborted = co_await AbortedResult();
     co_return aborted;
   }
+  if (relayed.client_gone) co_return absl::CancelledError("the client went away");
   const absl::Status& s = relayed.status;
   if (!s.ok()) {
     if (s.code() == absl::StatusCode::kUnavailable) {
@@ -568,8 +607,9 @@ rpc::Task<absl::Status> GenerateCall::Run() {
           absl::StrCat("request id '", taken, "' is already running"));
     }
   }
-  PREFT_CO_RETURN_IF_ERROR(router_->access->Authorize(*context_, Scope::kApi));
-  PREFT_CO_ASSIGN_OR_RETURN(slot_, router_->access->OpenStream(*context_));
+  PREFT_CO_RETURN_IF_ERROR(router_->access->Authorize(caller_, Scope::kApi));
+  PREFT_CO_ASSIGN_OR_RETURN(slot_, router_->access->OpenStream(caller_));
+  caller_ = Caller();  // not needed from here on
   std::vector<int32_t> prompt;
   std::optional<RegisteredAdapter> adapter;
   engine::SamplingParams sampling;

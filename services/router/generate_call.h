@@ -1,10 +1,10 @@
 #pragma once
 
-// One Generate call: a callback reactor driven by a coroutine (common/rpc/coro.h). Its calls
-// to the workers, its waits for capacity and its writes to the client are awaited callback
-// operations, so a call holds no thread while it waits: admission (tokenising, the registry)
-// runs on the router's CPU pool, the rest on gRPC's callback threads. Retries and deadlines are
-// state in the coroutine's frame.
+// One Generate call, driven by a coroutine (common/rpc/coro.h). Its calls to the workers, its
+// waits for capacity and its writes to the client are awaited callback operations, so a call
+// holds no thread while it waits: admission (tokenising, the registry) runs on the router's CPU
+// pool, the rest on gRPC's callback threads. Retries and deadlines are state in the coroutine's
+// frame. Its client is a GenerateClient (router_service.h): a gRPC stream or the OpenAI door.
 
 #include <grpcpp/grpcpp.h>
 
@@ -25,14 +25,19 @@
 
 namespace preft::router {
 
-class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
+class GenerateCall final {
  public:
-  GenerateCall(RouterService::Impl* router, grpc::CallbackServerContext* context,
-               const v1::GenerateRequest* request);
+  // Starts at once. `request` and `client` outlive the call (until Done); `deadline` is the
+  // client's (time_point::max() for none).
+  GenerateCall(RouterService::Impl* router, const v1::GenerateRequest& request, Caller caller,
+               std::chrono::system_clock::time_point deadline, GenerateClient* client);
 
-  void OnWriteDone(bool ok) override;
-  void OnCancel() override;
-  void OnDone() override { delete this; }
+  // From the client: the write it was given is done (false: the client is gone).
+  void WriteDone(bool ok);
+  // From the client: it cancelled or went away. Not after Finish.
+  void Cancel();
+  // From the client, after Finish: frees the call.
+  void Done() { delete this; }
 
   // Abort RPC: the stream ends with finish ABORT and status OK.
   void Abort();
@@ -133,7 +138,9 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
   // to be released): they get a short deadline instead, and the caller checks stopped() after.
   void ReserveDeadline(grpc::ClientContext* ctx) const;
   void Untrack();
-  bool stopped();  // cancelled or aborted
+  bool stopped();  // cancelled (or past the deadline) or aborted
+  void WatchDeadline();
+  void UnwatchDeadline();
   // Sets `reason` (cancelled_ or aborted_), cancels the worker call in progress and ends a
   // capacity wait (outside mu_: its callback may resume the call, which takes mu_).
   void Interrupt(bool* reason);
@@ -147,8 +154,9 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
   Task<absl::Status> AbortedResult();
 
   RouterService::Impl* const router_;
-  grpc::CallbackServerContext* const context_;
-  const v1::GenerateRequest& request_;  // gRPC's, until OnDone
+  GenerateClient* const client_;
+  const v1::GenerateRequest& request_;  // the client's, until Done
+  Caller caller_;                       // until admitted
   std::string id_;
   absl::Time admission_deadline_;
   std::chrono::system_clock::time_point client_deadline_;
@@ -157,9 +165,19 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
   std::mutex mu_;
   bool cancelled_ = false;
   bool aborted_ = false;
+  bool expired_ = false;  // the client's deadline passed (cancelled_ is set too)
+  // The client's deadline, enforced here for clients that do not enforce it themselves (the
+  // OpenAI door calls in process); a gRPC client's deadline also cancels the call through gRPC.
+  // The alarm's callback reaches the call through `watch`, which the call's end clears.
+  struct DeadlineWatch {
+    std::mutex mu;
+    GenerateCall* call = nullptr;
+  };
+  std::shared_ptr<DeadlineWatch> deadline_watch_;
+  std::unique_ptr<grpc::Alarm> deadline_alarm_;
   grpc::ClientContext* current_ = nullptr;
   std::shared_ptr<DecodeStream> stream_;  // the decode stream in progress
-  // A capacity wait in progress: OnCancel and Abort cancel it outside mu_ (its callback may
+  // A capacity wait in progress: Cancel and Abort cancel it outside mu_ (its callback may
   // resume the call, which takes mu_), holding a reference so it outlives that.
   std::shared_ptr<grpc::Alarm> waiting_;
   rpc::Rendezvous write_;           // the write in progress and its end

@@ -222,6 +222,7 @@ int main(int argc, char** argv) {
     h.http.idle_timeout = absl::Seconds(http_idle_timeout_s);
     h.http.max_body_bytes = max_request_bytes;
     h.router = (*server)->InProcessChannel();
+    h.generate = &service;
     h.tokenizer = tokenizer.get();
     auto chat = router::ChatRendererFor(model_dir);
     if (!chat.ok()) {

@@ -14,6 +14,8 @@
 #include "proto/grpc/health/v1/health.grpc.pb.h"
 #include "proto/preft/v1/preft.grpc.pb.h"
 #include "services/router/openai_protocol.h"
+#include "services/router/generate_call.h"
+#include "services/router/router_service.h"
 #include "services/wire/request_convert.h"
 
 namespace preft::router {
@@ -94,13 +96,15 @@ class CallTracker {
   int n_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// The choices of one completion request: a callback-driven Generate stream each, whose
-// events become the HTTP answer (one body, or server-sent events as they come).
+class ChoiceStream;
+
+// The choices of one completion request: a Generate call each, straight to the router in this
+// process, whose messages become the HTTP answer (one body, or server-sent events as they come).
 class Generation : public std::enable_shared_from_this<Generation> {
  public:
-  Generation(v1::Preft::Stub* stub, CallTracker* calls, Exchange ex, openai::Plan plan, bool chat,
+  Generation(RouterService* router, CallTracker* calls, Exchange ex, openai::Plan plan, bool chat,
              const text::Tokenizer* tokenizer, absl::Duration timeout)
-      : stub_(stub),
+      : router_(router),
         calls_(calls),
         ex_(std::move(ex)),
         plan_(std::move(plan)),
@@ -108,28 +112,21 @@ class Generation : public std::enable_shared_from_this<Generation> {
         tokenizer_(tokenizer),
         id_(NewId(chat ? "chatcmpl" : "cmpl")),
         created_(static_cast<int64_t>(std::time(nullptr))),
+        deadline_(absl::Now() + timeout),
         running_(static_cast<int>(plan_.choices.size())),
         results_(plan_.choices.size()),
-        started_(plan_.choices.size(), false) {
-    for (size_t i = 0; i < plan_.choices.size(); ++i) {
-      contexts_.push_back(std::make_unique<grpc::ClientContext>());
-      Prepare(ex_->request(), timeout, contexts_.back().get());
-    }
-  }
+        started_(plan_.choices.size(), false) {}
 
   void Start();
   void OnDelta(int index, const v1::GenerateResponse& msg);
   void OnEnd(int index, const absl::Status& status);
 
-  v1::Preft::Stub* stub() const { return stub_; }
   CallTracker* calls() const { return calls_; }
-  grpc::ClientContext* context(int i) { return contexts_[i].get(); }
-  const v1::GenerateRequest* request(int i) const { return &plan_.choices[i]; }
 
  private:
-  void Cancel() {
-    for (auto& ctx : contexts_) ctx->TryCancel();
-  }
+  // Cancels every choice still running (the client left, or one choice's error answered).
+  // Called with mu_ not held: a choice's end takes it.
+  void Cancel();
   void BeginStream() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (stream_started_) return;
     stream_started_ = true;
@@ -137,7 +134,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   }
   void Finish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  v1::Preft::Stub* const stub_;
+  RouterService* const router_;
   CallTracker* const calls_;
   const Exchange ex_;
   const openai::Plan plan_;
@@ -145,7 +142,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
   const text::Tokenizer* const tokenizer_;
   const std::string id_;
   const int64_t created_;
-  std::vector<std::unique_ptr<grpc::ClientContext>> contexts_;  // fixed once built
+  const absl::Time deadline_;
+  std::vector<std::weak_ptr<ChoiceStream>> choices_;  // fixed once started
 
   absl::Mutex mu_;  // orders the answer's pieces
   int running_ ABSL_GUARDED_BY(mu_);
@@ -158,31 +156,64 @@ class Generation : public std::enable_shared_from_this<Generation> {
   int64_t completion_tokens_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// One choice's Generate stream: reads until the end, reporting to its Generation.
-class ChoiceCall final : public grpc::ClientReadReactor<v1::GenerateResponse> {
+// One choice's Generate call, in process: its messages and end go to its Generation. The
+// call lives until Finish and every Cancel in progress are over (whichever is last frees it).
+class ChoiceStream final : public GenerateClient {
  public:
-  ChoiceCall(std::shared_ptr<Generation> g, int index) : g_(std::move(g)), index_(index) {
-    g_->stub()->async()->Generate(g_->context(index_), g_->request(index_), this);
-    StartRead(&msg_);
-    StartCall();
+  ChoiceStream(std::shared_ptr<Generation> g, int index) : g_(std::move(g)), index_(index) {}
+
+  static void Start(RouterService* router, std::shared_ptr<ChoiceStream> self,
+                    const v1::GenerateRequest& request, Caller caller, absl::Time deadline) {
+    ChoiceStream* s = self.get();
+    s->self_ = std::move(self);
+    router->GenerateInProcess(request, std::move(caller), deadline, s);
   }
-  void OnReadDone(bool ok) override {
-    if (!ok) return;  // OnDone follows
-    g_->OnDelta(index_, msg_);
-    StartRead(&msg_);
+
+  void StartWrite(const v1::GenerateResponse* msg) override {
+    g_->OnDelta(index_, *msg);
+    call()->WriteDone(true);  // the HTTP connection buffers it
   }
-  void OnDone(const grpc::Status& s) override {
-    g_->OnEnd(index_, rpc::FromGrpcStatus(s));
-    CallTracker* calls = g_->calls();
-    g_.reset();
-    delete this;
-    calls->End();
+  void Finish(const absl::Status& status) override {
+    bool last;
+    {
+      absl::MutexLock lock(&mu_);
+      finished_ = true;
+      last = cancelling_ == 0;
+    }
+    g_->OnEnd(index_, status);
+    if (last) Release();
+  }
+  // The HTTP client left: the call ends as a cancelled gRPC call would.
+  void Cancel() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (finished_) return;
+      ++cancelling_;
+    }
+    call()->Cancel();
+    bool last;
+    {
+      absl::MutexLock lock(&mu_);
+      last = --cancelling_ == 0 && finished_;
+    }
+    if (last) Release();
   }
 
  private:
+  void Release() {
+    call()->Done();
+    CallTracker* calls = g_->calls();
+    g_.reset();
+    std::shared_ptr<ChoiceStream> self = std::move(self_);  // may free this
+    calls->End();
+  }
+
   std::shared_ptr<Generation> g_;
   const int index_;
-  v1::GenerateResponse msg_;
+  std::shared_ptr<ChoiceStream> self_;  // until Release
+  absl::Mutex mu_;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  int cancelling_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 void Generation::Start() {
@@ -192,10 +223,33 @@ void Generation::Start() {
   ex_->OnClientGone([weak] {
     if (auto g = weak.lock()) g->Cancel();
   });
+  const http::HttpRequest& req = ex_->request();
+  Caller caller;
+  if (req.HasHeader("Authorization")) caller.authorization = req.Header("Authorization");
+  caller.address = absl::StrCat("http:", req.peer);
+  std::vector<std::shared_ptr<ChoiceStream>> made;
   for (size_t i = 0; i < plan_.choices.size(); ++i) {
-    calls_->Begin();
-    new ChoiceCall(shared_from_this(), static_cast<int>(i));  // deletes itself when done
+    made.push_back(std::make_shared<ChoiceStream>(shared_from_this(), static_cast<int>(i)));
   }
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& c : made) choices_.push_back(c);
+  }
+  for (size_t i = 0; i < made.size(); ++i) {
+    calls_->Begin();
+    ChoiceStream::Start(router_, std::move(made[i]), plan_.choices[i], caller, deadline_);
+  }
+}
+
+void Generation::Cancel() {
+  std::vector<std::shared_ptr<ChoiceStream>> running;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& w : choices_) {
+      if (auto c = w.lock()) running.push_back(std::move(c));
+    }
+  }
+  for (const auto& c : running) c->Cancel();
 }
 
 void Generation::OnDelta(int index, const v1::GenerateResponse& msg) {
@@ -221,22 +275,26 @@ void Generation::OnDelta(int index, const v1::GenerateResponse& msg) {
 }
 
 void Generation::OnEnd(int index, const absl::Status& status) {
-  absl::MutexLock lock(&mu_);
-  --running_;
-  if (!status.ok() && !answered_) {
-    if (failed_.ok()) failed_ = status;
-    if (!plan_.stream || !stream_started_) {
-      // The answer is this error (a bad model name is a 404, not an event in a 200 stream):
-      // the other choices are not needed.
-      answered_ = true;
-      SendError(*ex_, status);
-      Cancel();
-    } else {
-      ex_->Write(Event(Dump(openai::ToHttpError(status).body)));
+  bool cancel_others = false;
+  {
+    absl::MutexLock lock(&mu_);
+    --running_;
+    if (!status.ok() && !answered_) {
+      if (failed_.ok()) failed_ = status;
+      if (!plan_.stream || !stream_started_) {
+        // The answer is this error (a bad model name is a 404, not an event in a 200 stream):
+        // the other choices are not needed.
+        answered_ = true;
+        SendError(*ex_, status);
+        cancel_others = true;
+      } else {
+        ex_->Write(Event(Dump(openai::ToHttpError(status).body)));
+      }
     }
+    (void)index;
+    if (running_ == 0 && !answered_) Finish();
   }
-  (void)index;
-  if (running_ == 0 && !answered_) Finish();
+  if (cancel_others) Cancel();
 }
 
 void Generation::Finish() {
@@ -330,8 +388,8 @@ void OpenAiServer::Impl::Complete(const Exchange& ex, bool chat) {
     plan = openai::ParseChat(*body, *ids);
   }
   if (!plan.ok()) return SendError(*ex, plan.status());
-  std::make_shared<Generation>(stub.get(), &calls, ex, *std::move(plan), chat, options.tokenizer,
-                               options.timeout)
+  std::make_shared<Generation>(options.generate, &calls, ex, *std::move(plan), chat,
+                               options.tokenizer, options.timeout)
       ->Start();
 }
 
@@ -434,7 +492,9 @@ absl::StatusOr<ChatRenderer> ChatRendererFor(const std::string& model_dir) {
 OpenAiServer::OpenAiServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(OpenAiServerOptions options) {
-  if (options.router == nullptr) return absl::InvalidArgumentError("OpenAI server: no router channel");
+  if (options.router == nullptr || options.generate == nullptr) {
+    return absl::InvalidArgumentError("OpenAI server: no router channel or service");
+  }
   auto impl = std::make_unique<Impl>(std::move(options));
   http::EventServerOptions h = impl->options.http;
   h.always_served = {"/health"};

@@ -89,9 +89,44 @@ int64_t RouterService::active_requests() const {
   return static_cast<int64_t>(impl_->active.size());
 }
 
+namespace {
+
+// A Generate call's gRPC stream: its reactions go to the call, which it outlives.
+class GrpcGenerateClient final : public grpc::ServerWriteReactor<v1::GenerateResponse>,
+                                 public GenerateClient {
+ public:
+  GrpcGenerateClient(RouterService::Impl* router, grpc::CallbackServerContext* context,
+                     const v1::GenerateRequest* request) {
+    new GenerateCall(router, *request, CallerOf(*context), context->deadline(), this);
+  }
+
+  void StartWrite(const v1::GenerateResponse* msg) override {
+    grpc::ServerWriteReactor<v1::GenerateResponse>::StartWrite(msg);
+  }
+  void Finish(const absl::Status& status) override {
+    grpc::ServerWriteReactor<v1::GenerateResponse>::Finish(rpc::ToGrpcStatus(status));
+  }
+  void OnWriteDone(bool ok) override { call()->WriteDone(ok); }
+  void OnCancel() override { call()->Cancel(); }
+  void OnDone() override {
+    call()->Done();
+    delete this;
+  }
+};
+
+}  // namespace
+
 grpc::ServerWriteReactor<v1::GenerateResponse>* RouterService::Generate(
     grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
-  return new GenerateCall(impl_.get(), context, request);
+  return new GrpcGenerateClient(impl_.get(), context, request);
+}
+
+void RouterService::GenerateInProcess(const v1::GenerateRequest& request, Caller caller,
+                                      absl::Time deadline, GenerateClient* client) {
+  new GenerateCall(impl_.get(), request, std::move(caller),
+                   deadline == absl::InfiniteFuture() ? std::chrono::system_clock::time_point::max()
+                                                      : absl::ToChronoTime(deadline),
+                   client);
 }
 
 namespace {

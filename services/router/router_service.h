@@ -49,6 +49,29 @@ struct RouterOptions {
   prometheus::Registry* metrics = nullptr;
 };
 
+class GenerateCall;
+
+// The client's end of a Generate call: the gRPC stream (RouterService::Generate), or a caller in
+// this process (RouterService::GenerateInProcess: the OpenAI door, without a gRPC hop).
+class GenerateClient {
+ public:
+  virtual ~GenerateClient() = default;
+  // Sends `msg` (valid until then), then calls call()->WriteDone(ok) (false: the client is
+  // gone), maybe inline.
+  virtual void StartWrite(const v1::GenerateResponse* msg) = 0;
+  // The call's end: `status` not OK ends it with that error. Nothing is written after it; the
+  // client calls call()->Done() once it is done with the call (maybe inline).
+  virtual void Finish(const absl::Status& status) = 0;
+
+ protected:
+  // Set before the call starts; call Cancel on it (the client left) until Finish.
+  GenerateCall* call() const { return call_; }
+
+ private:
+  friend class GenerateCall;
+  GenerateCall* call_ = nullptr;
+};
+
 // Thread-safe; borrows the tokenizer (may be null: then only token-id prompts), the pool and
 // the registry, which must outlive it.
 class RouterService final : public v1::Preft::CallbackService {
@@ -64,6 +87,11 @@ class RouterService final : public v1::Preft::CallbackService {
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
       grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override;
+  // Generate for a caller in this process, with the gRPC API's admission, limits (`caller`
+  // names the client for the token check and the per-client stream cap), placement and
+  // metrics. `request` and `client` must outlive the call (until the client calls Done).
+  void GenerateInProcess(const v1::GenerateRequest& request, Caller caller, absl::Time deadline,
+                         GenerateClient* client);
   grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context,
                                   const v1::AbortRequest* request,
                                   v1::AbortResponse* response) override;

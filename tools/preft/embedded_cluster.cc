@@ -115,6 +115,7 @@ absl::StatusOr<std::unique_ptr<EmbeddedCluster>> EmbeddedCluster::Start(
     router::OpenAiServerOptions h;
     h.http.address = o.http_listen;
     h.router = c->router_server_->InProcessChannel();
+    h.generate = c->router_.get();
     h.tokenizer = c->tokenizer_.get();
     h.http.max_body_bytes = o.max_request_bytes;
     h.timeout = o.http_request_timeout;

@@ -781,6 +781,39 @@ TEST_F(HttpClusterTest, SlowClientsDoNotHoldTheFrontDoor) {
 // A stream that fails after its first tokens (here: the request's deadline) ends with an error
 // event and [DONE]; the usage chunk, whose prompt tokens were never reported, is left out
 // rather than sent with zeros.
+// Completions call the router in process (no gRPC hop): the same per-client stream cap as the
+// gRPC API, where a known token names the client whichever door it came through.
+class CappedHttpTest : public HttpClusterTest {
+  void Configure(EmbeddedClusterOptions* o) override {
+    HttpClusterTest::Configure(o);
+    o->router.access.max_streams_per_client = 1;
+    o->router.admission_timeout = absl::Seconds(20);
+  }
+};
+
+TEST_F(CappedHttpTest, HttpAndGrpcStreamsShareTheClientsCap) {
+  HoldDecodeKv(2040);  // the first stream waits for room, open
+  const nlohmann::json body = {{"model", "tiny-llama"}, {"prompt", "hello"}, {"max_tokens", 4},
+                               {"stream", true}};
+  Reply first;
+  std::thread t([&] { first = Post("/v1/completions", body, kApi); });
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (cluster_->router().active_requests() < 1 && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_EQ(cluster_->router().active_requests(), 1);
+  const Reply second = Post("/v1/completions", body, kApi);
+  EXPECT_EQ(second.status, 429) << second.body;
+  EXPECT_NE(second.body.find("already has 1 streams open"), std::string::npos) << second.body;
+  auto grpc_call = Generate(stub_.get(), Request({1, 2, 3}, 4), 60, nullptr, kApi);
+  EXPECT_EQ(grpc_call.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  ReleaseHeldKv();
+  t.join();
+  EXPECT_EQ(first.status, 200) << first.body;
+  EXPECT_EQ(first.body.substr(first.body.size() - 14), "data: [DONE]\n\n");
+  ExpectNoLeaks();
+}
+
 class ShortDeadlineHttpTest : public HttpClusterTest {
   void Configure(EmbeddedClusterOptions* o) override {
     HttpClusterTest::Configure(o);
