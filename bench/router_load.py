@@ -142,7 +142,7 @@ def run_one(args, model, run, api, n):
             for kv in args.router_env:
                 k, _, v = kv.partition("=")
                 env[k] = v
-            log = os.path.join(run, "router.log")
+            log = os.path.join(run, f"router-{api}-{n}-{time.time():.0f}.log")
             router = launch(
                 pin_router + [os.path.join(bin_dir, "preft-router"), "--model", model,
                  "--colocated", "--decode", ",".join(workers), "--adapter-root", run,
@@ -268,7 +268,10 @@ def main():
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     print_table(rows, levels, apis)
-    shutil.rmtree(run)  # the logs stay only when a run failed
+    if any(r["load"].get("errors", {}).get("count") for r in rows):
+        print(f"streams failed: the logs are in {run}", file=sys.stderr)
+    else:
+        shutil.rmtree(run)  # the logs stay only when a run failed
 
 
 def median(xs):

@@ -31,23 +31,33 @@ absl::StatusOr<std::shared_ptr<DecodeWorker>> GenerateCall::PickColocated(
   return w;
 }
 
-rpc::Task<absl::Status> GenerateCall::RunColocated(const std::vector<int32_t>& prompt,
-                                                  const std::optional<RegisteredAdapter>& adapter,
-                                                  const engine::SamplingParams& sampling) {
+std::shared_ptr<DecodeStream> GenerateCall::OpenRun(DecodeWorker& w,
+                                                   const std::vector<int32_t>& prompt,
+                                                   const std::optional<RegisteredAdapter>& adapter,
+                                                   const engine::SamplingParams& sampling,
+                                                   v1::AdapterPositions positions) {
   worker::v1::StreamOpen open;
   worker::v1::RunRequest& req = *open.mutable_run();
   req.set_request_id(id_);
   for (int32_t t : prompt) req.add_prompt_ids(t);
   *req.mutable_sampling() = wire::ToProto(sampling);
+  if (adapter) {
+    req.set_adapter(adapter->name);
+    req.set_adapter_version(adapter->version);
+    req.set_adapter_path(adapter->path);
+    req.set_adapter_positions(positions);
+  }
+  return w.OpenStream(std::move(open));
+}
+
+rpc::Task<absl::Status> GenerateCall::RunColocated(const std::vector<int32_t>& prompt,
+                                                  const std::optional<RegisteredAdapter>& adapter,
+                                                  const engine::SamplingParams& sampling) {
   std::optional<FinishAdapter> finish;
   if (adapter) {
     // Resolved here, so the finish names what ran whichever worker runs it.
     const v1::AdapterPositions positions = wire::ToProto(
         wire::FromProto(request_.adapter_positions()).value_or(adapter->default_positions));
-    req.set_adapter(adapter->name);
-    req.set_adapter_version(adapter->version);
-    req.set_adapter_path(adapter->path);
-    req.set_adapter_positions(positions);
     finish = FinishAdapter{adapter->name, adapter->version, positions};
   }
   WorkerAttempts attempts(router_->options.max_prefill_attempts, "none was healthy");
@@ -70,9 +80,11 @@ rpc::Task<absl::Status> GenerateCall::RunColocated(const std::vector<int32_t>& p
       attempts.ForgetTriedIfAllFailed(known);
       continue;
     }
-    const std::shared_ptr<DecodeStream> stream = w->OpenStream(open);
+    const std::shared_ptr<DecodeStream> stream = OpenRun(
+        *w, prompt, adapter, sampling, finish ? finish->positions : v1::ADAPTER_POSITIONS_UNSPECIFIED);
     Track(stream);
-    const Relayed relayed = co_await Relay(*stream, finish);
+    Relayed relayed;
+    co_await Relay(*stream, finish, &relayed);
     Untrack();
     const absl::Status& s = relayed.status;
     // Before its first token the request has cost the client nothing: run it elsewhere.

@@ -99,16 +99,16 @@ std::shared_ptr<DecodeStreams> DecodeStreams::Open(worker::v1::DecodeWorker::Stu
   return call;
 }
 
-std::shared_ptr<DecodeStream> DecodeStreams::Start(worker::v1::StreamOpen open) {
+std::shared_ptr<DecodeStream> DecodeStreams::Start(worker::v1::StreamOpen* open) {
   std::shared_ptr<DecodeStream> stream;
   {
     absl::MutexLock lock(&mu_);
     if (ending_) return nullptr;
     const uint64_t tag = ++next_tag_;
-    open.set_tag(tag);
+    open->set_tag(tag);
     stream = std::make_shared<DecodeStream>(shared_from_this(), tag);
     streams_.emplace(tag, stream);
-    *next_.add_open() = std::move(open);
+    next_.add_open()->Swap(open);
   }
   Flush();
   return stream;
@@ -140,8 +140,11 @@ void DecodeStreams::Flush() {
     absl::MutexLock lock(&mu_);
     if (writing_ || ending_ || (next_.open_size() == 0 && next_.cancel_size() == 0)) return;
     writing_ = true;
-    out_.Clear();
-    out_.Swap(&next_);
+    // A fresh message, not a cleared one: Clear keeps every StreamOpen of the largest batch
+    // (a burst of thousands) with its prompt, for as long as the call lives.
+    worker::v1::StreamsRequest fresh;
+    fresh.Swap(&next_);
+    out_.Swap(&fresh);
   }
   StartWrite(&out_);
 }

@@ -86,8 +86,9 @@ class DecodeStreams final
   static std::shared_ptr<DecodeStreams> Open(worker::v1::DecodeWorker::Stub* stub,
                                              std::string address);
 
-  // Opens a stream (its tag is set here); null when this call is ending: open another.
-  std::shared_ptr<DecodeStream> Start(worker::v1::StreamOpen open);
+  // Opens a stream, taking *open (its tag is set here); null, *open untouched, when this call
+  // is ending: open another.
+  std::shared_ptr<DecodeStream> Start(worker::v1::StreamOpen* open);
   // Ends the call once no stream is open on it (a draining worker waits for its calls to end
   // before it exits): now if none is, else when the last one ends. True if it is ending now.
   bool CloseWhenIdle();

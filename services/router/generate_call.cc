@@ -18,9 +18,18 @@ GenerateCall::GenerateCall(RouterService::Impl* router, const v1::GenerateReques
     : router_(router),
       client_(client),
       request_(request),
-      caller_(std::move(caller)),
       arrival_(absl::Now()) {
   client->call_ = this;
+  // At arrival (cheap: a token compare, a count), so the call keeps no copy of its caller.
+  access_ = router->access->Authorize(caller, Scope::kApi);
+  if (access_.ok()) {
+    absl::StatusOr<Access::Slot> slot = router->access->OpenStream(caller);
+    if (slot.ok()) {
+      slot_ = std::move(slot).value();
+    } else {
+      access_ = slot.status();
+    }
+  }
   client_deadline_ = deadline;
   has_deadline_ = client_deadline_ <
                   std::chrono::system_clock::time_point::max() - std::chrono::hours(24 * 365);
@@ -522,11 +531,12 @@ rpc::Task<absl::Status> GenerateCall::Decode(const Reservation& res,
       req.set_adapter_path(adapter->path);
     }
   }
-  const std::shared_ptr<DecodeStream> stream = res.worker->OpenStream(open);
+  const std::shared_ptr<DecodeStream> stream = res.worker->OpenStream(std::move(open));
   Track(stream);
   std::optional<FinishAdapter> finish;
   if (adapter) finish = FinishAdapter{adapter->name, first.adapter_version(), first.adapter_positions()};
-  const Relayed relayed = co_await Relay(*stream, finish);
+  Relayed relayed;
+  co_await Relay(*stream, finish, &relayed);
   Untrack();
   // A Start that ended before it took the reservation (refused, or cancelled before the decode
   // worker saw it) leaves it held: give it back now rather than at lease expiry. A no-op for a
@@ -539,9 +549,9 @@ rpc::Task<absl::Status> GenerateCall::Decode(const Reservation& res,
   co_return end;
 }
 
-rpc::Task<GenerateCall::Relayed> GenerateCall::Relay(DecodeStream& stream,
-                                                    const std::optional<FinishAdapter>& adapter) {
-  Relayed out;
+rpc::Task<bool> GenerateCall::Relay(DecodeStream& stream,
+                                   const std::optional<FinishAdapter>& adapter, Relayed* relayed) {
+  Relayed& out = *relayed;
   out.all.set_request_id(id_);
   v1::GenerateResponse msg;
   for (;;) {
@@ -571,7 +581,7 @@ rpc::Task<GenerateCall::Relayed> GenerateCall::Relay(DecodeStream& stream,
     }
   }
   out.status = stream.status();
-  co_return out;
+  co_return true;
 }
 
 rpc::Task<absl::Status> GenerateCall::RelayEnd(const Relayed& relayed, DecodeWorker& worker) {
@@ -607,9 +617,7 @@ rpc::Task<absl::Status> GenerateCall::Run() {
           absl::StrCat("request id '", taken, "' is already running"));
     }
   }
-  PREFT_CO_RETURN_IF_ERROR(router_->access->Authorize(caller_, Scope::kApi));
-  PREFT_CO_ASSIGN_OR_RETURN(slot_, router_->access->OpenStream(caller_));
-  caller_ = Caller();  // not needed from here on
+  PREFT_CO_RETURN_IF_ERROR(access_);
   std::vector<int32_t> prompt;
   std::optional<RegisteredAdapter> adapter;
   engine::SamplingParams sampling;

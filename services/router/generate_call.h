@@ -101,12 +101,20 @@ class GenerateCall final {
                                                               int64_t max_new,
                                                               const WorkerAttempts& attempts,
                                                               size_t* known);
+  // Opens the request's Run stream on `w` (a plain function: the message lives on its stack,
+  // not in the coroutine's frame for the whole stream).
+  std::shared_ptr<DecodeStream> OpenRun(DecodeWorker& w, const std::vector<int32_t>& prompt,
+                                        const std::optional<RegisteredAdapter>& adapter,
+                                        const engine::SamplingParams& sampling,
+                                        v1::AdapterPositions positions);
   Task<absl::Status> RunColocated(const std::vector<int32_t>& prompt,
                                   const std::optional<RegisteredAdapter>& adapter,
                                   const engine::SamplingParams& sampling);
   // Relays a Start or Run stream to the client (each message as it comes when the client
-  // streams); the finish names `adapter`. Call with the stream tracked.
-  Task<Relayed> Relay(DecodeStream& stream, const std::optional<FinishAdapter>& adapter);
+  // streams) into *out; the finish names `adapter`. Call with the stream tracked. (An out
+  // parameter: a returned Relayed would be held three times in the frames of every stream.)
+  Task<bool> Relay(DecodeStream& stream, const std::optional<FinishAdapter>& adapter,
+                   Relayed* out);
   // The call's end after a relayed stream from `worker`.
   Task<absl::Status> RelayEnd(const Relayed& relayed, DecodeWorker& worker);
   // Gives the reservation back, not awaited (lease expiry covers a lost Release).
@@ -156,7 +164,7 @@ class GenerateCall final {
   RouterService::Impl* const router_;
   GenerateClient* const client_;
   const v1::GenerateRequest& request_;  // the client's, until Done
-  Caller caller_;                       // until admitted
+  absl::Status access_;  // the caller's token and stream slot, checked at arrival
   std::string id_;
   absl::Time admission_deadline_;
   std::chrono::system_clock::time_point client_deadline_;

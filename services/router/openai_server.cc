@@ -143,7 +143,6 @@ class Generation : public std::enable_shared_from_this<Generation> {
   const std::string id_;
   const int64_t created_;
   const absl::Time deadline_;
-  std::vector<std::weak_ptr<ChoiceStream>> choices_;  // fixed once started
 
   absl::Mutex mu_;  // orders the answer's pieces
   int running_ ABSL_GUARDED_BY(mu_);
@@ -152,6 +151,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
   absl::Status failed_ ABSL_GUARDED_BY(mu_);  // the first choice that failed
   bool stream_started_ ABSL_GUARDED_BY(mu_) = false;
   bool answered_ ABSL_GUARDED_BY(mu_) = false;  // an error answered the request
+  std::vector<std::weak_ptr<ChoiceStream>> choices_ ABSL_GUARDED_BY(mu_);  // started
+  bool client_gone_ ABSL_GUARDED_BY(mu_) = false;  // or the choices are cancelled
   int64_t prompt_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t completion_tokens_ ABSL_GUARDED_BY(mu_) = 0;
 };
@@ -162,6 +163,7 @@ class ChoiceStream final : public GenerateClient {
  public:
   ChoiceStream(std::shared_ptr<Generation> g, int index) : g_(std::move(g)), index_(index) {}
 
+  // Starts the call; it holds the choice (`self`) until it ends.
   static void Start(RouterService* router, std::shared_ptr<ChoiceStream> self,
                     const v1::GenerateRequest& request, Caller caller, absl::Time deadline) {
     ChoiceStream* s = self.get();
@@ -227,17 +229,18 @@ void Generation::Start() {
   Caller caller;
   if (req.HasHeader("Authorization")) caller.authorization = req.Header("Authorization");
   caller.address = absl::StrCat("http:", req.peer);
-  std::vector<std::shared_ptr<ChoiceStream>> made;
   for (size_t i = 0; i < plan_.choices.size(); ++i) {
-    made.push_back(std::make_shared<ChoiceStream>(shared_from_this(), static_cast<int>(i)));
-  }
-  {
-    absl::MutexLock lock(&mu_);
-    for (const auto& c : made) choices_.push_back(c);
-  }
-  for (size_t i = 0; i < made.size(); ++i) {
+    auto choice = std::make_shared<ChoiceStream>(shared_from_this(), static_cast<int>(i));
     calls_->Begin();
-    ChoiceStream::Start(router_, std::move(made[i]), plan_.choices[i], caller, deadline_);
+    ChoiceStream::Start(router_, choice, plan_.choices[i], caller, deadline_);
+    // Listed once started (its call is known): a client that left meanwhile cancels it here.
+    bool gone;
+    {
+      absl::MutexLock lock(&mu_);
+      choices_.push_back(choice);
+      gone = client_gone_;
+    }
+    if (gone) choice->Cancel();
   }
 }
 
@@ -245,6 +248,7 @@ void Generation::Cancel() {
   std::vector<std::shared_ptr<ChoiceStream>> running;
   {
     absl::MutexLock lock(&mu_);
+    client_gone_ = true;
     for (const auto& w : choices_) {
       if (auto c = w.lock()) running.push_back(std::move(c));
     }

@@ -95,7 +95,7 @@ WorkerPool::~WorkerPool() {
   for (const auto& w : decode()) w->ShutdownStreams();
 }
 
-std::shared_ptr<DecodeStream> DecodeWorker::OpenStream(const worker::v1::StreamOpen& open) {
+std::shared_ptr<DecodeStream> DecodeWorker::OpenStream(worker::v1::StreamOpen open) {
   // A second try when the call was found ending between the check and the open (a draining
   // worker's idle call closed, a broken connection noticed). A call marked to close when idle
   // (its worker drains) still takes Starts for reservations made before the drain.
@@ -108,7 +108,7 @@ std::shared_ptr<DecodeStream> DecodeWorker::OpenStream(const worker::v1::StreamO
       }
       call = streams;
     }
-    if (std::shared_ptr<DecodeStream> s = call->Start(open)) return s;
+    if (std::shared_ptr<DecodeStream> s = call->Start(&open)) return s;
   }
   return DecodeStream::Failed(absl::UnavailableError(
       absl::StrCat("decode worker ", address, ": no Streams call could be opened")));

@@ -53,7 +53,7 @@ struct DecodeWorker {
 
   // A Start or Run stream on this worker, over its one Streams call (opened at first use, and
   // again once it has ended). A stream that could not be opened has ended UNAVAILABLE.
-  std::shared_ptr<DecodeStream> OpenStream(const worker::v1::StreamOpen& open)
+  std::shared_ptr<DecodeStream> OpenStream(worker::v1::StreamOpen open)
       ABSL_LOCKS_EXCLUDED(streams_mu);
   // Closes the Streams call once no stream is open on it (the worker drains: let it exit).
   void CloseStreamsWhenIdle() ABSL_LOCKS_EXCLUDED(streams_mu);
