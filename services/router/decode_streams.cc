@@ -43,9 +43,11 @@ bool DecodeStream::Take(v1::GenerateResponse* msg) {
   return true;
 }
 
-std::coroutine_handle<> DecodeStream::Deliver(worker::v1::StreamFrame* frame) {
+std::coroutine_handle<> DecodeStream::Deliver(worker::v1::StreamFrame* frame, bool* first) {
   absl::MutexLock lock(&mu_);
   if (ended_) return {};  // cancelled here; the worker's end crossed our cancel
+  *first = !delivered_;
+  delivered_ = true;
   if (frame->has_response()) {
     v1::GenerateResponse* r = frame->mutable_response();
     if (!has_pending_) {
@@ -186,10 +188,18 @@ void DecodeStreams::OnReadDone(bool ok) {
     }
     close = IdleCloseDueLocked();
   }
+  // Streams hearing their first message go first: a batch holds up to a step's worth of
+  // streams (256 on a busy worker), and relaying the others first would add their relay time
+  // to the new ones' time to first token.
   std::vector<std::coroutine_handle<>> readers;
+  size_t firsts = 0;
   for (int i = 0; i < in_.frames_size(); ++i) {
     if (to[i] == nullptr) continue;
-    if (std::coroutine_handle<> r = to[i]->Deliver(in_.mutable_frames(i))) readers.push_back(r);
+    bool first = false;
+    std::coroutine_handle<> r = to[i]->Deliver(in_.mutable_frames(i), &first);
+    if (!r) continue;
+    readers.push_back(r);
+    if (first) std::swap(readers[firsts++], readers.back());
   }
   in_.Clear();
   if (close) {

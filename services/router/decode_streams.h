@@ -61,8 +61,8 @@ class DecodeStream {
   bool Suspend(std::coroutine_handle<> h);
   bool Take(v1::GenerateResponse* msg);
   // From the call: the next frame (its response merged in; its end recorded). Returns the
-  // reader to resume, if one waits.
-  std::coroutine_handle<> Deliver(worker::v1::StreamFrame* frame);
+  // reader to resume, if one waits; *first says whether this was the stream's first message.
+  std::coroutine_handle<> Deliver(worker::v1::StreamFrame* frame, bool* first);
   // From the call: it ended; so does the stream, with `status`, unless it had.
   std::coroutine_handle<> End(const absl::Status& status);
 
@@ -71,6 +71,7 @@ class DecodeStream {
   mutable absl::Mutex mu_;
   v1::GenerateResponse pending_ ABSL_GUARDED_BY(mu_);
   bool has_pending_ ABSL_GUARDED_BY(mu_) = false;
+  bool delivered_ ABSL_GUARDED_BY(mu_) = false;  // a message has arrived
   bool ended_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   std::coroutine_handle<> reader_ ABSL_GUARDED_BY(mu_);
