@@ -197,7 +197,7 @@ const char* CudaBackend::collective_kind() const {
 
 kv::DeviceKvView CudaBackend::device_cache() const {
   if (ranks_.size() > 1) return {};  // split over the GPUs: not one pool a transport can map
-  return {ranks_[0].cache->layer_base(0), ranks_[0].cache->shape()};
+  return {ranks_[0].cache->layer_data(0), ranks_[0].cache->shape()};
 }
 
 absl::Status CudaBackend::Forward(const model::ForwardBatch& batch, base::AlignedVector<float>* logits) {

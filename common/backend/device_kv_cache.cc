@@ -42,6 +42,9 @@ absl::StatusOr<int64_t> DeviceKvCache::BlocksThatFit(const kv::KvCacheShape& sha
 }
 
 absl::Status DeviceKvCache::CopyToHost(std::vector<float>* host) const {
+  if (shape_.dtype != kv::KvDtype::kF32) {
+    return absl::FailedPreconditionError("CopyToHost into floats needs an f32 KV cache");
+  }
   host->resize(data_.size() / sizeof(float));
   PREFT_RETURN_IF_ERROR(CudaStatus(cuda::CopyToHost(host->data(), data_.get(), data_.size(), nullptr),
                              "copy to host"));
@@ -56,7 +59,8 @@ absl::Status CheckBlockCopy(const kv::KvCacheShape& device, const kv::KvCacheSha
                             const std::vector<int32_t>& blocks, const TensorShard& shard) {
   if (host.num_layers != device.num_layers || host.num_blocks != device.num_blocks ||
       host.block_tokens != device.block_tokens ||
-      host.num_kv_heads != device.num_kv_heads * shard.ranks || host.head_dim != device.head_dim) {
+      host.num_kv_heads != device.num_kv_heads * shard.ranks || host.head_dim != device.head_dim ||
+      host.dtype != device.dtype) {
     return absl::InvalidArgumentError("the host KV cache's shape differs from the device's");
   }
   for (int32_t b : blocks) {
@@ -71,13 +75,14 @@ absl::Status CheckBlockCopy(const kv::KvCacheShape& device, const kv::KvCacheSha
 // Runs KvHeadCopies between a device cache and a host cache of `full`'s shape (both given by
 // layer 0, block 0): with one rank each is one contiguous piece, a plain copy; else the rank's
 // heads of each block's K and V in their place among every head's.
-absl::Status CopyKvHeads(float* device, float* host, const kv::KvCacheShape& full,
+// KvHeadCopies counts elements; `f` turns them into bytes.
+absl::Status CopyKvHeads(char* device, char* host, const kv::KvCacheShape& full,
                          const TensorShard& shard, const std::vector<int32_t>& blocks,
                          bool to_host) {
-  constexpr size_t f = sizeof(float);
+  const size_t f = static_cast<size_t>(full.element_bytes());
   for (const StridedCopy& c : KvHeadCopies(full, shard, blocks)) {
-    float* d = device + c.src_offset;
-    float* h = host + c.dst_offset;
+    char* d = device + c.src_offset * f;
+    char* h = host + c.dst_offset * f;
     int e = 0;
     if (c.width == c.src_pitch && c.width == c.dst_pitch) {
       const size_t bytes = c.width * c.rows * f;
@@ -99,16 +104,17 @@ absl::Status CopyKvHeads(float* device, float* host, const kv::KvCacheShape& ful
 absl::Status DeviceKvCache::CopyBlocksToHost(const std::vector<int32_t>& blocks,
                                              kv::KvCache* host, const TensorShard& shard) const {
   PREFT_RETURN_IF_ERROR(CheckBlockCopy(shape_, host->shape(), blocks, shard));
-  return CopyKvHeads(const_cast<float*>(layer_base(0)), host->layer_base(0), host->shape(), shard,
-                     blocks, /*to_host=*/true);
+  return CopyKvHeads(layer_data(0), reinterpret_cast<char*>(host->layer_data(0)), host->shape(),
+                     shard, blocks, /*to_host=*/true);
 }
 
 absl::Status DeviceKvCache::CopyBlocksFromHost(const kv::KvCache& host,
                                                const std::vector<int32_t>& blocks,
                                                const TensorShard& shard) {
   PREFT_RETURN_IF_ERROR(CheckBlockCopy(shape_, host.shape(), blocks, shard));
-  return CopyKvHeads(layer_base(0), const_cast<float*>(host.layer_base(0)), host.shape(), shard,
-                     blocks, /*to_host=*/false);
+  // Only read from: the copy goes to the device.
+  char* from = const_cast<char*>(reinterpret_cast<const char*>(host.layer_data(0)));
+  return CopyKvHeads(layer_data(0), from, host.shape(), shard, blocks, /*to_host=*/false);
 }
 
 absl::Status DeviceKvCache::PoisonForTesting() {

@@ -15,7 +15,8 @@
 
 namespace preft::backend {
 
-// A paged KV cache in device memory: kv::KvCache's layout ([layer][block][K|V]...), f32.
+// A paged KV cache in device memory: kv::KvCache's layout ([layer][block][K|V]...), in the
+// shape's dtype (f32 only so far).
 class DeviceKvCache {
  public:
   static absl::StatusOr<std::unique_ptr<DeviceKvCache>> Create(const kv::KvCacheShape& shape);
@@ -26,11 +27,14 @@ class DeviceKvCache {
                                                size_t reserve_bytes = 0);
 
   const kv::KvCacheShape& shape() const { return shape_; }
-  float* layer_base(int64_t layer) const {
-    return data_.as<float>() + layer * shape_.num_blocks * shape_.block_floats();
+  // Layer `layer`'s blocks, addressed in bytes (the kernels read them as shape().dtype).
+  char* layer_data(int64_t layer) const {
+    return data_.as<char>() + layer * shape_.num_blocks * shape_.block_bytes();
   }
+  // Elements from a block's K to its V.
   int64_t v_offset() const { return shape_.num_kv_heads * shape_.block_tokens * shape_.head_dim; }
-  // Copies the whole cache to `host` (resized): tests compare it with the CPU cache.
+  // Copies the whole cache of an f32 shape to `host` (resized): tests compare it with the CPU
+  // cache.
   absl::Status CopyToHost(std::vector<float>* host) const;
   // Copies `blocks` (every layer) to or from a host cache of the same shape (a host mirror the
   // KV transport reads and writes); for tensor-parallel rank `shard`, whose cache holds its KV

@@ -488,7 +488,7 @@ absl::Status DeviceModel::RunStep(const model::ForwardBatch& batch, DeviceKvCach
 
   // Decode steps replay a graph recorded for their shape (the kernels' arguments are fixed
   // by the shape, the cache and the buffers, all in the key; the data is in meta_).
-  std::vector<int64_t> key = {T, R, S, reinterpret_cast<int64_t>(cache->layer_base(0)),
+  std::vector<int64_t> key = {T, R, S, reinterpret_cast<int64_t>(cache->layer_data(0)),
                               reinterpret_cast<int64_t>(meta_.get()),
                               reinterpret_cast<int64_t>(scratch_.get()),
                               reinterpret_cast<int64_t>(attention_parts_.get())};
@@ -574,11 +574,12 @@ absl::Status DeviceModel::Launch(const Step& step, DeviceKvCache* cache, const L
                                      {{model::Projection::kQ, q_, q_out},
                                       {model::Projection::kK, k_, kv_out},
                                       {model::Projection::kV, v_, kv_out}}));
-    const kernels::PagedKvLayout layout{cache->layer_base(li), cs.block_floats(),
+    const kernels::PagedKvLayout layout{cache->layer_data(li), cs.block_elements(),
                                         cache->v_offset(),     bt,
-                                        c.num_kv_heads,        hd};
+                                        c.num_kv_heads,        hd,
+                                        cs.dtype};
     PREFT_RETURN_IF_ERROR(CudaStatus(cuda::RopeWriteKv(positions, inv_freq_, q_, c.num_heads, k_, v_,
-                                                 slots, T, cache->layer_base(li), layout,
+                                                 slots, T, cache->layer_data(li), layout,
                                                  stream_),
                                "RoPE and KV write"));
     PREFT_RETURN_IF_ERROR(CudaStatus(cuda::PagedAttention(seqs, S, max_new, layout, c.num_heads, scale,

@@ -71,7 +71,7 @@ LowRankSlice SliceOfLowRank(const model::LowRank& lr, model::Projection p, const
 std::vector<StridedCopy> KvHeadCopies(const kv::KvCacheShape& full, const TensorShard& s,
                                       const std::vector<int32_t>& blocks) {
   // A block is K [heads][head_dim][tokens] then V [heads][tokens][head_dim]: with `heads`
-  // heads, 2 pieces of heads x per_head floats, so piece i of a run (block i / 2, K or V) is
+  // heads, 2 pieces of heads x per_head elements, so piece i of a run (block i / 2, K or V) is
   // at i x heads x per_head from the run's start on either side.
   const int64_t per_head = full.head_dim * full.block_tokens;
   const int64_t local_heads = full.num_kv_heads / s.ranks;

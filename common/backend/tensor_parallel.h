@@ -73,8 +73,8 @@ struct LowRankSlice {
 };
 LowRankSlice SliceOfLowRank(const model::LowRank& lr, model::Projection p, const TensorShard& s);
 
-// `rows` rows of `width` floats, rows `src_pitch` and `dst_pitch` floats apart; offsets in
-// floats from each cache's layer 0, block 0.
+// `rows` rows of `width` elements (of the cache's dtype), rows `src_pitch` and `dst_pitch`
+// elements apart; offsets in elements from each cache's layer 0, block 0.
 struct StridedCopy {
   int64_t src_offset = 0, dst_offset = 0;
   int64_t width = 0, rows = 0;

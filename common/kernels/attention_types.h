@@ -5,20 +5,48 @@
 // kernels and device memory for the CUDA ones.
 
 #include <cstdint>
+#include <string_view>
 
 namespace preft::kernels {
+
+// The element type of a KV cache. Its own enum, not DType (dtype.h): DTypeSize answers 2 for
+// every non-f32 weight type, and weight loading relies on that. Only kF32 is stored so far
+// (docs/plans/kv-dtype.md); the others name the sizes and the layout hash already.
+enum class KvDtype : uint8_t { kF32, kBF16, kFp8E4M3 };
+
+constexpr int64_t KvDtypeBytes(KvDtype d) {
+  switch (d) {
+    case KvDtype::kF32: return 4;
+    case KvDtype::kBF16: return 2;
+    case KvDtype::kFp8E4M3: return 1;
+  }
+  return 4;
+}
+
+// The spelling in KvLayout (and so in its hash) and in messages; "f32" is pinned by the
+// layout hash peers compare, so it must not change.
+constexpr std::string_view KvDtypeName(KvDtype d) {
+  switch (d) {
+    case KvDtype::kF32: return "f32";
+    case KvDtype::kBF16: return "bf16";
+    case KvDtype::kFp8E4M3: return "fp8_e4m3";
+  }
+  return "f32";
+}
 
 // Where one layer's K and V blocks live. Block b of a sequence holds K at
 // `k_base + block_table[b] * block_stride` laid out [kv_head][head_dim][block_tokens]
 // (transposed), and V at the same place plus `v_offset`, laid out
-// [kv_head][block_tokens][head_dim].
+// [kv_head][block_tokens][head_dim]. Offsets count elements of `dtype` (k_base is untyped so
+// one layout serves every dtype); `dtype` is last so positional initialisers stay f32.
 struct PagedKvLayout {
-  const float* k_base = nullptr;
-  int64_t block_stride = 0;  // floats between consecutive blocks
-  int64_t v_offset = 0;      // floats from a block's K to its V
+  const void* k_base = nullptr;
+  int64_t block_stride = 0;  // elements between consecutive blocks
+  int64_t v_offset = 0;      // elements from a block's K to its V
   int64_t block_tokens = 16;
   int64_t num_kv_heads = 0;
   int64_t head_dim = 0;
+  KvDtype dtype = KvDtype::kF32;
 };
 
 // One sequence's attention work in a batch. The new tokens sit at positions

@@ -6,7 +6,7 @@
 
 namespace preft::kv {
 
-void KvCache::Unmapper::operator()(float* p) const { ::munmap(p, bytes); }
+void KvCache::Unmapper::operator()(std::byte* p) const { ::munmap(p, bytes); }
 
 absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheShape& shape) {
   if (shape.num_layers <= 0 || shape.num_blocks <= 0 || shape.block_tokens <= 0 ||
@@ -24,7 +24,7 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheShape& sha
   // each step, and a TLB miss is a two-level walk in a VM (64-sequence decode 1.1-1.3x on
   // Zen 5, NOTES step 9). Pages still become resident on first write, 2 MiB at a time.
   ::madvise(p, bytes, MADV_HUGEPAGE);
-  return std::unique_ptr<KvCache>(new KvCache(shape, static_cast<float*>(p), bytes));
+  return std::unique_ptr<KvCache>(new KvCache(shape, static_cast<std::byte*>(p), bytes));
 }
 
 size_t KvCache::bytes() const {

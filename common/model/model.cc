@@ -281,8 +281,9 @@ absl::Status Model::Forward(const ForwardBatch& batch, kv::KvCache* cache,
     cpu::ApplyRope(batch.positions.data(), T, inv_freq_.data(), hd, q_.data(), c.num_heads,
                    k_.data(), c.num_kv_heads);
     WriteKv(batch, li, cache);
-    cpu::PagedKvLayout layout{cache->layer_base(li), cs.block_floats(), cache->v_offset(),
-                              cs.block_tokens,       c.num_kv_heads,    hd};
+    cpu::PagedKvLayout layout{cache->layer_data(li), cs.block_elements(), cache->v_offset(),
+                              cs.block_tokens,       c.num_kv_heads,      hd,
+                              cs.dtype};
     cpu::PagedAttention(attn_seqs.data(), static_cast<int64_t>(attn_seqs.size()), layout,
                         c.num_heads, scale, window);
     cpu::Linear(attn_.data(), T, l.o, bias(l.o_bias), tmp_.data());

@@ -205,17 +205,14 @@ absl::Status InprocTransport::Copy(const BlockTransfer& t, kv::KvCache& local, k
   absl::Status valid = ValidateTransfer(t, shape.num_blocks, remote->shape().num_blocks);
   if (!valid.ok()) return valid;
   // Connect compared layouts, so block sizes and layer counts agree.
-  const int64_t block_floats = shape.block_floats();
+  const int64_t block_bytes = shape.block_bytes();
   for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
-    const float* src_base = local.layer_base(layer);
-    float* dst_base = remote->layer_base(layer);
     for (size_t i = 0; i < t.src_blocks.size(); ++i) {
-      std::memcpy(dst_base + t.dst_blocks[i] * block_floats,
-                  src_base + t.src_blocks[i] * block_floats, block_floats * sizeof(float));
+      std::memcpy(remote->block_data(layer, t.dst_blocks[i]),
+                  local.block_data(layer, t.src_blocks[i]), block_bytes);
     }
   }
-  *bytes =
-      static_cast<int64_t>(block_floats * sizeof(float) * t.src_blocks.size() * shape.num_layers);
+  *bytes = block_bytes * static_cast<int64_t>(t.src_blocks.size()) * shape.num_layers;
   return absl::OkStatus();
 }
 

@@ -18,6 +18,7 @@ void Mix(uint64_t* h, const std::string& field) {
 KvLayout KvLayout::ForCache(const kv::KvCacheShape& shape, const std::string& model) {
   KvLayout layout;
   layout.model = model;
+  layout.dtype = std::string(kv::KvDtypeName(shape.dtype));
   layout.num_layers = shape.num_layers;
   layout.num_kv_heads = shape.num_kv_heads;
   layout.head_dim = shape.head_dim;

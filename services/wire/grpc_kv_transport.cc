@@ -66,7 +66,7 @@ absl::Status GrpcKvTransport::Send(const Peer& peer, const transport::BlockTrans
   worker::v1::KvWriteAck ack;
   auto writer = peer.stub->WriteKv(&ctx, &ack);
   const kv::KvCacheShape& shape = cache_->shape();
-  const size_t block_bytes = static_cast<size_t>(shape.block_floats()) * sizeof(float);
+  const size_t block_bytes = static_cast<size_t>(shape.block_bytes());
   worker::v1::KvChunk chunk;
   chunk.set_reservation_id(t.reservation_id);
   chunk.set_generation(t.generation);
@@ -76,7 +76,7 @@ absl::Status GrpcKvTransport::Send(const Peer& peer, const transport::BlockTrans
     for (size_t i = 0; i < t.src_blocks.size() && ok; ++i) {
       chunk.set_layer(static_cast<int32_t>(l));
       chunk.set_block(t.dst_blocks[i]);
-      chunk.set_data(cache_->layer_base(l) + t.src_blocks[i] * shape.block_floats(), block_bytes);
+      chunk.set_data(cache_->block_data(l, t.src_blocks[i]), block_bytes);
       ok = writer->Write(chunk);
       *bytes += static_cast<int64_t>(block_bytes);
     }
@@ -134,15 +134,15 @@ absl::Status GrpcKvTransport::Receive(const worker::v1::KvChunk& chunk, bool fir
     return absl::OkStatus();
   }
   const kv::KvCacheShape& shape = cache_->shape();
-  const size_t block_bytes = static_cast<size_t>(shape.block_floats()) * sizeof(float);
+  const size_t block_bytes = static_cast<size_t>(shape.block_bytes());
   if (chunk.layer() < 0 || chunk.layer() >= shape.num_layers || chunk.block() < 0 ||
       chunk.block() >= shape.num_blocks || chunk.data().size() != block_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "KV chunk out of range: layer ", chunk.layer(), " block ", chunk.block(), ", ",
         chunk.data().size(), " bytes (a block is ", block_bytes, ")"));
   }
-  std::memcpy(cache_->layer_base(chunk.layer()) + chunk.block() * shape.block_floats(),
-              chunk.data().data(), block_bytes);
+  std::memcpy(cache_->block_data(chunk.layer(), chunk.block()), chunk.data().data(),
+              block_bytes);
   *bytes += static_cast<int64_t>(block_bytes);
   return absl::OkStatus();
 }

@@ -653,15 +653,15 @@ TEST_F(AdapterEngineTest, AnImportedSequenceWaitsForItsAdapterAlone) {
   SlowAdapterBackend* backend = nullptr;
   auto decode = SlowAdapterEngine(base_, /*not_ready_queries=*/4, &backend);
   ASSERT_NE(decode, nullptr);
-  const int64_t bf = prefill->cache()->shape().block_floats();
+  const int64_t block_bytes = prefill->cache()->shape().block_bytes();
   std::vector<Request> imported;
   for (const engine::PrefilledPrompt& p : handed) {
     auto blocks = decode->ReserveBlocks((p.num_tokens + 10 + 15) / 16);
     ASSERT_TRUE(blocks.ok()) << blocks.status();
     for (int64_t l = 0; l < base_->config().num_layers; ++l) {
       for (size_t b = 0; b < p.blocks.size(); ++b) {
-        std::memcpy(decode->cache()->layer_base(l) + (*blocks)[b] * bf,
-                    prefill->cache()->layer_base(l) + p.blocks[b] * bf, bf * sizeof(float));
+        std::memcpy(decode->cache()->block_data(l, (*blocks)[b]),
+                    prefill->cache()->block_data(l, p.blocks[b]), block_bytes);
       }
     }
     Request r = p.request_id == reqs[0].id ? reqs[0] : reqs[1];

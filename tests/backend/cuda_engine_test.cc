@@ -276,15 +276,15 @@ void HandOverThroughMirrors(Engine* prefill, Engine* decode, const std::vector<R
   kv::KvCache* from = prefill->cache();
   kv::KvCache* to = decode->cache();
   ASSERT_TRUE(from != nullptr && to != nullptr);
-  const int64_t bf = from->shape().block_floats();
+  const int64_t block_bytes = from->shape().block_bytes();
   std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>> moved;  // (src, dst)
   for (const PrefilledPrompt& p : handed) {
     auto blocks = decode->ReserveBlocks((p.num_tokens + 8 + 15) / 16);
     ASSERT_TRUE(blocks.ok()) << blocks.status();
     for (int64_t l = 0; l < from->shape().num_layers; ++l) {
       for (size_t b = 0; b < p.blocks.size(); ++b) {
-        std::memcpy(to->layer_base(l) + (*blocks)[b] * bf, from->layer_base(l) + p.blocks[b] * bf,
-                    bf * sizeof(float));
+        std::memcpy(to->block_data(l, (*blocks)[b]), from->block_data(l, p.blocks[b]),
+                    block_bytes);
       }
     }
     moved.emplace_back(p.blocks,
@@ -301,14 +301,13 @@ void HandOverThroughMirrors(Engine* prefill, Engine* decode, const std::vector<R
   }
   // Poison the decode mirror, then read the device blocks back into it.
   for (int64_t l = 0; l < to->shape().num_layers; ++l) {
-    std::memset(to->layer_base(l), 0xff, to->shape().num_blocks * bf * sizeof(float));
+    std::memset(to->layer_data(l), 0xff, to->layer_bytes());
   }
   for (const auto& [src, dst] : moved) {
     ASSERT_TRUE(decode->backend().KvToHost(dst).ok());
     for (int64_t l = 0; l < from->shape().num_layers; ++l) {
       for (size_t b = 0; b < src.size(); ++b) {
-        ASSERT_EQ(std::memcmp(to->layer_base(l) + dst[b] * bf, from->layer_base(l) + src[b] * bf,
-                              bf * sizeof(float)),
+        ASSERT_EQ(std::memcmp(to->block_data(l, dst[b]), from->block_data(l, src[b]), block_bytes),
                   0)
             << "layer " << l << " block " << dst[b];
       }

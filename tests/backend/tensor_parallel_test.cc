@@ -207,7 +207,7 @@ void RunCopies(const std::vector<StridedCopy>& copies, bool back, const float* s
 TEST(TensorParallelTest, RanksMoveTheirKvHeadsThroughACacheOfEveryHead) {
   const kv::KvCacheShape full{2, 5, 4, 4, 3};  // layers, blocks, block tokens, KV heads, head dim
   const int64_t per_head = full.head_dim * full.block_tokens;
-  const int64_t total = full.num_layers * full.num_blocks * full.block_floats();
+  const int64_t total = full.num_layers * full.num_blocks * full.block_elements();
   std::vector<float> whole(total);
   for (int64_t i = 0; i < total; ++i) whole[i] = static_cast<float>(i);
   const std::vector<int32_t> blocks = {3, 0, 1};  // runs [3] and [0, 1]
@@ -244,8 +244,8 @@ TEST(TensorParallelTest, RanksMoveTheirKvHeadsThroughACacheOfEveryHead) {
     }
     for (int64_t l = 0; l < full.num_layers; ++l) {
       for (int64_t b = 0; b < full.num_blocks; ++b) {
-        const int64_t at = (l * full.num_blocks + b) * full.block_floats();
-        for (int64_t i = 0; i < full.block_floats(); ++i) {
+        const int64_t at = (l * full.num_blocks + b) * full.block_elements();
+        for (int64_t i = 0; i < full.block_elements(); ++i) {
           ASSERT_EQ(rebuilt[at + i], named(b) ? whole[at + i] : -1.f)
               << "ranks " << ranks << " layer " << l << " block " << b << " float " << i;
         }

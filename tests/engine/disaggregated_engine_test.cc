@@ -41,11 +41,10 @@ class DisaggregatedEngineTest : public TinyEngineTest {
   static void CopyBlocks(Engine& from, const std::vector<int32_t>& src, Engine& to,
                          const std::vector<int32_t>& dst) {
     const kv::KvCacheShape& shape = from.cache()->shape();
-    const size_t bytes = shape.block_floats() * sizeof(float);
     for (int64_t l = 0; l < shape.num_layers; ++l) {
       for (size_t i = 0; i < src.size(); ++i) {
-        std::memcpy(to.cache()->layer_base(l) + dst[i] * shape.block_floats(),
-                    from.cache()->layer_base(l) + src[i] * shape.block_floats(), bytes);
+        std::memcpy(to.cache()->block_data(l, dst[i]), from.cache()->block_data(l, src[i]),
+                    shape.block_bytes());
       }
     }
   }
@@ -139,10 +138,9 @@ class MirroredCpuBackend : public testing::CachelessBackend {
   MirroredCpuBackend(std::unique_ptr<backend::CpuBackend> cpu, std::unique_ptr<kv::KvCache> mirror)
       : CachelessBackend(std::move(cpu)), mirror_(std::move(mirror)) {}
   static void Copy(kv::KvCache& from, const std::vector<int32_t>& blocks, kv::KvCache* to) {
-    const int64_t bf = from.shape().block_floats();
     for (int64_t l = 0; l < from.shape().num_layers; ++l) {
       for (int32_t b : blocks) {
-        std::memcpy(to->layer_base(l) + b * bf, from.layer_base(l) + b * bf, bf * sizeof(float));
+        std::memcpy(to->block_data(l, b), from.block_data(l, b), from.shape().block_bytes());
       }
     }
   }

@@ -121,5 +121,19 @@ TEST(KvCacheTest, LayoutSeparatesLayersBlocksHeadsAndSlots) {
   EXPECT_EQ(KvCache::Create({0, 1, 1, 1, 1}).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// The sizes follow the dtype (nothing stores bf16 yet; this is the arithmetic the pools and
+// transports size themselves by).
+TEST(KvCacheTest, BlockBytesFollowTheDtype) {
+  const KvCacheShape f32{2, 3, 4, 2, 8};
+  KvCacheShape bf16 = f32;
+  bf16.dtype = KvDtype::kBF16;
+  EXPECT_EQ(f32.element_bytes(), 4);
+  EXPECT_EQ(bf16.element_bytes(), 2);
+  EXPECT_EQ(bf16.block_elements(), f32.block_elements());
+  EXPECT_EQ(f32.block_bytes(), 2 * 2 * 4 * 8 * 4);
+  EXPECT_EQ(bf16.block_bytes() * 2, f32.block_bytes());
+  EXPECT_EQ(bf16.bytes_per_block_all_layers(), 2 * bf16.block_bytes());
+}
+
 }  // namespace
 }  // namespace preft::kv

@@ -50,7 +50,7 @@ struct DeviceCache {
   static std::unique_ptr<DeviceCache> Zeroed() {
     auto c = std::make_unique<DeviceCache>();
     c->host = *kv::KvCache::Create(kShape);
-    c->bytes = kShape.num_layers * kShape.num_blocks * kShape.block_floats() * sizeof(float);
+    c->bytes = kShape.num_blocks * kShape.bytes_per_block_all_layers();
     if (cuda::Malloc(&c->device, c->bytes) != 0) return nullptr;
     if (cuda::Memset(c->device, 0, c->bytes, nullptr) != 0) return nullptr;
     std::memset(c->host->layer_base(0), 0, c->bytes);
@@ -144,7 +144,7 @@ TEST(CudaIpcTransportTest, BlocksReachAnotherCacheInThisProcess) {
   EXPECT_EQ(CheckReceived(*to), "");
   EXPECT_EQ(sender.stats().transfers, 1);
   EXPECT_EQ(sender.stats().bytes,
-            static_cast<int64_t>(kSrc.size() * kShape.num_layers * kShape.block_floats() * 4));
+            static_cast<int64_t>(kSrc.size() * kShape.num_layers * kShape.block_bytes()));
 
   // Out-of-range blocks are refused before any byte moves.
   BlockTransfer bad{43, 1, {0}, {static_cast<int32_t>(kShape.num_blocks)}};

@@ -64,7 +64,7 @@ TEST(InprocTransportTest, CopiesBlocksByteExactAndNotifiesOnce) {
   TransportStats stats = p.sender.stats();
   EXPECT_EQ(stats.transfers, 1);
   EXPECT_EQ(stats.failures, 0);
-  EXPECT_EQ(stats.bytes, 5 * 3 * Shape(1).block_floats() * 4);
+  EXPECT_EQ(stats.bytes, 5 * 3 * Shape(1).block_bytes());
   EXPECT_EQ(p.sender.name(), "inproc");
 }
 

@@ -27,6 +27,14 @@ TEST(KvLayoutTest, ForCacheCopiesTheShapeButNotThePoolSize) {
   EXPECT_EQ(KvLayout::ForCache(bigger, "qwen2.5-0.5b").Hash(), a.Hash());
 }
 
+TEST(KvLayoutTest, ForCacheNamesTheDtype) {
+  kv::KvCacheShape bf16 = Shape();
+  bf16.dtype = kv::KvDtype::kBF16;
+  const KvLayout a = KvLayout::ForCache(bf16, "qwen2.5-0.5b");
+  EXPECT_EQ(a.dtype, "bf16");
+  EXPECT_NE(a.Hash(), KvLayout::ForCache(Shape(), "qwen2.5-0.5b").Hash());
+}
+
 TEST(KvLayoutTest, HashIsStableAcrossProcessesAndBuilds) {
   // A constant (FNV-1a of the canonical fields, recomputed independently in Python): the hash
   // is exchanged between processes, so it must never depend on the run or the build.

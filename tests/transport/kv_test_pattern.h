@@ -2,6 +2,7 @@
 
 // Deterministic KV block contents for transport tests: every bit pattern (NaNs included), so
 // a transfer is checked byte for byte, and a receiver in another process can recompute them.
+// Blocks are filled as 32-bit words over their bytes, whatever the cache's dtype.
 
 #include <cstdint>
 #include <cstring>
@@ -23,23 +24,23 @@ inline uint32_t PatternWord(uint64_t seed, int64_t layer, int64_t tag, int64_t k
 
 // Writes the pattern (seed, tag) into `block` of every layer.
 inline void FillPattern(kv::KvCache& cache, int32_t block, uint64_t seed, int64_t tag) {
-  const int64_t n = cache.shape().block_floats();
+  const int64_t n = cache.shape().block_bytes() / 4;
   for (int64_t layer = 0; layer < cache.shape().num_layers; ++layer) {
-    float* p = cache.layer_base(layer) + block * n;
+    std::byte* p = cache.block_data(layer, block);
     for (int64_t k = 0; k < n; ++k) {
       const uint32_t w = PatternWord(seed, layer, tag, k);
-      std::memcpy(p + k, &w, sizeof(w));
+      std::memcpy(p + 4 * k, &w, sizeof(w));
     }
   }
 }
 
 inline bool HasPattern(kv::KvCache& cache, int32_t block, uint64_t seed, int64_t tag) {
-  const int64_t n = cache.shape().block_floats();
+  const int64_t n = cache.shape().block_bytes() / 4;
   for (int64_t layer = 0; layer < cache.shape().num_layers; ++layer) {
-    const float* p = cache.layer_base(layer) + block * n;
+    const std::byte* p = cache.block_data(layer, block);
     for (int64_t k = 0; k < n; ++k) {
       uint32_t w;
-      std::memcpy(&w, p + k, sizeof(w));
+      std::memcpy(&w, p + 4 * k, sizeof(w));
       if (w != PatternWord(seed, layer, tag, k)) return false;
     }
   }
@@ -47,12 +48,12 @@ inline bool HasPattern(kv::KvCache& cache, int32_t block, uint64_t seed, int64_t
 }
 
 inline bool IsZero(kv::KvCache& cache, int32_t block) {
-  const int64_t n = cache.shape().block_floats();
+  const int64_t n = cache.shape().block_bytes() / 4;
   for (int64_t layer = 0; layer < cache.shape().num_layers; ++layer) {
-    const float* p = cache.layer_base(layer) + block * n;
+    const std::byte* p = cache.block_data(layer, block);
     for (int64_t k = 0; k < n; ++k) {
       uint32_t w;
-      std::memcpy(&w, p + k, sizeof(w));
+      std::memcpy(&w, p + 4 * k, sizeof(w));
       if (w != 0) return false;
     }
   }

@@ -107,7 +107,7 @@ TEST_P(UcxTransportTest, CopiesBlocksByteExactBetweenTwoWorkers) {
   TransportStats stats = sender.stats();
   EXPECT_EQ(stats.transfers, 1);
   EXPECT_EQ(stats.failures, 0);
-  EXPECT_EQ(stats.bytes, 10 * 3 * Shape(1).block_floats() * 4);
+  EXPECT_EQ(stats.bytes, 10 * 3 * Shape(1).block_bytes());
 }
 
 TEST_P(UcxTransportTest, ManyWritesInFlight) {

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/base/check.h"
 #include "common/kernels/cpu/cpu_features.h"
 #include "common/base/math.h"
 
@@ -25,8 +26,10 @@ constexpr int64_t kGemmMinQueries = 8;
 // Query rows per work item of the direct paths.
 constexpr int64_t kDirectRows = 64;
 
+// f32 only so far: PagedAttention checks the layout's dtype before any kernel reads it.
 const float* KeyBlock(const PagedKvLayout& l, const int32_t* table, int64_t b, int64_t h) {
-  return l.k_base + table[b] * l.block_stride + h * l.block_tokens * l.head_dim;
+  return static_cast<const float*>(l.k_base) + table[b] * l.block_stride +
+         h * l.block_tokens * l.head_dim;
 }
 
 // First key position a query sees when it sees `visible` positions in all.
@@ -257,6 +260,7 @@ void AttendGemm(const AttentionSeq& seq, const PagedKvLayout& l, int64_t head, i
 
 void PagedAttention(const AttentionSeq* seqs, int64_t num_seqs, const PagedKvLayout& layout,
                     int64_t num_heads, float scale, int64_t window) {
+  PREFT_CHECK(layout.dtype == KvDtype::kF32);  // the kernels read f32 (issue 37 adds the rest)
   const int64_t group = num_heads / layout.num_kv_heads, d = layout.head_dim;
   const AttendFn attend = PickAttendAvx512(group, d);
   struct DirectItem {

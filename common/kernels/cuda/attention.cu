@@ -30,6 +30,7 @@ __global__ void AttentionKernel(const AttentionSeq* seqs, PagedKvLayout kv, int6
   __shared__ int64_t key_base[kThreads];  // offset of each tile key's block, K part
   __shared__ float scratch[kWarps];
   const AttentionSeq seq = seqs[blockIdx.x];
+  const float* k_base = static_cast<const float*>(kv.k_base);  // f32: the launchers check
   const int64_t head = blockIdx.y, qi = blockIdx.z;
   if (qi >= seq.num_new) return;
   const int64_t hd = kv.head_dim, bt = kv.block_tokens;
@@ -49,7 +50,7 @@ __global__ void AttentionKernel(const AttentionSeq* seqs, PagedKvLayout kv, int6
     if (j <= pos) {
       const int64_t base = seq.block_table[j / bt] * kv.block_stride;
       key_base[threadIdx.x] = base;
-      const float* kp = kv.k_base + base + kvh * hd * bt + j % bt;
+      const float* kp = k_base + base + kvh * hd * bt + j % bt;
       float dot = 0.f;
       for (int64_t d = 0; d < hd; ++d) dot += q[d] * kp[d * bt];
       s = dot * scale;
@@ -69,7 +70,7 @@ __global__ void AttentionKernel(const AttentionSeq* seqs, PagedKvLayout kv, int6
       float a = acc[r] * correction;
       for (int64_t t = 0; t < count; ++t) {
         const int64_t jj = start + t;
-        a += p[t] * kv.k_base[key_base[t] + kv.v_offset + (kvh * bt + jj % bt) * hd + d];
+        a += p[t] * k_base[key_base[t] + kv.v_offset + (kvh * bt + jj % bt) * hd + d];
       }
       acc[r] = a;
     }
@@ -153,6 +154,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int64_t qi = per_query ? static_cast<int64_t>(blockIdx.z) : seq.num_new - 1;
   if (qi < 0 || qi >= seq.num_new) return;
   const int kvh = blockIdx.y;
+  const float* k_base = static_cast<const float*>(kv.k_base);  // f32: the launchers check
   const int split = per_query ? 0 : blockIdx.z, splits = per_query ? 1 : gridDim.z;
   const int hd = static_cast<int>(kv.head_dim), bt = static_cast<int>(kv.block_tokens);
   const int num_heads = group * static_cast<int>(kv.num_kv_heads);
@@ -180,8 +182,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
   for (int64_t b = lo / bt + split; b <= pos / bt; b += splits) {
     const int64_t block = static_cast<int64_t>(seq.block_table[b]) * kv.block_stride;
-    const float* kt = kv.k_base + block + static_cast<int64_t>(kvh) * hd * bt;
-    const float* vt = kv.k_base + block + kv.v_offset + static_cast<int64_t>(kvh) * bt * hd;
+    const float* kt = k_base + block + static_cast<int64_t>(kvh) * hd * bt;
+    const float* vt = k_base + block + kv.v_offset + static_cast<int64_t>(kvh) * bt * hd;
     const int t_lo = lo > b * bt ? static_cast<int>(lo - b * bt) : 0;
     const int t_hi = pos < (b + 1) * bt - 1 ? static_cast<int>(pos - b * bt) : bt - 1;
     float dot[kMaxGroup];
@@ -315,19 +317,21 @@ int DecodeSplits(int64_t num_seqs, int64_t num_kv_heads) {
 }  // namespace
 
 int WriteKv(const float* k, const float* v, const int64_t* slots, int64_t num_tokens,
-            float* layer_base, const PagedKvLayout& layout, void* stream) {
+            void* layer_base, const PagedKvLayout& layout, void* stream) {
+  if (layout.dtype != KvDtype::kF32) return static_cast<int>(cudaErrorInvalidValue);
   if (num_tokens == 0) return 0;
   WriteKvKernel<<<static_cast<unsigned>(num_tokens), kThreads, 0, AsStream(stream)>>>(
-      k, v, slots, layer_base, layout);
+      k, v, slots, static_cast<float*>(layer_base), layout);
   return LaunchStatus();
 }
 
 int RopeWriteKv(const int32_t* positions, const float* inv_freq, float* q, int64_t num_heads,
                 const float* k, const float* v, const int64_t* slots, int64_t num_tokens,
-                float* layer_base, const PagedKvLayout& layout, void* stream) {
+                void* layer_base, const PagedKvLayout& layout, void* stream) {
+  if (layout.dtype != KvDtype::kF32) return static_cast<int>(cudaErrorInvalidValue);
   if (num_tokens == 0) return 0;
   RopeWriteKvKernel<<<static_cast<unsigned>(num_tokens), kThreads, 0, AsStream(stream)>>>(
-      positions, inv_freq, q, num_heads, k, v, slots, layer_base, layout);
+      positions, inv_freq, q, num_heads, k, v, slots, static_cast<float*>(layer_base), layout);
   return LaunchStatus();
 }
 
@@ -341,6 +345,8 @@ int64_t AttentionWorkspaceFloats(int64_t num_seqs, int64_t max_new, const PagedK
 int PagedAttention(const AttentionSeq* seqs, int64_t num_seqs, int64_t max_new,
                    const PagedKvLayout& layout, int64_t num_heads, float scale, int64_t window,
                    float* workspace, void* stream) {
+  // The kernels read f32 only so far (docs/plans/kv-dtype.md).
+  if (layout.dtype != KvDtype::kF32) return static_cast<int>(cudaErrorInvalidValue);
   if (num_seqs == 0 || max_new == 0) return 0;
   if (layout.head_dim > kMaxHeadDim) return static_cast<int>(cudaErrorInvalidValue);
   if (max_new == 1 && DecodeKernelFits(layout, num_heads)) {

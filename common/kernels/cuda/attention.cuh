@@ -16,16 +16,18 @@ using kernels::PagedKvLayout;  // head_dim <= kMaxHeadDim
 
 // Stores the K and V of num_tokens new tokens ([T, num_kv_heads, head_dim] each) into one
 // layer's blocks at layer_base, in the geometry of `layout` (its k_base is not read): token t
-// goes to block slots[t] / block_tokens, at offset slots[t] % block_tokens.
+// goes to block slots[t] / block_tokens, at offset slots[t] % block_tokens. The cache holds
+// layout.dtype; only f32 is stored so far (another dtype: cudaErrorInvalidValue here and in
+// RopeWriteKv and PagedAttention).
 int WriteKv(const float* k, const float* v, const int64_t* slots, int64_t num_tokens,
-            float* layer_base, const PagedKvLayout& layout, void* stream);
+            void* layer_base, const PagedKvLayout& layout, void* stream);
 
 // ApplyRope (ops.cuh) on q in place and on k, then WriteKv of the rotated k and of v, in one
 // launch: the cache gets exactly what the two calls store, and q what ApplyRope leaves; k
 // itself is left unrotated (only the cache reads it after).
 int RopeWriteKv(const int32_t* positions, const float* inv_freq, float* q, int64_t num_heads,
                 const float* k, const float* v, const int64_t* slots, int64_t num_tokens,
-                float* layer_base, const PagedKvLayout& layout, void* stream);
+                void* layer_base, const PagedKvLayout& layout, void* stream);
 
 // seqs is a device array of num_seqs; max_new bounds their num_new. A query at position i sees
 // keys j <= i, and with window > 0 only i - window < j (Mistral's sliding window). One block

@@ -27,10 +27,6 @@ absl::Status CudaError(const char* what, int code) {
                                           cuda::ErrorString(code)));
 }
 
-int64_t BlockBytes(const kv::KvCacheShape& shape) {
-  return shape.block_floats() * static_cast<int64_t>(sizeof(float));
-}
-
 }  // namespace
 
 CudaIpcTransport::CudaIpcTransport(kv::DeviceKvView cache, std::unique_ptr<KvTransport> control)
@@ -98,7 +94,7 @@ std::string CudaIpcTransport::LocalAddress() const {
   a.device = device_;
   a.num_layers = cache_.shape.num_layers;
   a.num_blocks = cache_.shape.num_blocks;
-  a.block_bytes = BlockBytes(cache_.shape);
+  a.block_bytes = cache_.shape.block_bytes();
   return EncodeCudaIpcPeerAddress(a);
 }
 
@@ -111,10 +107,10 @@ absl::StatusOr<PeerId> CudaIpcTransport::Connect(const std::string& peer_address
         ", this worker on ", node, ": CUDA IPC reaches GPUs of one node (use --transport ucx "
         "across nodes)"));
   }
-  if (a.num_layers != cache_.shape.num_layers || a.block_bytes != BlockBytes(cache_.shape)) {
+  if (a.num_layers != cache_.shape.num_layers || a.block_bytes != cache_.shape.block_bytes()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "CUDA IPC transport: the peer's cache has ", a.num_layers, " layers of ", a.block_bytes,
-        "-byte blocks, this one ", cache_.shape.num_layers, " of ", BlockBytes(cache_.shape)));
+        "-byte blocks, this one ", cache_.shape.num_layers, " of ", cache_.shape.block_bytes()));
   }
   PREFT_ASSIGN_OR_RETURN(const PeerId control, control_->Connect(a.control));  // checks layouts
   Peer peer;
@@ -226,7 +222,7 @@ void CudaIpcTransport::CopyLoop() {
 absl::Status CudaIpcTransport::Copy(const Peer& peer, const BlockTransfer& transfer,
                                     int64_t* bytes) {
   PREFT_RETURN_IF_ERROR(ValidateTransfer(transfer, cache_.shape.num_blocks, peer.num_blocks));
-  const int64_t block_bytes = BlockBytes(cache_.shape);
+  const int64_t block_bytes = cache_.shape.block_bytes();
   const int64_t local_layer = cache_.shape.num_blocks * block_bytes;
   const int64_t remote_layer = peer.num_blocks * block_bytes;
   const char* local = static_cast<const char*>(cache_.base);

@@ -56,10 +56,10 @@ void UcxTransport::Impl::StartTransfer(WriteCommand command) {
   // into a staging buffer (a memcpy costs far less than a put per block over TCP).
   const std::vector<int32_t>& src = transfer.blocks.src_blocks;
   const std::vector<int32_t>& dst = transfer.blocks.dst_blocks;
-  const uint64_t block_bytes = shape.block_floats() * sizeof(float);
+  const uint64_t block_bytes = shape.block_bytes();
   const uint64_t local_layer_bytes = shape.num_blocks * block_bytes;
   const uint64_t remote_layer_bytes = peer.address.num_blocks * block_bytes;
-  const char* local_base = reinterpret_cast<const char*>(cache_->layer_base(0));
+  const char* local_base = reinterpret_cast<const char*>(cache_->layer_data(0));
   ucp_request_param_t put{};
   for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
     for (size_t i = 0; i < src.size();) {

@@ -64,7 +64,7 @@ absl::Status UcxTransport::Impl::Start(kv::KvCache* cache, const KvLayout& layou
 
   ucp_mem_map_params_t map{};
   map.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
-  map.address = cache->layer_base(0);
+  map.address = cache->layer_data(0);
   map.length = cache->bytes();
   st = ucp_mem_map(context_, &map, &memh_);
   if (st != UCS_OK) {
@@ -75,7 +75,7 @@ absl::Status UcxTransport::Impl::Start(kv::KvCache* cache, const KvLayout& layou
   UcxPeerAddress self;
   self.layout = layout;
   self.num_blocks = cache->shape().num_blocks;
-  self.base = reinterpret_cast<uint64_t>(cache->layer_base(0));
+  self.base = reinterpret_cast<uint64_t>(cache->layer_data(0));
   self.bytes = cache->bytes();
   void* rkey = nullptr;
   size_t rkey_size = 0;
@@ -148,9 +148,10 @@ absl::StatusOr<PeerId> UcxTransport::Impl::Connect(const std::string& peer_addre
     return absl::FailedPreconditionError(absl::StrCat(
         "KV layout mismatch: local ", layout_.ToString(), " vs peer ", address->layout.ToString()));
   }
+  // The hashes matched, so the peer's elements are the size of ours (same dtype).
   const int64_t bytes_per_block = address->layout.num_layers * 2 * address->layout.num_kv_heads *
                                   address->layout.block_tokens * address->layout.head_dim *
-                                  static_cast<int64_t>(sizeof(float));
+                                  cache_->shape().element_bytes();
   if (address->num_blocks <= 0 ||
       address->bytes != static_cast<uint64_t>(address->num_blocks * bytes_per_block)) {
     return absl::InvalidArgumentError(absl::StrCat("UCX peer address: ", address->bytes,
