@@ -47,18 +47,15 @@ Caller CallerOf(const grpc::ServerContextBase& context) {
   }
   // "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000": the address without the port.
   const std::string peer = context.peer();
-  // The OpenAI HTTP front end calls in-process and names its own client; only in-process
-  // callers are believed.
-  const bool network = absl::StartsWith(peer, "ipv4:") || absl::StartsWith(peer, "ipv6:") ||
-                       absl::StartsWith(peer, "unix:");
-  const std::string http_client = network ? "" : Metadata(context, "x-preft-http-client");
-  if (!http_client.empty()) {
-    c.address = absl::StrCat("http:", http_client);
-  } else {
-    const size_t colon = peer.rfind(':');
-    c.address = colon == std::string::npos ? peer : peer.substr(0, colon);
-  }
+  const size_t colon = peer.rfind(':');
+  c.address = colon == std::string::npos ? peer : peer.substr(0, colon);
   return c;
+}
+
+absl::Status Access::Authorize(const grpc::ServerContextBase& context, Scope scope) const {
+  Caller caller;
+  caller.authorization = Metadata(context, "authorization");
+  return Authorize(caller, scope);
 }
 
 absl::Status Access::Authorize(const Caller& caller, Scope scope) const {

@@ -41,8 +41,8 @@ struct Caller {
   std::string address;        // the client's address without the port
 };
 
-// A gRPC call's caller. The peer address is the network peer's; for an in-process call (the
-// OpenAI door's admin calls) the `x-preft-http-client` metadata it sets, believed only there.
+// A gRPC call's caller (the OpenAI door names its HTTP clients itself: it calls Generate in
+// process, never through gRPC).
 Caller CallerOf(const grpc::ServerContextBase& context);
 
 // Thread-safe.
@@ -51,9 +51,8 @@ class Access {
   explicit Access(AccessOptions options) : options_(std::move(options)) {}
 
   absl::Status Authorize(const Caller& caller, Scope scope) const;
-  absl::Status Authorize(const grpc::ServerContextBase& context, Scope scope) const {
-    return Authorize(CallerOf(context), scope);
-  }
+  // A gRPC call's token only (no peer or TLS lookups: the token is all Authorize reads).
+  absl::Status Authorize(const grpc::ServerContextBase& context, Scope scope) const;
 
   // A held stream slot; giving it back (destruction) frees it.
   class Slot {

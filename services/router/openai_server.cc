@@ -55,11 +55,10 @@ absl::StatusOr<json> ParseBody(const http::HttpRequest& req) {
   return body;
 }
 
-// The HTTP caller's token and address travel with every call it causes.
+// The HTTP caller's token travels with every gRPC call it causes (admin and model routes).
 void Prepare(const http::HttpRequest& req, absl::Duration timeout, grpc::ClientContext* ctx) {
   ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   if (req.HasHeader("Authorization")) ctx->AddMetadata("authorization", req.Header("Authorization"));
-  ctx->AddMetadata("x-preft-http-client", req.peer);
 }
 
 std::string NewId(const char* prefix) {

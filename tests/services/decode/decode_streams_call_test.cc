@@ -54,7 +54,6 @@ class StreamsClient {
     StreamsResponse msg;
     while (!all_ended()) {
       if (!call_->Read(&msg)) return false;
-      ++messages_;
       for (const StreamFrame& f : msg.frames()) Apply(f);
     }
     return true;
@@ -71,11 +70,7 @@ class StreamsClient {
   // Half-closes and reads to the call's end.
   grpc::Status Close() {
     call_->WritesDone();
-    StreamsResponse msg;
-    while (call_->Read(&msg)) {
-      for (const StreamFrame& f : msg.frames()) Apply(f);
-    }
-    return call_->Finish();
+    return ReadToEnd();
   }
   grpc::Status ReadToEnd() {
     StreamsResponse msg;
@@ -111,7 +106,6 @@ class StreamsClient {
   grpc::ClientContext ctx_;
   std::unique_ptr<grpc::ClientReaderWriter<StreamsRequest, StreamsResponse>> call_;
   std::map<uint64_t, Tagged> results_;
-  int messages_ = 0;
 };
 
 TEST_F(ColocatedDecodeTest, RunsOverOneCallEqualOneEngineAndABadOneFailsAlone) {
