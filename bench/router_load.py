@@ -147,7 +147,7 @@ def run_one(args, model, run, api, n):
                 pin_router + [os.path.join(bin_dir, "preft-router"), "--model", model,
                  "--colocated", "--decode", ",".join(workers), "--adapter-root", run,
                  "--http-listen", "127.0.0.1:0", "--http-max-connections", str(max(10000, 2 * n)),
-                 "--http-max-connections-per-client", str(max(512, 2 * n))],
+                 "--http-max-connections-per-client", str(max(512, 2 * n))] + args.router_arg,
                 log, env=env)
             procs.append(router)
             raddr = address(router, log)
@@ -229,6 +229,8 @@ def main():
                          "its added TTFT without waiting for a core")
     ap.add_argument("--router-env", action="append", default=[],
                     help="KEY=VALUE in the router's environment (repeatable)")
+    ap.add_argument("--router-arg", action="append", default=[],
+                    help="an extra preft-router argument (repeatable), e.g. --router-arg=--relay-threads=0")
     ap.add_argument("--repeat", type=int, default=3, help="runs per (api, level); medians shown")
     ap.add_argument("--streams-per-worker", type=int, default=128,
                     help=f"workers per level: ceil(streams / this); under {MAX_RUNNING} because "

@@ -1,11 +1,24 @@
 #include "common/base/thread_pool.h"
 
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <algorithm>
 
 namespace preft::base {
 
-ThreadPool::ThreadPool(int threads) {
-  for (int i = 0; i < std::max(1, threads); ++i) threads_.emplace_back([this] { Loop(); });
+ThreadPool::ThreadPool(int threads, int nice) {
+  for (int i = 0; i < std::max(1, threads); ++i) {
+    threads_.emplace_back([this, nice] {
+      // Relative to the creator's nice, which a new thread inherits. Best effort: lowering
+      // one's own priority needs no privilege; if refused, run as is.
+      if (nice > 0) {
+        const id_t self = static_cast<id_t>(gettid());
+        (void)setpriority(PRIO_PROCESS, self, std::min(19, getpriority(PRIO_PROCESS, self) + nice));
+      }
+      Loop();
+    });
+  }
 }
 
 ThreadPool::~ThreadPool() {

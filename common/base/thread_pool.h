@@ -15,7 +15,9 @@ namespace preft::base {
 
 class ThreadPool {
  public:
-  explicit ThreadPool(int threads);
+  // `nice` > 0 runs the threads below the process's other threads (Linux's per-thread nice):
+  // bulk work that must not delay latency-critical work on a busy host (the router's relays).
+  explicit ThreadPool(int threads, int nice = 0);
   // Runs what was posted, then joins.
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;

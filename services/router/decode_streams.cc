@@ -89,8 +89,9 @@ void DecodeStream::Cancel() {
 }
 
 std::shared_ptr<DecodeStreams> DecodeStreams::Open(worker::v1::DecodeWorker::Stub* stub,
-                                                   std::string address) {
-  auto call = std::make_shared<DecodeStreams>(std::move(address));
+                                                   std::string address,
+                                                   base::ThreadPool* relay) {
+  auto call = std::make_shared<DecodeStreams>(std::move(address), relay);
   call->self_ = call;
   stub->async()->Streams(&call->context_, call.get());
   // Writes start from outside reactions (a request opening a stream), so gRPC must not end the
@@ -188,18 +189,17 @@ void DecodeStreams::OnReadDone(bool ok) {
     }
     close = IdleCloseDueLocked();
   }
-  // Streams hearing their first message go first: a batch holds up to a step's worth of
-  // streams (256 on a busy worker), and relaying the others first would add their relay time
-  // to the new ones' time to first token.
-  std::vector<std::coroutine_handle<>> readers;
-  size_t firsts = 0;
+  // Streams hearing their first message are relayed here, the rest on the relay threads, which
+  // run below this one in priority: a batch holds up to a step's worth of streams (256 on a busy
+  // worker), and on a saturated router relaying the others first would add their relay time,
+  // and every other worker's batch queued with it, to the new ones' time to first token.
+  std::vector<std::coroutine_handle<>> firsts, rest;
   for (int i = 0; i < in_.frames_size(); ++i) {
     if (to[i] == nullptr) continue;
     bool first = false;
     std::coroutine_handle<> r = to[i]->Deliver(in_.mutable_frames(i), &first);
     if (!r) continue;
-    readers.push_back(r);
-    if (first) std::swap(readers[firsts++], readers.back());
+    (first || relay_ == nullptr ? firsts : rest).push_back(r);
   }
   in_.Clear();
   if (close) {
@@ -207,7 +207,12 @@ void DecodeStreams::OnReadDone(bool ok) {
     MaybeRemoveHold();
   }
   StartRead(&in_);
-  for (std::coroutine_handle<> r : readers) r.resume();
+  if (!rest.empty()) {
+    relay_->Post([rest = std::move(rest)] {
+      for (std::coroutine_handle<> r : rest) r.resume();
+    });
+  }
+  for (std::coroutine_handle<> r : firsts) r.resume();
 }
 
 void DecodeStreams::OnDone(const grpc::Status& status) {

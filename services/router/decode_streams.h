@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "common/base/thread_pool.h"
 #include "proto/preft/v1/worker.grpc.pb.h"
 
 namespace preft::router {
@@ -83,9 +84,11 @@ class DecodeStreams final
     : public grpc::ClientBidiReactor<worker::v1::StreamsRequest, worker::v1::StreamsResponse>,
       public std::enable_shared_from_this<DecodeStreams> {
  public:
-  // Starts a call on `stub` (the worker at `address`, named in errors).
+  // Starts a call on `stub` (the worker at `address`, named in errors). Streams past their
+  // first message are resumed on `relay` (null: on the callback thread), which must outlive
+  // the call.
   static std::shared_ptr<DecodeStreams> Open(worker::v1::DecodeWorker::Stub* stub,
-                                             std::string address);
+                                             std::string address, base::ThreadPool* relay);
 
   // Opens a stream, taking *open (its tag is set here); null, *open untouched, when this call
   // is ending: open another.
@@ -104,7 +107,8 @@ class DecodeStreams final
   void OnWriteDone(bool ok) override;
   void OnDone(const grpc::Status& status) override;
 
-  explicit DecodeStreams(std::string address) : address_(std::move(address)) {}
+  DecodeStreams(std::string address, base::ThreadPool* relay)
+      : address_(std::move(address)), relay_(relay) {}
 
  private:
   friend class DecodeStream;
@@ -119,6 +123,7 @@ class DecodeStreams final
   void MaybeRemoveHold();
 
   const std::string address_;
+  base::ThreadPool* const relay_;
   grpc::ClientContext context_;
   worker::v1::StreamsResponse in_;  // the read in flight
   std::shared_ptr<DecodeStreams> self_;  // until OnDone

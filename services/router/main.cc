@@ -95,6 +95,13 @@ int main(int argc, char** argv) {
   app.add_option("--api-token-file", api_token_file, "every other RPC needs 'authorization: Bearer <this file's token>' (or the admin token)");
   app.add_option("--max-streams-per-client", max_streams_per_client, "concurrent Generate streams per client (TLS identity, token or IP); 0: no cap")->check(CLI::NonNegativeNumber);
   app.add_option("--max-prompt-tokens", max_prompt_tokens, "longer prompts are refused; 0: the model's context")->check(CLI::NonNegativeNumber);
+  int relay_threads = router::WorkerPoolOptions{}.relay_threads;
+  app.add_option("--relay-threads", relay_threads,
+                 "threads relaying decode workers' tokens to clients, below the router's other "
+                 "threads in priority (so a new request's admission and first token do not queue "
+                 "behind other streams' tokens); 0: relay on gRPC's callback threads")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--max-request-bytes", max_request_bytes, "larger request messages are refused (RESOURCE_EXHAUSTED)")->check(CLI::PositiveNumber)->capture_default_str();
   // Debian's Abseil checks every Mutex acquisition for deadlock cycles (a graph update per
   // lock: 2-3% of the router's CPU at 5,000 streams). The tests keep the check; the services
@@ -151,6 +158,7 @@ int main(int argc, char** argv) {
   pool_options.prefill = prefill_workers;
   pool_options.decode = SplitList(decode);
   pool_options.poll_interval = absl::Milliseconds(poll_ms);
+  pool_options.relay_threads = relay_threads;
   pool_options.credentials = *channel_credentials;
   for (const auto* specs : {&pool_options.prefill, &pool_options.decode}) {
     for (const auto& spec : *specs) {  // malformed is a usage error; unresolvable may heal

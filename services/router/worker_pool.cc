@@ -83,7 +83,16 @@ std::vector<std::string> ResolveAll(const std::vector<std::string>& specs,
 
 }  // namespace
 
-WorkerPool::WorkerPool(WorkerPoolOptions options) : options_(std::move(options)) {
+// Nice 10: a relay thread gets ~1/10 of a core that admission, first tokens or gRPC's own
+// threads also want (CFS weights 110 vs 1024), so on a saturated router a new request no longer
+// queues behind thousands of other streams' tokens.
+constexpr int kRelayNice = 10;
+
+WorkerPool::WorkerPool(WorkerPoolOptions options)
+    : options_(std::move(options)),
+      relay_(options_.relay_threads > 0
+                 ? std::make_unique<base::ThreadPool>(options_.relay_threads, kRelayNice)
+                 : nullptr) {
   Refresh();
   PollNow();
   thread_ = std::thread([this] { Run(); });
@@ -93,6 +102,7 @@ WorkerPool::~WorkerPool() {
   stop_.Notify();
   thread_.join();
   for (const auto& w : decode()) w->ShutdownStreams();
+  relay_.reset();  // after the calls: a last read may still post relays
 }
 
 std::shared_ptr<DecodeStream> DecodeWorker::OpenStream(worker::v1::StreamOpen open) {
@@ -104,7 +114,7 @@ std::shared_ptr<DecodeStream> DecodeWorker::OpenStream(worker::v1::StreamOpen op
     {
       absl::MutexLock lock(&streams_mu);
       if (streams == nullptr || streams->ending()) {
-        streams = DecodeStreams::Open(stub.get(), address);
+        streams = DecodeStreams::Open(stub.get(), address, relay);
       }
       call = streams;
     }
@@ -183,6 +193,7 @@ void WorkerPool::Refresh() {
     auto w = std::make_shared<DecodeWorker>();
     w->address = a;
     w->stub = worker::v1::DecodeWorker::NewStub(channel(a));
+    w->relay = relay_.get();
     decode.push_back(std::move(w));
   }
   std::vector<std::shared_ptr<PrefillWorker>> prefill;

@@ -18,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "common/base/thread_pool.h"
 #include "proto/preft/v1/worker.grpc.pb.h"
 #include "services/router/decode_streams.h"
 #include "services/router/routing.h"
@@ -34,11 +35,15 @@ struct WorkerPoolOptions {
   absl::Duration dns_refresh = absl::Seconds(5);
   // Makes the channel to a worker address (tests and `preft serve` may pass their own).
   std::function<std::shared_ptr<grpc::Channel>(const std::string&)> make_channel;
+  // Threads that relay decode workers' tokens to clients, below the router's other threads in
+  // priority (see DecodeStreams::OnReadDone); 0: on gRPC's callback threads.
+  int relay_threads = 2;
 };
 
 struct DecodeWorker {
   std::string address;
   std::unique_ptr<worker::v1::DecodeWorker::Stub> stub;
+  base::ThreadPool* relay = nullptr;  // the pool's relay threads (null: relay inline)
   mutable absl::Mutex mu;
   DecodeView view ABSL_GUARDED_BY(mu);
   worker::v1::DecodeStatusResponse status ABSL_GUARDED_BY(mu);  // the last poll's answer
@@ -106,6 +111,7 @@ class WorkerPool {
   void Run();
 
   const WorkerPoolOptions options_;
+  std::unique_ptr<base::ThreadPool> relay_;  // outlives every Streams call (see ~WorkerPool)
   mutable absl::Mutex mu_;
   std::vector<std::shared_ptr<DecodeWorker>> decode_ ABSL_GUARDED_BY(mu_);
   std::vector<std::shared_ptr<PrefillWorker>> prefill_ ABSL_GUARDED_BY(mu_);
