@@ -3,6 +3,10 @@
 // and the byte bound it implies for decode.
 //
 //   engine_bench --model DIR [--threads N] [--quick] [--only-batch N | --only-prefill N (for profiling)]
+//   engine_bench --model DIR --kv-compare CTX [--seqs 64] [--rounds 2]
+//     decode tok/s with f32 vs bf16 KV at SEQS sequences of CTX-token contexts (issue 37), in
+//     alternating rounds, with the step's KV and weight bytes beside it; then how many sequences
+//     the scheduler admits into one fixed KV budget at each dtype.
 
 #include <omp.h>
 #include <sys/resource.h>
@@ -44,9 +48,11 @@ struct DecodeResult {
 };
 
 DecodeResult RunBatch(preft::model::Model* model, int concurrency, int prompt_len, int new_tokens,
-                      int64_t kv_blocks, int64_t batch_tokens) {
+                      int64_t kv_blocks, int64_t batch_tokens,
+                      preft::kv::KvDtype kv_dtype = preft::kv::KvDtype::kF32) {
   preft::engine::EngineOptions o;
   o.kv_blocks = kv_blocks;
+  o.kv_dtype = kv_dtype;
   o.scheduler.max_batch_tokens = batch_tokens;
   auto eng = preft::engine::Engine::Create(model, nullptr, o).value();
   for (int i = 0; i < concurrency; ++i)
@@ -75,6 +81,65 @@ DecodeResult RunBatch(preft::model::Model* model, int concurrency, int prompt_le
   return r;
 }
 
+// Issue 37's figures: decode at `seqs` x `ctx` with f32 vs bf16 KV (alternating rounds, the
+// medians' ratio against the byte model's prediction), and admissions into one KV budget.
+int KvCompare(preft::model::Model* model, int ctx, int seqs, int rounds) {
+  using preft::kv::KvDtype;
+  const auto& c = model->config();
+  const int new_tokens = 16;
+  const int64_t blocks = seqs * ((ctx + new_tokens + 15) / 16);
+  const double weight_bytes = model->weight_bytes();
+  std::printf("\n| kv dtype | decode tok/s, %d seqs x %d ctx (median of %d) | KV bytes read per step | "
+              "weights | predicted (bandwidth-bound) |\n|---|---|---|---|---|\n",
+              seqs, ctx, rounds);
+  std::vector<double> f32_runs, bf16_runs;
+  for (int round = 0; round < rounds; ++round) {
+    for (KvDtype d : {KvDtype::kF32, KvDtype::kBF16}) {
+      const DecodeResult r = RunBatch(model, seqs, ctx, new_tokens, blocks, 2048, d);
+      (d == KvDtype::kF32 ? f32_runs : bf16_runs).push_back(r.decode_tokens_per_s);
+      std::fprintf(stderr, "round %d %s: %.1f tok/s decode\n", round,
+                   std::string(preft::kv::KvDtypeName(d)).c_str(), r.decode_tokens_per_s);
+    }
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+  };
+  const double kv_f32 = double(seqs) * (ctx + new_tokens / 2) *
+                        model->CacheShape(1).bytes_per_block_all_layers() / 16;
+  for (KvDtype d : {KvDtype::kF32, KvDtype::kBF16}) {
+    const double kv = d == KvDtype::kF32 ? kv_f32 : kv_f32 / 2;
+    std::printf("| %s | %.1f | %.2f GB | %.2f GB | %.2fx of f32 |\n",
+                std::string(preft::kv::KvDtypeName(d)).c_str(),
+                median(d == KvDtype::kF32 ? f32_runs : bf16_runs), kv / 1e9, weight_bytes / 1e9,
+                (kv_f32 + weight_bytes) / (kv + weight_bytes));
+  }
+  std::printf("bf16 / f32 decode tok/s: %.2f (measured)\n", median(bf16_runs) / median(f32_runs));
+
+  // One budget (64 f32 blocks), both dtypes: how many 64-token prompts (4 blocks each) the
+  // scheduler admits in one step. Short prompts, so the step's prefill stays cheap; the count
+  // depends on blocks alone.
+  const int64_t budget = 64 * model->CacheShape(1).bytes_per_block_all_layers();
+  std::printf("\n| kv dtype | --kv-bytes | blocks | 64-token prompts admitted at once | ratio |\n"
+              "|---|---|---|---|---|\n");
+  int64_t admitted_f32 = 0;
+  for (KvDtype d : {KvDtype::kF32, KvDtype::kBF16}) {
+    preft::engine::EngineOptions o;
+    o.kv_bytes = budget;
+    o.kv_dtype = d;
+    o.scheduler.max_batch_tokens = 64 * 64;
+    auto eng = preft::engine::Engine::Create(model, nullptr, o).value();
+    for (int i = 0; i < 64; ++i) (void)eng->Add(MakeRequest(i, 64, 2, c.vocab_size));
+    (void)eng->Step();
+    const int64_t admitted = eng->num_running();
+    if (d == KvDtype::kF32) admitted_f32 = admitted;
+    std::printf("| %s | %lld | %lld | %lld | %.2f |\n", std::string(preft::kv::KvDtypeName(d)).c_str(),
+                static_cast<long long>(budget), static_cast<long long>(eng->allocator().num_blocks()),
+                static_cast<long long>(admitted), double(admitted) / admitted_f32);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -83,12 +148,17 @@ int main(int argc, char** argv) {
   bool quick = false;
   int only_batch = 0;    // profile one batched run only
   int only_prefill = 0;  // profile prompts of this length only
+  int kv_compare = 0;    // issue 37's f32 vs bf16 KV figures at this context length
+  int seqs = 64, rounds = 2;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--model") && i + 1 < argc) model_dir = argv[++i];
     else if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) threads = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--only-batch") && i + 1 < argc) only_batch = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--only-prefill") && i + 1 < argc) only_prefill = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--kv-compare") && i + 1 < argc) kv_compare = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--seqs") && i + 1 < argc) seqs = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--rounds") && i + 1 < argc) rounds = std::atoi(argv[++i]);
   }
   if (model_dir.empty()) {
     std::fprintf(stderr, "usage: engine_bench --model DIR [--threads N] [--quick]\n");
@@ -110,6 +180,7 @@ int main(int argc, char** argv) {
               model_dir.c_str(), weight_gb, 100.0 * model->weight_huge_page_bytes() / model->weight_bytes(),
               kv_bytes_per_token / 1024);
 
+  if (kv_compare > 0) return KvCompare(model.get(), kv_compare, seqs, rounds);
   if (only_batch > 0) {
     const DecodeResult r = RunBatch(model.get(), only_batch, 128, 64, only_batch * 17, 2048);
     std::printf("%d seqs: prefill %.0f tok/s, decode %.0f tok/s\n", only_batch,

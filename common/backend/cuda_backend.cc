@@ -104,6 +104,9 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Build(const model::Mod
                                                                 const MakeRank& make_rank) {
   const int tp = options.tensor_parallel;
   PREFT_RETURN_IF_ERROR(CheckTensorParallel(config, tp));
+  if (options.kv_dtype == kv::KvDtype::kFp8E4M3) {
+    return absl::UnimplementedError("KV stored as fp8_e4m3: the CUDA kernels read f32 and bf16");
+  }
   const int visible = cuda::DeviceCount();
   if (visible == 0) return absl::FailedPreconditionError("no CUDA device is visible");
   if (tp > 1 && !options.ranks_share_device && visible < tp) {
@@ -128,8 +131,9 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Build(const model::Mod
 
   // Weights first, then the KV pools sized from what every rank has left.
   std::vector<int64_t> fit(tp, options.kv_blocks);
-  const kv::KvCacheShape full_one{config.num_layers, 1, options.block_tokens,
-                                  config.num_kv_heads, config.head_dim};
+  const kv::KvCacheShape full_one{config.num_layers,   1,
+                                  options.block_tokens, config.num_kv_heads,
+                                  config.head_dim,      options.kv_dtype};
   PREFT_RETURN_IF_ERROR(b->OnRanks([&](int r) -> absl::Status {
     Rank& rank = b->ranks_[r];
     PREFT_ASSIGN_OR_RETURN(rank.model, make_rank({r, tp}, rank.collective.get()));
@@ -142,7 +146,8 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Build(const model::Mod
     rank.slots = std::make_unique<DeviceAdapterSlots>(options.adapter_bytes, TensorShard{r, tp});
     if (fit[r] <= 0) {
       PREFT_ASSIGN_OR_RETURN(
-          fit[r], DeviceKvCache::BlocksThatFit(rank.model->CacheShape(1, options.block_tokens),
+          fit[r], DeviceKvCache::BlocksThatFit(rank.model->CacheShape(1, options.block_tokens,
+                                                                       options.kv_dtype),
                                                options.memory_fraction, options.adapter_bytes));
     }
     return absl::OkStatus();
@@ -158,7 +163,8 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Build(const model::Mod
   PREFT_RETURN_IF_ERROR(b->OnRanks([&](int r) -> absl::Status {
     Rank& rank = b->ranks_[r];
     PREFT_ASSIGN_OR_RETURN(
-        rank.cache, DeviceKvCache::Create(rank.model->CacheShape(blocks, options.block_tokens)));
+        rank.cache, DeviceKvCache::Create(
+                       rank.model->CacheShape(blocks, options.block_tokens, options.kv_dtype)));
     return absl::OkStatus();
   }));
   b->shape_ = full_one;

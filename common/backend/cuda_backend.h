@@ -35,6 +35,7 @@ class CudaBackend : public ForwardBackend {
     int64_t kv_blocks = 0;          // 0: memory_fraction of the free memory after the weights
     double memory_fraction = 0.85;  // of the free device memory, for the KV cache
     int64_t block_tokens = 16;
+    kv::KvDtype kv_dtype = kv::KvDtype::kF32;  // the device cache's (and its host mirror's)
     bool graphs = true;  // decode steps replay CUDA graphs
     // Device memory for adapter copies (LRU beyond it), kept out of the KV cache's share.
     size_t adapter_bytes = size_t{4} << 30;

@@ -16,7 +16,7 @@
 namespace preft::backend {
 
 // A paged KV cache in device memory: kv::KvCache's layout ([layer][block][K|V]...), in the
-// shape's dtype (f32 only so far).
+// shape's dtype (f32 or bf16).
 class DeviceKvCache {
  public:
   static absl::StatusOr<std::unique_ptr<DeviceKvCache>> Create(const kv::KvCacheShape& shape);

@@ -126,8 +126,10 @@ DeviceModel::~DeviceModel() {
   }
 }
 
-kv::KvCacheShape DeviceModel::CacheShape(int64_t num_blocks, int64_t block_tokens) const {
-  return {config_.num_layers, num_blocks, block_tokens, config_.num_kv_heads, config_.head_dim};
+kv::KvCacheShape DeviceModel::CacheShape(int64_t num_blocks, int64_t block_tokens,
+                                         kv::KvDtype dtype) const {
+  return {config_.num_layers, num_blocks,       block_tokens, config_.num_kv_heads,
+          config_.head_dim,   dtype};
 }
 
 // Plans and allocates the weights (the layout Upload copies into and Random fills), the

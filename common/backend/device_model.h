@@ -68,7 +68,8 @@ class DeviceModel {
   const TensorShard& shard() const { return shard_; }
   size_t weight_bytes() const { return weights_.size(); }
   // The shape of this rank's cache: its own KV heads.
-  kv::KvCacheShape CacheShape(int64_t num_blocks, int64_t block_tokens = 16) const;
+  kv::KvCacheShape CacheShape(int64_t num_blocks, int64_t block_tokens = 16,
+                              kv::KvDtype dtype = kv::KvDtype::kF32) const;
 
   // As Model::Forward: K/V of the new tokens into `cache`, the logits of batch.logit_rows
   // into `logits` ([rows, vocab]); adapters resolved through `adapters`.

@@ -65,19 +65,25 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(model::Model* model,
   kernels::cpu::InitThreads(options.num_threads);
   int64_t blocks = options.kv_blocks;
   if (blocks <= 0) {
-    const int64_t per_block =
-        model->CacheShape(1, options.scheduler.block_tokens).bytes_per_block_all_layers();
+    const int64_t per_block = model->CacheShape(1, options.scheduler.block_tokens, options.kv_dtype)
+                                  .bytes_per_block_all_layers();
     blocks = options.kv_bytes / per_block;
   }
   if (blocks <= 0) return absl::InvalidArgumentError("KV cache budget holds no block");
   PREFT_ASSIGN_OR_RETURN(auto backend,
-                         backend::CpuBackend::Create(model, blocks, options.scheduler.block_tokens));
+                         backend::CpuBackend::Create(model, blocks, options.scheduler.block_tokens,
+                                                     options.kv_dtype));
   return Create(std::move(backend), tokenizer, options);
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     std::unique_ptr<backend::ForwardBackend> backend, const text::Tokenizer* tokenizer,
     const EngineOptions& options) {
+  if (backend->cache_shape().dtype != options.kv_dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the backend's KV cache stores ", std::string(kv::KvDtypeName(backend->cache_shape().dtype)),
+        "; the engine options ask for ", std::string(kv::KvDtypeName(options.kv_dtype))));
+  }
   if (backend->cache_shape().block_tokens != options.scheduler.block_tokens) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the backend's KV blocks hold ", backend->cache_shape().block_tokens,

@@ -27,6 +27,8 @@ namespace preft::engine {
 struct EngineOptions {
   int64_t kv_blocks = 0;  // 0: derive from kv_bytes
   int64_t kv_bytes = int64_t{1} << 30;
+  // How the CPU cache stores K and V (f32 keeps the exact f32 references; bf16 halves the bytes).
+  kv::KvDtype kv_dtype = kv::KvDtype::kF32;
   SchedulerConfig scheduler;
   int num_threads = 0;  // compute threads; 0: all cores
 };

@@ -10,6 +10,7 @@
 #include "common/kernels/cpu/attention.h"
 #include "common/kernels/cpu/linear.h"
 #include "common/kernels/cpu/ops.h"
+#include "common/kernels/dtype.h"
 #include "common/model/rope.h"
 
 namespace preft::model {
@@ -97,27 +98,53 @@ absl::Status Model::LoadWeights() {
   return absl::OkStatus();
 }
 
-kv::KvCacheShape Model::CacheShape(int64_t num_blocks, int64_t block_tokens) const {
-  return {config_.num_layers, num_blocks, block_tokens, config_.num_kv_heads, config_.head_dim};
+kv::KvCacheShape Model::CacheShape(int64_t num_blocks, int64_t block_tokens,
+                                   kv::KvDtype dtype) const {
+  return {config_.num_layers, num_blocks,       block_tokens, config_.num_kv_heads,
+          config_.head_dim,   dtype};
 }
 
-void Model::WriteKv(const ForwardBatch& batch, int64_t layer, kv::KvCache* cache) {
-  const int64_t kvh = config_.num_kv_heads, hd = config_.head_dim;
-  const int64_t bt = cache->shape().block_tokens;
+namespace {
+
+// Writes the new tokens' K and V (f32, [token][kv_head][head_dim]) into their block slots, as
+// T: f32 as is, bf16 rounded to nearest even (the same rounding as the GPU's
+// __float2bfloat16_rn, so either writer leaves the same bytes).
+template <class T>
+void WriteKvAs(const ForwardBatch& batch, const float* k, const float* v, int64_t layer,
+               kv::KvCache* cache, T (*convert)(float)) {
+  const kv::KvCacheShape& cs = cache->shape();
+  const int64_t kvh = cs.num_kv_heads, hd = cs.head_dim, bt = cs.block_tokens;
   int64_t t = 0;
   for (const ForwardBatch::Sequence& s : batch.sequences) {
-    for (int64_t i = 0; i < s.num_new; ++i, ++t) {
+    for (int64_t n = 0; n < s.num_new; ++n, ++t) {
       const int64_t pos = batch.positions[t];
-      const int64_t block = s.block_table[pos / bt], slot = pos % bt;
+      T* block = reinterpret_cast<T*>(cache->block_data(layer, s.block_table[pos / bt]));
+      const int64_t slot = pos % bt;
       for (int64_t h = 0; h < kvh; ++h) {
-        float* kt = cache->key_tile(layer, block, h) + slot;
-        const float* k = &k_[(t * kvh + h) * hd];
-        for (int64_t i = 0; i < hd; ++i) kt[i * bt] = k[i];
-        std::memcpy(cache->value(layer, block, h, slot), &v_[(t * kvh + h) * hd],
-                    hd * sizeof(float));
+        T* kt = block + h * bt * hd + slot;  // K is [head_dim][block_tokens]
+        T* vt = block + cache->v_offset() + (h * bt + slot) * hd;
+        const float* kh = k + (t * kvh + h) * hd;
+        const float* vh = v + (t * kvh + h) * hd;
+        for (int64_t i = 0; i < hd; ++i) kt[i * bt] = convert(kh[i]);
+        for (int64_t i = 0; i < hd; ++i) vt[i] = convert(vh[i]);
       }
     }
   }
+}
+
+}  // namespace
+
+void Model::WriteKv(const ForwardBatch& batch, int64_t layer, kv::KvCache* cache) {
+  switch (cache->shape().dtype) {
+    case kv::KvDtype::kF32:
+      return WriteKvAs<float>(batch, k_.data(), v_.data(), layer, cache,
+                              +[](float x) { return x; });
+    case kv::KvDtype::kBF16:
+      return WriteKvAs<uint16_t>(batch, k_.data(), v_.data(), layer, cache, kernels::F32ToBf16);
+    case kv::KvDtype::kFp8E4M3:
+      break;
+  }
+  PREFT_CHECK(false && "fp8_e4m3 KV has no CPU writer");
 }
 
 absl::Status CheckAdapterFits(const ModelConfig& c, const AdapterWeights& a) {

@@ -46,7 +46,8 @@ class Model {
   size_t weight_huge_page_bytes() const { return checkpoint_->huge_page_bytes(); }
 
   // A KV cache shape for this model with `num_blocks` blocks.
-  kv::KvCacheShape CacheShape(int64_t num_blocks, int64_t block_tokens = 16) const;
+  kv::KvCacheShape CacheShape(int64_t num_blocks, int64_t block_tokens = 16,
+                              kv::KvDtype dtype = kv::KvDtype::kF32) const;
 
   // Runs the batch: writes K/V of the new tokens into `cache` and puts the logits of
   // `batch.logit_rows` into `logits` ([rows, vocab], row-major). Each sequence's adapter is

@@ -17,8 +17,9 @@ int ServeUntilSignal(rpc::Server& server, const WorkerFlags& flags, const Worker
     server.SetServing("", false);
   }
   server.SetServing(w.service_name, transport_ok.ok());
-  std::printf("%s listening on %s transport=%s device=%s\n", w.process.c_str(),
-              server.address().c_str(), w.transport.c_str(), w.device.c_str());
+  std::printf("%s listening on %s transport=%s device=%s kv=%s\n", w.process.c_str(),
+              server.address().c_str(), w.transport.c_str(), w.device.c_str(),
+              w.kv_dtype.c_str());
   std::fflush(stdout);
 
   const int sig = base::WaitForTerminationSignal();

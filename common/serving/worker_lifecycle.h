@@ -20,11 +20,12 @@ struct WorkerServing {
   std::function<void()> start_drain;    // new calls answered UNAVAILABLE "draining"
   std::function<int64_t()> in_flight;   // calls or streams still open
   std::string in_flight_what;           // "requests", "streams"
+  std::string kv_dtype;                 // how its KV cache stores K and V (KvLayout::dtype)
 };
 
 // Marks `server` SERVING only when `w.transport` is the one `flags` asked for (a silent
 // fallback, to TCP say, is refused and logged), prints "<process> listening on <address>
-// transport=... device=..." on stdout (scripts wait for it), and waits for a termination
+// transport=... device=... kv=..." on stdout (scripts wait for it), and waits for a termination
 // signal. Then drains: health NOT_SERVING, calls refused for at least flags.drain_min_s and
 // until nothing is in flight or flags.drain_timeout_s has passed; then shuts the server down
 // (5 s for calls still open). Returns the signal's number.

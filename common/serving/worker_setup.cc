@@ -118,6 +118,34 @@ absl::Status CheckTransport(const std::string& opened_name, const TransportFlags
   return absl::OkStatus();
 }
 
+void AddKvDtypeFlag(CLI::App& app, std::string* flag) {
+  app.add_option("--kv-dtype", *flag, kKvDtypeHelp)
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "f32", "bf16", "fp8_e4m3"}));
+}
+
+absl::StatusOr<kv::KvDtype> ResolveKvDtype(const std::string& flag, kernels::DType weights,
+                                           const std::string& device) {
+  kv::KvDtype d;
+  if (flag == "auto") {
+    d = weights == kernels::DType::kBF16 ? kv::KvDtype::kBF16 : kv::KvDtype::kF32;
+  } else if (flag == "f32") {
+    d = kv::KvDtype::kF32;
+  } else if (flag == "bf16") {
+    d = kv::KvDtype::kBF16;
+  } else if (flag == "fp8_e4m3") {
+    d = kv::KvDtype::kFp8E4M3;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv-dtype ", flag, ": expected auto, f32, bf16 or fp8_e4m3"));
+  }
+  if (d == kv::KvDtype::kFp8E4M3 && device != "cuda") {
+    return absl::InvalidArgumentError(
+        "--kv-dtype fp8_e4m3 is for --device cuda: the CPU kernels read f32 and bf16 KV");
+  }
+  return d;
+}
+
 void AddWorkerFlags(CLI::App& app, WorkerFlags* f) {
   app.add_option("--model", f->model, "base model folder (config.json, safetensors, tokenizer)")
       ->required();
@@ -140,6 +168,7 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f) {
   app.add_option("--threads", f->threads, "compute threads (0: all cores)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  AddKvDtypeFlag(app, &f->kv_dtype);
   app.add_option("--device", f->device,
                  "where the forward runs: cpu, or cuda (the first GPU; a prefill or disaggregated "
                  "decode worker stages KV through host memory unless --transport cuda_ipc)")
@@ -237,6 +266,8 @@ absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& f, bool kv_tran
   o.kv_blocks = f.kv_blocks;
   o.scheduler.max_batch_tokens = f.max_batch_tokens;
   o.num_threads = f.threads;
+  PREFT_ASSIGN_OR_RETURN(o.kv_dtype,
+                         ResolveKvDtype(f.kv_dtype, w.model.model->weight_dtype(), f.device));
   PREFT_ASSIGN_OR_RETURN(
       w.engine,
       MakeEngine(w.model.model.get(), w.model.tokenizer.get(), f.device, o,
@@ -260,6 +291,7 @@ absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(model::Model* model,
   if (device == "cuda") {
     backend::CudaBackend::Options co;
     co.kv_blocks = options.kv_blocks;
+    co.kv_dtype = options.kv_dtype;
     co.host_mirror = kv_transport;
     co.tensor_parallel = tensor_parallel;
     // A mirrored pool takes as much host memory as device memory: not a share of the GPU's.
@@ -267,7 +299,8 @@ absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(model::Model* model,
         options.kv_bytes > 0 ? options.kv_bytes : kv_transport ? kMirroredKvBytes : 0;
     if (co.kv_blocks == 0 && kv_bytes > 0) {
       const model::ModelConfig& c = model->config();
-      const kv::KvCacheShape one{c.num_layers, 1, co.block_tokens, c.num_kv_heads, c.head_dim};
+      const kv::KvCacheShape one{c.num_layers,   1,         co.block_tokens,
+                                 c.num_kv_heads, c.head_dim, co.kv_dtype};
       co.kv_blocks = std::max<int64_t>(1, kv_bytes / one.bytes_per_block_all_layers());
     }
     absl::StatusOr<std::unique_ptr<backend::CudaBackend>> backend =

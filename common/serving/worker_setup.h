@@ -55,6 +55,19 @@ absl::StatusOr<std::unique_ptr<transport::KvTransport>> MakeTransport(
 inline constexpr char kCudaIpcPrefix[] = "cuda_ipc+";
 absl::Status CheckTransport(const std::string& opened, const TransportFlags& flags);
 
+// --kv-dtype (vLLM's --kv-cache-dtype): how the KV cache stores K and V. "auto" is the
+// checkpoint's dtype: bf16 KV for a bf16 checkpoint, f32 for the rest (an f32 model keeps its
+// exact f32 references; an f16 one would lose range in bf16). fp8_e4m3 is never automatic.
+inline constexpr char kKvDtypeHelp[] =
+    "how the KV cache stores K and V: auto (the checkpoint's dtype: bf16 for bf16 checkpoints, "
+    "else f32), f32, bf16 (half the bytes: twice the sequences per GiB, half the KV on the "
+    "wire), or fp8_e4m3 (a quarter; --device cuda only). Prefill and decode workers that "
+    "exchange KV must store the same";
+void AddKvDtypeFlag(CLI::App& app, std::string* flag);
+// The dtype `flag` names for a model whose weights are `weights` and a forward on `device`.
+absl::StatusOr<kv::KvDtype> ResolveKvDtype(const std::string& flag, kernels::DType weights,
+                                           const std::string& device);
+
 // The flags every worker binary takes (preft-prefill, preft-decode), registered the same way.
 struct WorkerFlags {
   std::string model;
@@ -63,6 +76,7 @@ struct WorkerFlags {
   int64_t kv_bytes = 0;   // 0: 1 GiB on the CPU; on a GPU, a share of its free memory
   int64_t kv_blocks = 0;  // instead of kv_bytes
   int64_t max_batch_tokens = 512;
+  std::string kv_dtype = "auto";  // see kKvDtypeHelp
   int threads = 0;  // 0: all cores
   // "cuda": the engine's forward on the first GPU (weights as bf16, the KV cache in device
   // memory sized from what is free unless kv_blocks is set; a worker that moves KV over a

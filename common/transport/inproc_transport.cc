@@ -6,6 +6,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "common/base/status_macros.h"
 
 namespace preft::transport {
 
@@ -120,11 +121,9 @@ absl::StatusOr<PeerId> InprocTransport::Connect(const std::string& peer_address)
       return absl::UnavailableError(
           absl::StrCat("inproc transport: ", peer_address, " has shut down"));
     }
-    if (peer->layout.Hash() != local.Hash()) {
-      return absl::FailedPreconditionError(absl::StrCat("KV layout mismatch: local ",
-                                                        local.ToString(), " vs peer ", peer_address,
-                                                        " ", peer->layout.ToString()));
-    }
+    PREFT_RETURN_IF_ERROR(CheckPeerLayout(local, peer->layout.Hash(),
+                                          absl::StrCat("peer ", peer_address),
+                                          peer->layout.ToString()));
   }
   absl::MutexLock lock(&mu_);
   peers_.push_back(std::move(peer));

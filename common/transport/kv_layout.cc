@@ -45,6 +45,34 @@ std::string KvLayout::ToString() const {
                       " block_tokens=", block_tokens, " layout=v", layout_version, "}");
 }
 
+namespace {
+
+// The dtype= field of a KvLayout::ToString, or "" if there is none.
+std::string DtypeIn(const std::string& layout) {
+  const size_t at = layout.find(" dtype=");
+  if (at == std::string::npos) return {};
+  const size_t end = layout.find_first_of(" }", at + 7);
+  return layout.substr(at + 7, end == std::string::npos ? std::string::npos : end - at - 7);
+}
+
+}  // namespace
+
+absl::Status CheckPeerLayout(const KvLayout& local, uint64_t peer_hash, const std::string& peer,
+                             const std::string& described) {
+  if (peer_hash == local.Hash()) return absl::OkStatus();
+  const std::string peer_layout = described.empty() ? "(not described)" : described;
+  const std::string peer_dtype = DtypeIn(peer_layout);
+  if (!peer_dtype.empty() && peer_dtype != local.dtype) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "KV layout mismatch: ", peer, " stores KV as ", peer_dtype, ", this worker as ",
+        local.dtype, "; start prefill and decode workers with the same --kv-dtype (its layout ",
+        peer_layout, ", this worker's ", local.ToString(), ")"));
+  }
+  return absl::FailedPreconditionError(absl::StrCat("KV layout mismatch: ", peer, " has ",
+                                                    peer_layout, ", this worker has ",
+                                                    local.ToString()));
+}
+
 absl::Status ValidateTransfer(const BlockTransfer& transfer, int64_t src_num_blocks,
                               int64_t dst_num_blocks) {
   if (transfer.src_blocks.size() != transfer.dst_blocks.size()) {

@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -34,6 +35,13 @@ struct KvLayout {
   uint64_t Hash() const;
   std::string ToString() const;
 };
+
+// OK if a peer's layout hash is `local`'s; else FailedPrecondition "KV layout mismatch: ..."
+// naming `peer` (e.g. "decode worker 10.0.0.7:5") and both layouts (`peer_layout`: its
+// ToString, as peers advertise it). Where the KV dtypes differ (tiers started with different
+// --kv-dtype) the message says that first, naming both: KV is never converted on the way.
+absl::Status CheckPeerLayout(const KvLayout& local, uint64_t peer_hash, const std::string& peer,
+                             const std::string& peer_layout);
 
 // One transfer: src_blocks[i] of the local cache -> dst_blocks[i] of the peer's, every layer.
 struct BlockTransfer {

@@ -1,6 +1,6 @@
 // preft-decode: the decode tier as its own process (DESIGN.md §4), or with --colocated a
 // worker that runs whole requests (prompt and decode in one engine). Prints
-// "preft-decode listening on ADDR transport=NAME device=DEVICE" once it serves;
+// "preft-decode listening on ADDR transport=NAME device=DEVICE kv=DTYPE" once it serves;
 // SIGTERM/SIGINT drain it (Reserve refused, started streams finish, up to
 // --drain-timeout-s) and exit 0.
 
@@ -86,7 +86,7 @@ int Run(const Flags& f) {
       **server, f,
       {"preft-decode", kServiceName, decode->endpoint().transport(), device,
        [decode] { decode->StartDrain(); }, [decode] { return decode->active_streams(); },
-       "streams"});
+       "streams", layout.dtype});
   server->reset();
   decode_metrics.reset();  // reads the service
   service->reset();

@@ -1,6 +1,6 @@
 // preft-prefill: one prefill worker (DESIGN.md §4) serving preft.worker.v1.PrefillWorker.
 //
-// Prints `preft-prefill listening on ADDR transport=NAME device=DEVICE` once ready (scripts
+// Prints `preft-prefill listening on ADDR transport=NAME device=DEVICE kv=DTYPE` once ready (scripts
 // wait for it).
 // SIGTERM/SIGINT drain: new prompts are refused, health turns NOT_SERVING, prompts in flight
 // finish (up to --drain-timeout-s), then the server shuts down. Exit codes: 0 after a drain,
@@ -75,7 +75,7 @@ int Run(const Flags& f) {
       **server, f,
       {"preft-prefill", service_name, prefill->endpoint().transport(), device,
        [prefill] { prefill->StartDrain(); }, [prefill] { return prefill->active_requests(); },
-       "requests"});
+       "requests", layout.dtype});
   service->reset();  // stops the engine, then the transport
   return 0;
 }

@@ -16,7 +16,6 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -477,14 +476,8 @@ absl::Status PrefillService::Impl::CheckEndpoint(const TransportEndpoint& e,
   if (e.address().empty()) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".address is empty"));
   }
-  if (e.layout_hash() != layout.Hash()) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "KV layout mismatch: %s has layout %s (hash %016x), this prefill worker has %s "
-        "(hash %016x)",
-        field, e.layout().empty() ? "(not described)" : e.layout(), e.layout_hash(),
-        layout.ToString(), layout.Hash()));
-  }
-  return absl::OkStatus();
+  return transport::CheckPeerLayout(layout, e.layout_hash(),
+                                    absl::StrCat("the decode worker (", field, ")"), e.layout());
 }
 
 void PrefillService::Impl::Peer(const std::string& address, PeerCallback done) {

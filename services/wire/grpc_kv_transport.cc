@@ -5,6 +5,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/base/status_macros.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/rpc/status.h"
@@ -42,10 +43,8 @@ absl::StatusOr<transport::PeerId> GrpcKvTransport::Connect(const std::string& pe
       !absl::SimpleAtoi(parts[2], &hash)) {
     return absl::InvalidArgumentError("not a grpc KV transport address");
   }
-  if (hash != layout_.Hash()) {
-    return absl::FailedPreconditionError(absl::StrCat("KV layout mismatch: peer has ", parts[3],
-                                                      ", this worker has ", layout_.ToString()));
-  }
+  PREFT_RETURN_IF_ERROR(
+      transport::CheckPeerLayout(layout_, hash, absl::StrCat("peer ", parts[1]), parts[3]));
   auto peer = std::make_shared<Peer>();
   peer->address = parts[1];
   grpc::ChannelArguments args;

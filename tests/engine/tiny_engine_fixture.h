@@ -23,9 +23,11 @@ class TinyEngineTest : public ::testing::Test {
     tokenizer_ = std::move(t).value().release();
   }
 
-  static std::unique_ptr<Engine> MakeEngine(int64_t kv_blocks, int64_t batch_tokens = 512) {
+  static std::unique_ptr<Engine> MakeEngine(int64_t kv_blocks, int64_t batch_tokens = 512,
+                                            kv::KvDtype kv_dtype = kv::KvDtype::kF32) {
     EngineOptions o;
     o.kv_blocks = kv_blocks;
+    o.kv_dtype = kv_dtype;
     o.scheduler.max_batch_tokens = batch_tokens;
     auto e = Engine::Create(model_, tokenizer_, o);
     EXPECT_TRUE(e.ok()) << e.status();

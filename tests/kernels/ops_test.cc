@@ -3,10 +3,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
 #include "common/kernels/cpu/attention.h"
+#include "common/kernels/dtype.h"
 
 namespace preft::kernels::cpu {
 namespace {
@@ -135,6 +137,58 @@ TEST(OpsTest, PagedAttentionMatchesDenseCausalAttention) {
               << " dim " << i;
         }
       }
+    }
+  }
+}
+
+// Attention over a bf16 cache equals, bit for bit, attention over an f32 cache holding the same
+// bf16-rounded values: the kernels widen exactly and keep f32's order of operations. Every path:
+// groups of 1, 2, 7 and 8 query heads (the AVX-512 kernel per group, or the portable one under
+// PREFT_CPU_ISA=avx2, whose prompts take the gathered-GEMM path), masked tails of K rows and V
+// slices, sliding windows, decode- and prompt-sized chunks.
+TEST(OpsTest, PagedAttentionOverBf16EqualsF32OverTheRoundedValues) {
+  const int64_t num_blocks = 48;
+  std::vector<int32_t> table(num_blocks);
+  for (int32_t b = 0; b < num_blocks; ++b) table[b] = (b * 29 + 5) % num_blocks;
+  for (auto [heads, kv_heads] :
+       {std::pair<int64_t, int64_t>{3, 3}, {4, 2}, {7, 1}, {16, 2}})
+  for (auto [hd, bt] : {std::pair<int64_t, int64_t>{16, 4}, {64, 16}, {40, 24}})
+  for (int64_t window : {0, 7})
+  for (int64_t num_new : {1, 5, 70}) {
+    const int64_t ctx = num_new + 37;
+    const int64_t block_elements = 2 * kv_heads * bt * hd;
+    // Unwritten slots hold NaN in both pools: a kernel reading past the context shows.
+    std::vector<float> f32_pool(num_blocks * block_elements, NAN);
+    std::vector<uint16_t> bf16_pool(num_blocks * block_elements, F32ToBf16(NAN));
+    const auto kv = Random(ctx * block_elements, 40 + num_new);
+    for (int64_t b = 0; b * bt < ctx; ++b) {
+      for (int64_t e = 0; e < block_elements; ++e) {
+        const int64_t slot = e < block_elements / 2 ? e % bt : (e - block_elements / 2) / hd % bt;
+        if (b * bt + slot >= ctx) continue;
+        const int64_t at = table[b] * block_elements + e;
+        bf16_pool[at] = F32ToBf16(3.f * kv[b * block_elements + e]);
+        f32_pool[at] = Bf16ToF32(bf16_pool[at]);
+      }
+    }
+    const auto q = Random(num_new * heads * hd, 50 + num_new);
+    std::vector<float> want(num_new * heads * hd), got(want.size());
+    AttentionSeq f32_seq{q.data(), want.data(), table.data(), num_new, ctx};
+    AttentionSeq bf16_seq{q.data(), got.data(), table.data(), num_new, ctx};
+    const PagedKvLayout f32_layout{f32_pool.data(), block_elements, kv_heads * bt * hd, bt,
+                                   kv_heads,        hd,             KvDtype::kF32};
+    const PagedKvLayout bf16_layout{bf16_pool.data(), block_elements, kv_heads * bt * hd, bt,
+                                    kv_heads,         hd,             KvDtype::kBF16};
+    const float scale = 1.f / std::sqrt(float(hd));
+    PagedAttention(&f32_seq, 1, f32_layout, heads, scale, window);
+    PagedAttention(&bf16_seq, 1, bf16_layout, heads, scale, window);
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_FALSE(std::isnan(want[i])) << i;
+      uint32_t a, b;
+      std::memcpy(&a, &want[i], 4);
+      std::memcpy(&b, &got[i], 4);
+      ASSERT_EQ(a, b) << "heads " << heads << "/" << kv_heads << " hd " << hd << " bt " << bt
+                      << " window " << window << " num_new " << num_new << " element " << i
+                      << ": " << want[i] << " vs " << got[i];
     }
   }
 }

@@ -111,5 +111,47 @@ TEST(WorkerSetupTest, TensorParallelNeedsGpusAndAHostMemoryTransport) {
   EXPECT_EQ(f.tensor_parallel, 8);
 }
 
+// --kv-dtype auto is the checkpoint's dtype (bf16 checkpoints: bf16 KV; f32: f32, so f32
+// references stay exact); a worker's engine stores what the flag resolves to; fp8 is refused
+// off the GPU, and unknown names at parse time.
+TEST(WorkerSetupTest, KvDtypeAutoFollowsTheCheckpoint) {
+  using kernels::DType;
+  EXPECT_EQ(*ResolveKvDtype("auto", DType::kBF16, "cpu"), kv::KvDtype::kBF16);
+  EXPECT_EQ(*ResolveKvDtype("auto", DType::kF32, "cpu"), kv::KvDtype::kF32);
+  EXPECT_EQ(*ResolveKvDtype("auto", DType::kF16, "cuda"), kv::KvDtype::kF32);
+  EXPECT_EQ(*ResolveKvDtype("f32", DType::kBF16, "cpu"), kv::KvDtype::kF32);
+  EXPECT_EQ(*ResolveKvDtype("bf16", DType::kF32, "cpu"), kv::KvDtype::kBF16);
+  EXPECT_EQ(*ResolveKvDtype("fp8_e4m3", DType::kBF16, "cuda"), kv::KvDtype::kFp8E4M3);
+  const absl::Status fp8 = ResolveKvDtype("fp8_e4m3", DType::kBF16, "cpu").status();
+  EXPECT_EQ(fp8.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(fp8.message().find("--kv-dtype fp8_e4m3 is for --device cuda"), std::string::npos);
+  EXPECT_EQ(ResolveKvDtype("f16", DType::kF32, "cpu").status().code(),
+            absl::StatusCode::kInvalidArgument);
+
+  const std::string dir = ::testing::TempDir() + "/kv_dtype_model_" + std::to_string(getpid());
+  std::filesystem::remove_all(dir);
+  model::MakeModelOptions m;
+  m.preset = "tiny";
+  m.out_dir = dir;
+  m.dtype = kernels::DType::kBF16;
+  ASSERT_TRUE(model::MakeModel(m).ok());
+  for (const auto& [flag, want] : {std::pair<std::string, kv::KvDtype>{"auto", kv::KvDtype::kBF16},
+                                   {"f32", kv::KvDtype::kF32}}) {
+    WorkerFlags f;
+    f.model = dir;
+    f.kv_blocks = 8;
+    f.kv_dtype = flag;
+    absl::StatusOr<WorkerEngine> w = MakeWorkerEngine(f, /*kv_transport=*/false);
+    ASSERT_TRUE(w.ok()) << w.status();
+    EXPECT_EQ(w->engine->backend().cache_shape().dtype, want) << flag;
+  }
+  CLI::App app;
+  WorkerFlags f;
+  AddWorkerFlags(app, &f);
+  const char* argv[] = {"worker", "--model", "m", "--kv-dtype", "f16"};
+  EXPECT_THROW(app.parse(5, const_cast<char**>(argv)), CLI::ParseError);
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace preft::serving

@@ -22,7 +22,7 @@ using testing::Shape;
 
 // A sender with a 16-block cache and a receiver with a 20-block cache, connected.
 struct Pair {
-  Pair() : src(Cache(16)), dst(Cache(20)) {
+  explicit Pair(kv::KvDtype dtype = kv::KvDtype::kF32) : src(Cache(16, dtype)), dst(Cache(20, dtype)) {
     const KvLayout layout = KvLayout::ForCache(src->shape(), "tiny");
     EXPECT_TRUE(sender.Start(src.get(), layout, nullptr).ok());
     EXPECT_TRUE(receiver.Start(dst.get(), layout, notices.Callback()).ok());
@@ -114,6 +114,36 @@ TEST(InprocTransportTest, BadBlockIdsAreInvalidArgumentAndTouchNothing) {
   for (int32_t b = 0; b < 20; ++b) EXPECT_TRUE(IsZero(*p.dst, b));
   EXPECT_TRUE(p.notices.notices().empty());
   EXPECT_EQ(p.sender.stats().failures, 4);
+}
+
+// bf16 blocks travel as they are stored: byte for byte, half of f32's bytes.
+TEST(InprocTransportTest, Bf16BlocksCrossByteExactAtHalfTheBytes) {
+  Pair p(kv::KvDtype::kBF16);
+  BlockTransfer t;
+  t.src_blocks = {2, 3, 15};
+  t.dst_blocks = {19, 0, 7};
+  for (size_t i = 0; i < t.src_blocks.size(); ++i) FillPattern(*p.src, t.src_blocks[i], 9, i);
+  DoneWaiter done;
+  p.sender.Write(p.peer, t, done.Callback());
+  std::optional<absl::Status> status = done.Wait();
+  ASSERT_TRUE(status.has_value() && status->ok());
+  for (size_t i = 0; i < t.dst_blocks.size(); ++i) {
+    EXPECT_TRUE(HasPattern(*p.dst, t.dst_blocks[i], 9, i)) << "dst block " << t.dst_blocks[i];
+  }
+  EXPECT_EQ(p.sender.stats().bytes, 3 * 3 * Shape(1, kv::KvDtype::kBF16).block_bytes());
+  EXPECT_EQ(2 * Shape(1, kv::KvDtype::kBF16).block_bytes(), Shape(1).block_bytes());
+}
+
+TEST(InprocTransportTest, KvDtypeMismatchIsRefusedNamingBoth) {
+  auto a = Cache(4), b = Cache(4, kv::KvDtype::kBF16);
+  InprocTransport ta, tb;
+  ASSERT_TRUE(ta.Start(a.get(), KvLayout::ForCache(a->shape(), "m"), nullptr).ok());
+  ASSERT_TRUE(tb.Start(b.get(), KvLayout::ForCache(b->shape(), "m"), nullptr).ok());
+  absl::StatusOr<PeerId> id = ta.Connect(tb.LocalAddress());
+  ASSERT_EQ(id.status().code(), absl::StatusCode::kFailedPrecondition) << id.status();
+  EXPECT_NE(id.status().message().find("stores KV as bf16, this worker as f32"),
+            std::string::npos)
+      << id.status();
 }
 
 TEST(InprocTransportTest, LayoutMismatchIsRefusedNamingBothLayouts) {

@@ -71,6 +71,33 @@ TEST(KvLayoutTest, ToStringNamesEveryField) {
             "{model=m dtype=f32 layers=24 kv_heads=2 head_dim=64 block_tokens=16 layout=v1}");
 }
 
+TEST(CheckPeerLayoutTest, NamesADtypeMismatchFirstAndOtherMismatchesByLayout) {
+  const KvLayout f32 = KvLayout::ForCache(Shape(), "m");
+  EXPECT_TRUE(CheckPeerLayout(f32, f32.Hash(), "peer x", f32.ToString()).ok());
+
+  kv::KvCacheShape bf16_shape = Shape();
+  bf16_shape.dtype = kv::KvDtype::kBF16;
+  const KvLayout bf16 = KvLayout::ForCache(bf16_shape, "m");
+  const absl::Status dtype = CheckPeerLayout(f32, bf16.Hash(), "decode worker d:1", bf16.ToString());
+  EXPECT_EQ(dtype.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(dtype.message().find("KV layout mismatch: decode worker d:1 stores KV as bf16, this "
+                                 "worker as f32; start prefill and decode workers with the same "
+                                 "--kv-dtype"),
+            std::string::npos)
+      << dtype;
+
+  kv::KvCacheShape other = Shape();
+  other.block_tokens = 32;
+  const KvLayout blocks = KvLayout::ForCache(other, "m");
+  const absl::Status shape = CheckPeerLayout(f32, blocks.Hash(), "peer y", blocks.ToString());
+  EXPECT_EQ(shape.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(shape.message(), "KV layout mismatch: peer y has " + blocks.ToString() +
+                                 ", this worker has " + f32.ToString());
+  // A peer that described nothing (an old one): the hash alone refuses it.
+  const absl::Status bare = CheckPeerLayout(f32, blocks.Hash(), "peer z", "");
+  EXPECT_NE(bare.message().find("peer z has (not described)"), std::string::npos) << bare;
+}
+
 TEST(ValidateTransferTest, NamesTheBadField) {
   BlockTransfer t;
   t.src_blocks = {0, 1};

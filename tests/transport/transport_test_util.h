@@ -21,8 +21,9 @@ namespace preft::transport::testing {
 inline constexpr absl::Duration kWait = absl::Seconds(30);
 
 // A small cache shape (3 layers, 4-token blocks, 2 KV heads of 8) and a cache of it.
-inline kv::KvCacheShape Shape(int64_t num_blocks) {
+inline kv::KvCacheShape Shape(int64_t num_blocks, kv::KvDtype dtype = kv::KvDtype::kF32) {
   kv::KvCacheShape shape;
+  shape.dtype = dtype;
   shape.num_layers = 3;
   shape.num_blocks = num_blocks;
   shape.block_tokens = 4;
@@ -31,8 +32,9 @@ inline kv::KvCacheShape Shape(int64_t num_blocks) {
   return shape;
 }
 
-inline std::unique_ptr<kv::KvCache> Cache(int64_t num_blocks) {
-  auto cache = kv::KvCache::Create(Shape(num_blocks));
+inline std::unique_ptr<kv::KvCache> Cache(int64_t num_blocks,
+                                          kv::KvDtype dtype = kv::KvDtype::kF32) {
+  auto cache = kv::KvCache::Create(Shape(num_blocks, dtype));
   EXPECT_TRUE(cache.ok()) << cache.status();
   return *std::move(cache);
 }

@@ -54,9 +54,10 @@ class UcxTransportTest : public ::testing::TestWithParam<std::string> {};
 // Two UcxTransports over `tls` on caches of the given sizes, both started and the sender
 // connected to the receiver (peer < 0 if connecting failed).
 struct UcxPair {
-  UcxPair(const std::string& tls, int64_t src_blocks, int64_t dst_blocks)
-      : src(Cache(src_blocks)),
-        dst(Cache(dst_blocks)),
+  UcxPair(const std::string& tls, int64_t src_blocks, int64_t dst_blocks,
+          kv::KvDtype dtype = kv::KvDtype::kF32)
+      : src(Cache(src_blocks, dtype)),
+        dst(Cache(dst_blocks, dtype)),
         sender(Options(tls)),
         receiver(Options(tls)) {
     const KvLayout layout = KvLayout::ForCache(src->shape(), "tiny");
@@ -158,6 +159,37 @@ TEST_P(UcxTransportTest, BadBlockIdsAreInvalidArgument) {
   t.dst_blocks = {7};
   ASSERT_TRUE(WriteAndWait(sender, peer, t).ok());
   EXPECT_TRUE(HasPattern(*dst, 7, 1, 0));
+}
+
+// bf16 blocks travel as they are stored: byte for byte, and half of f32's bytes (the UCX
+// registration and the per-block stride follow the dtype).
+TEST_P(UcxTransportTest, Bf16BlocksCrossByteExactAtHalfTheBytes) {
+  UcxPair pair(GetParam(), 16, 20, kv::KvDtype::kBF16);
+  auto& [src, dst, notices, sender, receiver, peer] = pair;
+  ASSERT_GE(peer, 0);
+  BlockTransfer t;
+  t.reservation_id = 7;
+  t.src_blocks = {3, 4, 5, 12};
+  t.dst_blocks = {10, 11, 12, 0};
+  for (size_t i = 0; i < t.src_blocks.size(); ++i) FillPattern(*src, t.src_blocks[i], 11, i);
+  ASSERT_TRUE(WriteAndWait(sender, peer, t).ok());
+  for (size_t i = 0; i < t.dst_blocks.size(); ++i) {
+    EXPECT_TRUE(HasPattern(*dst, t.dst_blocks[i], 11, i)) << "dst block " << t.dst_blocks[i];
+  }
+  for (int32_t b : {1, 9, 13, 19}) EXPECT_TRUE(IsZero(*dst, b)) << "block " << b;
+  EXPECT_EQ(sender.stats().bytes, 4 * 3 * Shape(1, kv::KvDtype::kBF16).block_bytes());
+}
+
+TEST_P(UcxTransportTest, KvDtypeMismatchIsRefusedNamingBoth) {
+  auto a = Cache(4), b = Cache(4, kv::KvDtype::kBF16);
+  UcxTransport ta(Options(GetParam())), tb(Options(GetParam()));
+  ASSERT_TRUE(ta.Start(a.get(), KvLayout::ForCache(a->shape(), "m"), nullptr).ok());
+  ASSERT_TRUE(tb.Start(b.get(), KvLayout::ForCache(b->shape(), "m"), nullptr).ok());
+  absl::StatusOr<PeerId> id = ta.Connect(tb.LocalAddress());
+  ASSERT_EQ(id.status().code(), absl::StatusCode::kFailedPrecondition) << id.status();
+  EXPECT_NE(id.status().message().find("stores KV as bf16, this worker as f32"),
+            std::string::npos)
+      << id.status();
 }
 
 TEST_P(UcxTransportTest, LayoutMismatchIsRefusedNamingBothLayouts) {

@@ -16,9 +16,12 @@ namespace {
 absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(model::Model* model,
                                                            const text::Tokenizer* tokenizer,
                                                            int64_t kv_bytes,
+                                                           const std::string& kv_dtype,
                                                            const EmbeddedClusterOptions& o) {
   engine::EngineOptions e;
   e.kv_bytes = kv_bytes;
+  PREFT_ASSIGN_OR_RETURN(e.kv_dtype,
+                         serving::ResolveKvDtype(kv_dtype, model->weight_dtype(), o.device));
   e.scheduler.max_batch_tokens = o.max_batch_tokens;
   e.num_threads = o.threads;
   return serving::MakeEngine(model, tokenizer, o.device, e, /*kv_transport=*/!o.colocated);
@@ -50,7 +53,8 @@ absl::StatusOr<std::unique_ptr<EmbeddedCluster>> EmbeddedCluster::Start(
   std::vector<std::string> prefill_addresses, decode_addresses;
   for (int i = 0; i < o.num_decode; ++i) {
     model::Model* m = next_model();
-    PREFT_ASSIGN_OR_RETURN(auto e, MakeEngine(m, c->tokenizer_.get(), o.decode_kv_bytes, o));
+    PREFT_ASSIGN_OR_RETURN(auto e, MakeEngine(m, c->tokenizer_.get(), o.decode_kv_bytes,
+                                              o.decode_kv_dtype, o));
     PREFT_ASSIGN_OR_RETURN(auto t, wire::MakeWorkerTransport(o.transport));
     const transport::KvLayout layout = serving::LayoutFor(*e, fingerprint);
     decode::DecodeServiceOptions d = o.decode;
@@ -62,7 +66,8 @@ absl::StatusOr<std::unique_ptr<EmbeddedCluster>> EmbeddedCluster::Start(
   }
   for (int i = 0; i < o.num_prefill; ++i) {
     model::Model* m = next_model();
-    PREFT_ASSIGN_OR_RETURN(auto e, MakeEngine(m, c->tokenizer_.get(), o.prefill_kv_bytes, o));
+    PREFT_ASSIGN_OR_RETURN(auto e, MakeEngine(m, c->tokenizer_.get(), o.prefill_kv_bytes,
+                                              o.prefill_kv_dtype, o));
     PREFT_ASSIGN_OR_RETURN(auto t, wire::MakeWorkerTransport(o.transport));
     const transport::KvLayout layout = serving::LayoutFor(*e, fingerprint);
     prefill::PrefillServiceOptions p = o.prefill;

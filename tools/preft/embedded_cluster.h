@@ -39,6 +39,9 @@ struct EmbeddedClusterOptions {
   std::string adapter_root;  // "" refuses adapter registration
   int64_t prefill_kv_bytes = int64_t{256} << 20;
   int64_t decode_kv_bytes = int64_t{512} << 20;
+  // --kv-dtype of each tier (serving::kKvDtypeHelp); apart so tests can start a mismatch.
+  std::string prefill_kv_dtype = "auto";
+  std::string decode_kv_dtype = "auto";
   int64_t max_batch_tokens = 512;
   int threads = 0;  // per engine; 0: all cores
   // "cuda": each (colocated) worker's forward on the first GPU, its KV cache of

@@ -42,6 +42,7 @@ struct GenerateFlags {
   int concurrency = 1;
   bool chat = false;  // --prompt is a user message, rendered by the model's chat template
   std::string device = "cpu";  // or "cuda"
+  std::string kv_dtype = "auto";
   int tensor_parallel = 1;      // GPUs the model is split over (cuda)
 };
 
@@ -178,6 +179,10 @@ int RunGenerate(const GenerateFlags& f) {
   // --kv-mib sizes the CPU's cache; a GPU's takes a share of its free memory.
   options.kv_bytes = f.device == "cpu" ? f.kv_mib << 20 : 0;
   options.num_threads = f.threads;
+  absl::StatusOr<kv::KvDtype> kv_dtype =
+      serving::ResolveKvDtype(f.kv_dtype, (*model)->weight_dtype(), f.device);
+  if (!kv_dtype.ok()) return Fail(std::string(kv_dtype.status().message()));
+  options.kv_dtype = *kv_dtype;
   absl::StatusOr<std::unique_ptr<engine::Engine>> eng =
       serving::MakeEngine(model->get(), tokenizer.get(), f.device, options,
                           /*kv_transport=*/false, f.tensor_parallel);
@@ -247,6 +252,7 @@ void RegisterGenerateCommand(CLI::App& app, int* exit_code) {
                 "Print one JSON object: prompt_ids, token_ids, text, finish_reason[, logprobs]");
   cmd->add_option("--threads", f->threads, "Compute threads (default: all cores)");
   cmd->add_option("--kv-mib", f->kv_mib, "KV cache size in MiB (CPU)")->capture_default_str();
+  serving::AddKvDtypeFlag(*cmd, &f->kv_dtype);
   cmd->add_option("--device", f->device,
                   "Where the forward runs: cpu, or cuda (the first GPU; KV cache sized from its "
                   "free memory)")

@@ -25,6 +25,7 @@ struct ServeFlags {
   int decode_workers = 1;
   int64_t prefill_kv_mib = 256;
   int64_t decode_kv_mib = 512;
+  std::string kv_dtype = "auto";
   int threads = 0;
   std::string device = "cpu";
   std::string decode_adapters = "none";
@@ -63,6 +64,7 @@ int RunServe(const ServeFlags& f) {
   o.num_decode = f.decode_workers;
   o.prefill_kv_bytes = f.prefill_kv_mib << 20;
   o.decode_kv_bytes = f.decode_kv_mib << 20;
+  o.prefill_kv_dtype = o.decode_kv_dtype = f.kv_dtype;
   o.threads = f.threads;
   o.device = f.device;
   o.decode.all_position_adapters = f.decode_adapters == "all-positions";
@@ -110,6 +112,7 @@ void RegisterServeCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::Range(1, 64));
   cmd->add_option("--prefill-kv-mib", flags->prefill_kv_mib)->check(CLI::PositiveNumber);
   cmd->add_option("--decode-kv-mib", flags->decode_kv_mib)->check(CLI::PositiveNumber);
+  serving::AddKvDtypeFlag(*cmd, &flags->kv_dtype);
   cmd->add_option("--threads", flags->threads, "compute threads per engine (0: all cores)");
   cmd->add_option("--device", flags->device,
                   "where the workers' forward runs: cpu, or cuda (the first GPU; with "

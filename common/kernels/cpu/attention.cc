@@ -6,14 +6,16 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <utility>
 #include <vector>
 
 #include "common/base/check.h"
-#include "common/kernels/cpu/cpu_features.h"
 #include "common/base/math.h"
+#include "common/kernels/cpu/cpu_features.h"
+#include "common/kernels/dtype.h"
 
 namespace preft::kernels::cpu {
 namespace {
@@ -26,9 +28,23 @@ constexpr int64_t kGemmMinQueries = 8;
 // Query rows per work item of the direct paths.
 constexpr int64_t kDirectRows = 64;
 
-// f32 only so far: PagedAttention checks the layout's dtype before any kernel reads it.
-const float* KeyBlock(const PagedKvLayout& l, const int32_t* table, int64_t b, int64_t h) {
-  return static_cast<const float*>(l.k_base) + table[b] * l.block_stride +
+// The cache's elements: float (f32 KV) or the bits of a bf16 (bf16 KV). Every kernel reads
+// them through Widen (or its vector form, Load16), which is exact, and then runs the f32 code
+// unchanged: attention over a bf16 cache equals, bit for bit, attention over an f32 cache
+// holding the same (rounded) values, so batch invariance carries over from f32 as it is.
+using Bf16Bits = uint16_t;
+
+inline float Widen(float v) { return v; }
+inline float Widen(Bf16Bits v) {
+  // The shift in integers, then a bit cast: a loop of these vectorises (Bf16ToF32's memcpy
+  // through a local does too, but less reliably).
+  return std::bit_cast<float>(static_cast<uint32_t>(v) << 16);
+}
+
+// Where K tile of KV head h in the b-th block of a sequence starts; V is l.v_offset further.
+template <class T>
+const T* KeyBlock(const PagedKvLayout& l, const int32_t* table, int64_t b, int64_t h) {
+  return static_cast<const T*>(l.k_base) + table[b] * l.block_stride +
          h * l.block_tokens * l.head_dim;
 }
 
@@ -65,6 +81,7 @@ constexpr int64_t kOutChunk = 64;
 // Queries of one KV head's group for a few new tokens, straight over the blocks: each K tile
 // ([d][bt], transposed) is loaded once for all the group's heads, and a head's scores over
 // the tile's tokens are one vector loop (no horizontal sums).
+template <class T>
 void AttendDirect(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, int64_t t_begin,
                   int64_t t_end, int64_t num_heads, float scale, int64_t window,
                   std::vector<float>& scores) {
@@ -81,7 +98,7 @@ void AttendDirect(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, in
     // scores or output pointers, which may alias K and V for all the compiler knows, every
     // step was a load and a store.
     for (int64_t b = first / bt; b * bt < visible; ++b) {
-      const float* kt = KeyBlock(l, seq.block_table, b, h);
+      const T* kt = KeyBlock<T>(l, seq.block_table, b, h);
       for (int64_t j = 0; j < group; ++j) {
         const float* qj = q + j * d;
         for (int64_t tok0 = 0; tok0 < bt; tok0 += kMaxBlockTokens) {
@@ -89,9 +106,9 @@ void AttendDirect(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, in
           float acc[kMaxBlockTokens] = {};
           for (int64_t i = 0; i < d; ++i) {
             const float qi = qj[i] * scale;
-            const float* row = kt + i * bt + tok0;
+            const T* row = kt + i * bt + tok0;
 #pragma omp simd
-            for (int64_t tok = 0; tok < n; ++tok) acc[tok] += qi * row[tok];
+            for (int64_t tok = 0; tok < n; ++tok) acc[tok] += qi * Widen(row[tok]);
           }
           std::copy(acc, acc + n, scores.data() + j * stride + b * bt + tok0);
         }
@@ -104,14 +121,14 @@ void AttendDirect(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, in
         const int64_t n = std::min(kOutChunk, d - i0);
         float acc[kOutChunk] = {};
         for (int64_t p = first; p < visible; ++p) {
-          const float* v =
-              KeyBlock(l, seq.block_table, p / bt, h) + l.v_offset + (p % bt) * d + i0;
+          const T* v =
+              KeyBlock<T>(l, seq.block_table, p / bt, h) + l.v_offset + (p % bt) * d + i0;
           const float wp = w[p];
           if (n == kOutChunk) {
 #pragma omp simd
-            for (int64_t i = 0; i < kOutChunk; ++i) acc[i] += wp * v[i];
+            for (int64_t i = 0; i < kOutChunk; ++i) acc[i] += wp * Widen(v[i]);
           } else {
-            for (int64_t i = 0; i < n; ++i) acc[i] += wp * v[i];
+            for (int64_t i = 0; i < n; ++i) acc[i] += wp * Widen(v[i]);
           }
         }
         std::copy(acc, acc + n, seq.out + (t * num_heads + h * group + j) * d + i0);
@@ -126,10 +143,17 @@ void AttendDirect(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, in
 // The largest head the AVX-512 path keeps its scaled queries for on the stack.
 constexpr int64_t kMaxDirectHeadDim = 256;
 
+// 16 consecutive elements widened to f32; masked-off lanes read nothing and are +0.0.
+inline __m512 Load16(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 Load16(__mmask16 m, const Bf16Bits* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
 // AttendDirect with AVX-512 and all G query heads of the KV head at once: each 16-token row
 // of a K tile and each 32-wide slice of a V row is loaded once for the G heads (G
 // accumulators each), where the portable loop reloads them per head from L1.
-template <int G>
+template <int G, class T>
 void AttendGroupAvx512(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h,
                        int64_t t_begin, int64_t t_end, int64_t num_heads, float scale,
                        int64_t window, std::vector<float>& scores) {
@@ -144,13 +168,13 @@ void AttendGroupAvx512(const AttentionSeq& seq, const PagedKvLayout& l, int64_t 
     const float* q = seq.q + (t * num_heads + h * G) * d;
     for (int64_t i = 0; i < G * d; ++i) qs[i] = q[i] * scale;
     for (int64_t b = first / bt; b * bt < visible; ++b) {
-      const float* kt = KeyBlock(l, seq.block_table, b, h);
+      const T* kt = KeyBlock<T>(l, seq.block_table, b, h);
       for (int64_t tok0 = 0; tok0 < bt; tok0 += 16) {
         const __mmask16 mask = bt - tok0 >= 16 ? 0xffff : (1u << (bt - tok0)) - 1;
         __m512 acc[G];
         for (int j = 0; j < G; ++j) acc[j] = _mm512_setzero_ps();
         for (int64_t i = 0; i < d; ++i) {
-          const __m512 k = _mm512_maskz_loadu_ps(mask, kt + i * bt + tok0);
+          const __m512 k = Load16(mask, kt + i * bt + tok0);
           for (int j = 0; j < G; ++j)
             acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(qs[j * d + i]), k, acc[j]);
         }
@@ -167,10 +191,10 @@ void AttendGroupAvx512(const AttentionSeq& seq, const PagedKvLayout& l, int64_t 
       for (int j = 0; j < G; ++j) o0[j] = o1[j] = _mm512_setzero_ps();
       for (int64_t p0 = first; p0 < visible;) {
         const int64_t block_end = std::min(visible, (p0 / bt + 1) * bt);
-        const float* vb = KeyBlock(l, seq.block_table, p0 / bt, h) + l.v_offset + i0;
+        const T* vb = KeyBlock<T>(l, seq.block_table, p0 / bt, h) + l.v_offset + i0;
         for (int64_t p = p0; p < block_end; ++p) {
-          const float* v = vb + (p % bt) * d;
-          const __m512 v0 = _mm512_maskz_loadu_ps(m0, v), v1 = _mm512_maskz_loadu_ps(m1, v + 16);
+          const T* v = vb + (p % bt) * d;
+          const __m512 v0 = Load16(m0, v), v1 = Load16(m1, v + 16);
           for (int j = 0; j < G; ++j) {
             const __m512 w = _mm512_set1_ps(scores[j * stride + p]);
             o0[j] = _mm512_fmadd_ps(w, v0, o0[j]);
@@ -196,30 +220,37 @@ using AttendFn = void (*)(const AttentionSeq& seq, const PagedKvLayout& l, int64
                           int64_t window, std::vector<float>& scores);
 
 // The AVX-512 direct path for this shape, or null (then AttendDirect).
+template <class T>
 AttendFn PickAttendAvx512(int64_t group, int64_t head_dim) {
   if (!GetCpuFeatures().avx512 || head_dim > kMaxDirectHeadDim) return nullptr;
   switch (group) {
-    case 1: return AttendGroupAvx512<1>;
-    case 2: return AttendGroupAvx512<2>;
-    case 3: return AttendGroupAvx512<3>;
-    case 4: return AttendGroupAvx512<4>;
-    case 5: return AttendGroupAvx512<5>;
-    case 6: return AttendGroupAvx512<6>;
-    case 7: return AttendGroupAvx512<7>;
-    case 8: return AttendGroupAvx512<8>;
+    case 1: return AttendGroupAvx512<1, T>;
+    case 2: return AttendGroupAvx512<2, T>;
+    case 3: return AttendGroupAvx512<3, T>;
+    case 4: return AttendGroupAvx512<4, T>;
+    case 5: return AttendGroupAvx512<5, T>;
+    case 6: return AttendGroupAvx512<6, T>;
+    case 7: return AttendGroupAvx512<7, T>;
+    case 8: return AttendGroupAvx512<8, T>;
     default: return nullptr;
   }
 }
 
-// Gathers one KV head's keys (as Kᵀ, [d, ctx]) and values ([ctx, d]) for positions [0, ctx).
+// Gathers one KV head's keys (as Kᵀ, [d, ctx]) and values ([ctx, d]) for positions [0, ctx),
+// widened to f32.
+template <class T>
 void GatherHead(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, float* keys_t,
                 float* values) {
   const int64_t d = l.head_dim, bt = l.block_tokens, ctx = seq.context_len;
   for (int64_t p0 = 0; p0 < ctx; p0 += bt) {
     const int64_t len = std::min(bt, ctx - p0);
-    const float* kb = KeyBlock(l, seq.block_table, p0 / bt, h);
-    for (int64_t i = 0; i < d; ++i) std::copy(kb + i * bt, kb + i * bt + len, keys_t + i * ctx + p0);
-    std::copy(kb + l.v_offset, kb + l.v_offset + len * d, values + p0 * d);
+    const T* kb = KeyBlock<T>(l, seq.block_table, p0 / bt, h);
+    for (int64_t i = 0; i < d; ++i) {
+      std::transform(kb + i * bt, kb + i * bt + len, keys_t + i * ctx + p0,
+                     [](T v) { return Widen(v); });
+    }
+    std::transform(kb + l.v_offset, kb + l.v_offset + len * d, values + p0 * d,
+                   [](T v) { return Widen(v); });
   }
 }
 
@@ -256,13 +287,11 @@ void AttendGemm(const AttentionSeq& seq, const PagedKvLayout& l, int64_t head, i
   }
 }
 
-}  // namespace
-
-void PagedAttention(const AttentionSeq* seqs, int64_t num_seqs, const PagedKvLayout& layout,
-                    int64_t num_heads, float scale, int64_t window) {
-  PREFT_CHECK(layout.dtype == KvDtype::kF32);  // the kernels read f32 (issue 37 adds the rest)
+template <class T>
+void PagedAttentionOf(const AttentionSeq* seqs, int64_t num_seqs, const PagedKvLayout& layout,
+                      int64_t num_heads, float scale, int64_t window) {
   const int64_t group = num_heads / layout.num_kv_heads, d = layout.head_dim;
-  const AttendFn attend = PickAttendAvx512(group, d);
+  const AttendFn attend = PickAttendAvx512<T>(group, d);
   struct DirectItem {
     int64_t seq, kv_head, t_begin, t_end;
   };
@@ -290,7 +319,8 @@ void PagedAttention(const AttentionSeq* seqs, int64_t num_seqs, const PagedKvLay
       const auto [i, head] = gemm[g * group];
       const int64_t ctx = seqs[i].context_len;
       gathered[g].resize(2 * ctx * d);
-      GatherHead(seqs[i], layout, head / group, gathered[g].data(), gathered[g].data() + ctx * d);
+      GatherHead<T>(seqs[i], layout, head / group, gathered[g].data(),
+                    gathered[g].data() + ctx * d);
     }
 #pragma omp for schedule(dynamic, 1) nowait
     for (size_t w = 0; w < gemm.size(); ++w) {
@@ -302,10 +332,26 @@ void PagedAttention(const AttentionSeq* seqs, int64_t num_seqs, const PagedKvLay
 #pragma omp for schedule(dynamic, 1)
     for (size_t w = 0; w < direct.size(); ++w) {
       const DirectItem& it = direct[w];
-      (attend != nullptr ? attend : AttendDirect)(seqs[it.seq], layout, it.kv_head, it.t_begin,
-                                                  it.t_end, num_heads, scale, window, scratch);
+      (attend != nullptr ? attend : AttendDirect<T>)(seqs[it.seq], layout, it.kv_head,
+                                                     it.t_begin, it.t_end, num_heads, scale,
+                                                     window, scratch);
     }
   }
+}
+
+}  // namespace
+
+void PagedAttention(const AttentionSeq* seqs, int64_t num_seqs, const PagedKvLayout& layout,
+                    int64_t num_heads, float scale, int64_t window) {
+  switch (layout.dtype) {
+    case KvDtype::kF32:
+      return PagedAttentionOf<float>(seqs, num_seqs, layout, num_heads, scale, window);
+    case KvDtype::kBF16:
+      return PagedAttentionOf<Bf16Bits>(seqs, num_seqs, layout, num_heads, scale, window);
+    case KvDtype::kFp8E4M3:
+      break;
+  }
+  PREFT_CHECK(false && "fp8_e4m3 KV has no CPU kernel");
 }
 
 }  // namespace preft::kernels::cpu

@@ -1,6 +1,9 @@
 #include "common/kernels/cuda/attention.cuh"
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
+
+#include <type_traits>
 
 #include "common/kernels/cuda/device_util.cuh"
 
@@ -10,6 +13,14 @@ namespace {
 constexpr int kThreads = 128;  // keys per tile; output dims per pass
 constexpr int kWarps = kThreads / 32;
 constexpr int kDimsPerThread = kMaxHeadDim / kThreads;
+
+// The cache's element types: every kernel reads through Load (exact widening to f32) and
+// writes through Store (f32 as is; bf16 rounded to nearest even, as the CPU's F32ToBf16, so
+// either device leaves the same bytes for the same values).
+__device__ __forceinline__ float Load(const float* p) { return *p; }
+__device__ __forceinline__ float Load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+__device__ __forceinline__ void Store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void Store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 
 // Block-wide reduction through shared scratch (kWarps floats); every thread gets the result.
 template <bool kMax>
@@ -23,6 +34,7 @@ __device__ float BlockReduce(float v, float* scratch) {
   return r;
 }
 
+template <class T>
 __global__ void AttentionKernel(const AttentionSeq* seqs, PagedKvLayout kv, int64_t num_heads,
                                 float scale, int64_t window) {
   __shared__ float q[kMaxHeadDim];
@@ -30,7 +42,7 @@ __global__ void AttentionKernel(const AttentionSeq* seqs, PagedKvLayout kv, int6
   __shared__ int64_t key_base[kThreads];  // offset of each tile key's block, K part
   __shared__ float scratch[kWarps];
   const AttentionSeq seq = seqs[blockIdx.x];
-  const float* k_base = static_cast<const float*>(kv.k_base);  // f32: the launchers check
+  const T* k_base = static_cast<const T*>(kv.k_base);  // the launchers pick T by kv.dtype
   const int64_t head = blockIdx.y, qi = blockIdx.z;
   if (qi >= seq.num_new) return;
   const int64_t hd = kv.head_dim, bt = kv.block_tokens;
@@ -50,9 +62,9 @@ __global__ void AttentionKernel(const AttentionSeq* seqs, PagedKvLayout kv, int6
     if (j <= pos) {
       const int64_t base = seq.block_table[j / bt] * kv.block_stride;
       key_base[threadIdx.x] = base;
-      const float* kp = k_base + base + kvh * hd * bt + j % bt;
+      const T* kp = k_base + base + kvh * hd * bt + j % bt;
       float dot = 0.f;
-      for (int64_t d = 0; d < hd; ++d) dot += q[d] * kp[d * bt];
+      for (int64_t d = 0; d < hd; ++d) dot += q[d] * Load(kp + d * bt);
       s = dot * scale;
     }
     const float tile_max = BlockReduce<true>(s, scratch);
@@ -70,7 +82,7 @@ __global__ void AttentionKernel(const AttentionSeq* seqs, PagedKvLayout kv, int6
       float a = acc[r] * correction;
       for (int64_t t = 0; t < count; ++t) {
         const int64_t jj = start + t;
-        a += p[t] * k_base[key_base[t] + kv.v_offset + (kvh * bt + jj % bt) * hd + d];
+        a += p[t] * Load(k_base + key_base[t] + kv.v_offset + (kvh * bt + jj % bt) * hd + d);
       }
       acc[r] = a;
     }
@@ -85,24 +97,26 @@ __global__ void AttentionKernel(const AttentionSeq* seqs, PagedKvLayout kv, int6
 
 // One block per token; thread i of the token's kv_heads * head_dim values stores K (transposed
 // tile) and V.
-__global__ void WriteKvKernel(const float* k, const float* v, const int64_t* slots, float* base,
+template <class T>
+__global__ void WriteKvKernel(const float* k, const float* v, const int64_t* slots, T* base,
                               PagedKvLayout kv) {
   const int64_t t = blockIdx.x, slot = slots[t];
   const int64_t hd = kv.head_dim, bt = kv.block_tokens, width = kv.num_kv_heads * hd;
-  float* block = base + (slot / bt) * kv.block_stride;
+  T* block = base + (slot / bt) * kv.block_stride;
   const int64_t off = slot % bt;
   for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
     const int64_t h = i / hd, d = i % hd;
-    block[(h * hd + d) * bt + off] = k[t * width + i];
-    block[kv.v_offset + (h * bt + off) * hd + d] = v[t * width + i];
+    Store(block + (h * hd + d) * bt + off, k[t * width + i]);
+    Store(block + kv.v_offset + (h * bt + off) * hd + d, v[t * width + i]);
   }
 }
 
 // One block per token: q's pairs rotated in place, then each K pair rotated on its way into
 // the block's transposed tile and V copied, as RopeKernel then WriteKvKernel.
+template <class T>
 __global__ void RopeWriteKvKernel(const int32_t* positions, const float* inv_freq, float* q,
                                   int64_t num_heads, const float* k, const float* v,
-                                  const int64_t* slots, float* base, PagedKvLayout kv) {
+                                  const int64_t* slots, T* base, PagedKvLayout kv) {
   const int64_t t = blockIdx.x, slot = slots[t];
   const int64_t hd = kv.head_dim, half = hd / 2, bt = kv.block_tokens;
   const int64_t width = kv.num_kv_heads * hd;
@@ -114,18 +128,18 @@ __global__ void RopeWriteKvKernel(const int32_t* positions, const float* inv_fre
     qh[i] = r.x;
     qh[i + half] = r.y;
   }
-  float* block = base + (slot / bt) * kv.block_stride;
+  T* block = base + (slot / bt) * kv.block_stride;
   const int64_t off = slot % bt;
   for (int64_t p = threadIdx.x; p < kv.num_kv_heads * half; p += blockDim.x) {
     const int64_t h = p / half, i = p % half;
     const float* kh = k + t * width + h * hd;
     const float2 r = RotateHalfPair(kh[i], kh[i + half], pos, inv_freq[i]);
-    block[(h * hd + i) * bt + off] = r.x;
-    block[(h * hd + i + half) * bt + off] = r.y;
+    Store(block + (h * hd + i) * bt + off, r.x);
+    Store(block + (h * hd + i + half) * bt + off, r.y);
   }
   for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
     const int64_t h = i / hd, d = i % hd;
-    block[kv.v_offset + (h * bt + off) * hd + d] = v[t * width + i];
+    Store(block + kv.v_offset + (h * bt + off) * hd + d, v[t * width + i]);
   }
 }
 
@@ -140,6 +154,7 @@ constexpr int kDecodeThreads = 128;
 constexpr int kMaxGroup = 8;
 constexpr int kDecodeDims = kMaxHeadDim / kDecodeThreads;
 
+template <class T>
 __global__ void __launch_bounds__(kDecodeThreads)
     DecodeAttentionKernel(const AttentionSeq* seqs, PagedKvLayout kv, int group, float scale,
                           int64_t window, float* parts, bool per_query) {
@@ -154,7 +169,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int64_t qi = per_query ? static_cast<int64_t>(blockIdx.z) : seq.num_new - 1;
   if (qi < 0 || qi >= seq.num_new) return;
   const int kvh = blockIdx.y;
-  const float* k_base = static_cast<const float*>(kv.k_base);  // f32: the launchers check
+  const T* k_base = static_cast<const T*>(kv.k_base);  // the launchers pick T by kv.dtype
   const int split = per_query ? 0 : blockIdx.z, splits = per_query ? 1 : gridDim.z;
   const int hd = static_cast<int>(kv.head_dim), bt = static_cast<int>(kv.block_tokens);
   const int num_heads = group * static_cast<int>(kv.num_kv_heads);
@@ -182,15 +197,15 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
   for (int64_t b = lo / bt + split; b <= pos / bt; b += splits) {
     const int64_t block = static_cast<int64_t>(seq.block_table[b]) * kv.block_stride;
-    const float* kt = k_base + block + static_cast<int64_t>(kvh) * hd * bt;
-    const float* vt = k_base + block + kv.v_offset + static_cast<int64_t>(kvh) * bt * hd;
+    const T* kt = k_base + block + static_cast<int64_t>(kvh) * hd * bt;
+    const T* vt = k_base + block + kv.v_offset + static_cast<int64_t>(kvh) * bt * hd;
     const int t_lo = lo > b * bt ? static_cast<int>(lo - b * bt) : 0;
     const int t_hi = pos < (b + 1) * bt - 1 ? static_cast<int>(pos - b * bt) : bt - 1;
     float dot[kMaxGroup];
 #pragma unroll
     for (int g = 0; g < kMaxGroup; ++g) dot[g] = 0.f;
     for (int d = slice; d < hd; d += slices) {
-      const float k = kt[d * bt + t_mine];
+      const float k = Load(kt + d * bt + t_mine);
 #pragma unroll
       for (int g = 0; g < kMaxGroup; ++g) {
         if (g < group) dot[g] += q[g][d] * k;
@@ -236,7 +251,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
         if (g < group) o[g][r] *= corr[g];
       }
       for (int t = t_lo; t <= t_hi; ++t) {  // keys out of range may hold anything, even NaN
-        const float v = vt[t * hd + d];
+        const float v = Load(vt + t * hd + d);
 #pragma unroll
         for (int g = 0; g < kMaxGroup; ++g) {
           if (g < group) o[g][r] += p[g][t] * v;
@@ -314,25 +329,40 @@ int DecodeSplits(int64_t num_seqs, int64_t num_kv_heads) {
   return static_cast<int>(splits < 1 ? 1 : splits > kMaxDecodeSplits ? kMaxDecodeSplits : splits);
 }
 
+// Calls fn with a null pointer of the cache's element type; false for a dtype no kernel reads.
+template <class Fn>
+bool WithElementType(KvDtype dtype, Fn&& fn) {
+  switch (dtype) {
+    case KvDtype::kF32: fn(static_cast<float*>(nullptr)); return true;
+    case KvDtype::kBF16: fn(static_cast<__nv_bfloat16*>(nullptr)); return true;
+    case KvDtype::kFp8E4M3: return false;
+  }
+  return false;
+}
+
 }  // namespace
 
 int WriteKv(const float* k, const float* v, const int64_t* slots, int64_t num_tokens,
             void* layer_base, const PagedKvLayout& layout, void* stream) {
-  if (layout.dtype != KvDtype::kF32) return static_cast<int>(cudaErrorInvalidValue);
   if (num_tokens == 0) return 0;
-  WriteKvKernel<<<static_cast<unsigned>(num_tokens), kThreads, 0, AsStream(stream)>>>(
-      k, v, slots, static_cast<float*>(layer_base), layout);
-  return LaunchStatus();
+  const bool known = WithElementType(layout.dtype, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    WriteKvKernel<T><<<static_cast<unsigned>(num_tokens), kThreads, 0, AsStream(stream)>>>(
+        k, v, slots, static_cast<T*>(layer_base), layout);
+  });
+  return known ? LaunchStatus() : static_cast<int>(cudaErrorInvalidValue);
 }
 
 int RopeWriteKv(const int32_t* positions, const float* inv_freq, float* q, int64_t num_heads,
                 const float* k, const float* v, const int64_t* slots, int64_t num_tokens,
                 void* layer_base, const PagedKvLayout& layout, void* stream) {
-  if (layout.dtype != KvDtype::kF32) return static_cast<int>(cudaErrorInvalidValue);
   if (num_tokens == 0) return 0;
-  RopeWriteKvKernel<<<static_cast<unsigned>(num_tokens), kThreads, 0, AsStream(stream)>>>(
-      positions, inv_freq, q, num_heads, k, v, slots, static_cast<float*>(layer_base), layout);
-  return LaunchStatus();
+  const bool known = WithElementType(layout.dtype, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    RopeWriteKvKernel<T><<<static_cast<unsigned>(num_tokens), kThreads, 0, AsStream(stream)>>>(
+        positions, inv_freq, q, num_heads, k, v, slots, static_cast<T*>(layer_base), layout);
+  });
+  return known ? LaunchStatus() : static_cast<int>(cudaErrorInvalidValue);
 }
 
 int64_t AttentionWorkspaceFloats(int64_t num_seqs, int64_t max_new, const PagedKvLayout& layout,
@@ -345,37 +375,38 @@ int64_t AttentionWorkspaceFloats(int64_t num_seqs, int64_t max_new, const PagedK
 int PagedAttention(const AttentionSeq* seqs, int64_t num_seqs, int64_t max_new,
                    const PagedKvLayout& layout, int64_t num_heads, float scale, int64_t window,
                    float* workspace, void* stream) {
-  // The kernels read f32 only so far (docs/plans/kv-dtype.md).
-  if (layout.dtype != KvDtype::kF32) return static_cast<int>(cudaErrorInvalidValue);
   if (num_seqs == 0 || max_new == 0) return 0;
   if (layout.head_dim > kMaxHeadDim) return static_cast<int>(cudaErrorInvalidValue);
-  if (max_new == 1 && DecodeKernelFits(layout, num_heads)) {
-    const int splits = DecodeSplits(num_seqs, layout.num_kv_heads);
-    if (splits > 1 && workspace == nullptr) return static_cast<int>(cudaErrorInvalidValue);
-    const int group = static_cast<int>(num_heads / layout.num_kv_heads);
-    const dim3 grid(static_cast<unsigned>(num_seqs), static_cast<unsigned>(layout.num_kv_heads),
-                    static_cast<unsigned>(splits));
-    DecodeAttentionKernel<<<grid, kDecodeThreads, 0, AsStream(stream)>>>(
-        seqs, layout, group, scale, window, workspace, false);
-    if (splits > 1) {
-      const dim3 heads(static_cast<unsigned>(num_seqs), static_cast<unsigned>(num_heads));
-      CombineKernel<<<heads, kDecodeThreads, 0, AsStream(stream)>>>(
-          seqs, static_cast<int>(num_heads), static_cast<int>(layout.head_dim), splits, workspace);
+  const bool decode = max_new == 1 && DecodeKernelFits(layout, num_heads);
+  const int splits = decode ? DecodeSplits(num_seqs, layout.num_kv_heads) : 1;
+  if (splits > 1 && workspace == nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  const int group = static_cast<int>(num_heads / layout.num_kv_heads);
+  const bool known = WithElementType(layout.dtype, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    if (decode) {
+      const dim3 grid(static_cast<unsigned>(num_seqs), static_cast<unsigned>(layout.num_kv_heads),
+                      static_cast<unsigned>(splits));
+      DecodeAttentionKernel<T><<<grid, kDecodeThreads, 0, AsStream(stream)>>>(
+          seqs, layout, group, scale, window, workspace, false);
+      if (splits > 1) {
+        const dim3 heads(static_cast<unsigned>(num_seqs), static_cast<unsigned>(num_heads));
+        CombineKernel<<<heads, kDecodeThreads, 0, AsStream(stream)>>>(
+            seqs, static_cast<int>(num_heads), static_cast<int>(layout.head_dim), splits,
+            workspace);
+      }
+    } else if (DecodeKernelFits(layout, num_heads)) {  // prompts: a block per query, unsplit
+      const dim3 grid(static_cast<unsigned>(num_seqs), static_cast<unsigned>(layout.num_kv_heads),
+                      static_cast<unsigned>(max_new));
+      DecodeAttentionKernel<T><<<grid, kDecodeThreads, 0, AsStream(stream)>>>(
+          seqs, layout, group, scale, window, nullptr, true);
+    } else {
+      const dim3 grid(static_cast<unsigned>(num_seqs), static_cast<unsigned>(num_heads),
+                      static_cast<unsigned>(max_new));
+      AttentionKernel<T><<<grid, kThreads, 0, AsStream(stream)>>>(seqs, layout, num_heads, scale,
+                                                                  window);
     }
-    return LaunchStatus();
-  }
-  if (DecodeKernelFits(layout, num_heads)) {  // prompts: the same kernel, a block per query
-    const dim3 grid(static_cast<unsigned>(num_seqs), static_cast<unsigned>(layout.num_kv_heads),
-                    static_cast<unsigned>(max_new));
-    DecodeAttentionKernel<<<grid, kDecodeThreads, 0, AsStream(stream)>>>(
-        seqs, layout, static_cast<int>(num_heads / layout.num_kv_heads), scale, window, nullptr,
-        true);
-    return LaunchStatus();
-  }
-  const dim3 grid(static_cast<unsigned>(num_seqs), static_cast<unsigned>(num_heads),
-                  static_cast<unsigned>(max_new));
-  AttentionKernel<<<grid, kThreads, 0, AsStream(stream)>>>(seqs, layout, num_heads, scale, window);
-  return LaunchStatus();
+  });
+  return known ? LaunchStatus() : static_cast<int>(cudaErrorInvalidValue);
 }
 
 }  // namespace preft::kernels::cuda

@@ -107,12 +107,14 @@ absl::StatusOr<PeerId> CudaIpcTransport::Connect(const std::string& peer_address
         ", this worker on ", node, ": CUDA IPC reaches GPUs of one node (use --transport ucx "
         "across nodes)"));
   }
+  // The control transport compares the layouts first: its message names a --kv-dtype mismatch,
+  // which the block sizes below would only show as a size.
+  PREFT_ASSIGN_OR_RETURN(const PeerId control, control_->Connect(a.control));
   if (a.num_layers != cache_.shape.num_layers || a.block_bytes != cache_.shape.block_bytes()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "CUDA IPC transport: the peer's cache has ", a.num_layers, " layers of ", a.block_bytes,
         "-byte blocks, this one ", cache_.shape.num_layers, " of ", cache_.shape.block_bytes()));
   }
-  PREFT_ASSIGN_OR_RETURN(const PeerId control, control_->Connect(a.control));  // checks layouts
   Peer peer;
   peer.control = control;
   peer.num_blocks = a.num_blocks;

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/base/status_macros.h"
 #include "absl/strings/str_join.h"
 #include "common/log/log.h"
 #include "common/transport/ucx/ucx_context.h"
@@ -144,10 +145,8 @@ absl::StatusOr<PeerId> UcxTransport::Impl::Connect(const std::string& peer_addre
   }
   absl::StatusOr<UcxPeerAddress> address = DecodeUcxPeerAddress(peer_address);
   if (!address.ok()) return address.status();
-  if (address->layout.Hash() != layout_.Hash()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "KV layout mismatch: local ", layout_.ToString(), " vs peer ", address->layout.ToString()));
-  }
+  PREFT_RETURN_IF_ERROR(CheckPeerLayout(layout_, address->layout.Hash(), "the UCX peer",
+                                        address->layout.ToString()));
   // The hashes matched, so the peer's elements are the size of ours (same dtype).
   const int64_t bytes_per_block = address->layout.num_layers * 2 * address->layout.num_kv_heads *
                                   address->layout.block_tokens * address->layout.head_dim *

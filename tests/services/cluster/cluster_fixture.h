@@ -234,8 +234,9 @@ class EmbeddedClusterTest : public ::testing::Test {
   }
 
   // Greedy and seeded requests of every adapter mode (base, LoRA, LoRAP, DiReFT, DiReFTP), all
-  // at once: each stream's tokens and text equal one engine's (no cluster) running them.
-  void MixedLoadEqualsOneEngine() {
+  // at once: each stream's tokens and text equal one engine's (no cluster) running them, that
+  // engine storing KV as `kv_dtype` (the cluster's).
+  void MixedLoadEqualsOneEngine(kv::KvDtype kv_dtype = kv::KvDtype::kF32) {
     auto m = model::Model::Load(testing::TinyLlamaFixture());
     ASSERT_TRUE(m.ok());
     std::map<std::string, std::shared_ptr<const model::AdapterWeights>> weights;
@@ -281,6 +282,7 @@ class EmbeddedClusterTest : public ::testing::Test {
     }
     engine::EngineOptions eo;
     eo.kv_blocks = 256;
+    eo.kv_dtype = kv_dtype;
     auto e = engine::Engine::Create(m->get(), cluster_->tokenizer(), eo);
     ASSERT_TRUE(e.ok());
     auto want = (*e)->Generate(alone);

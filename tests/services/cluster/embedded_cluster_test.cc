@@ -184,6 +184,46 @@ TEST_F(EmbeddedClusterTest, AbortEndsTheStreamWithFinishAbort) { AbortMidStream(
 
 TEST_F(EmbeddedClusterTest, MixedLoadEqualsOneEngine) { MixedLoadEqualsOneEngine(); }
 
+// Both tiers store bf16 KV: the prompt's KV crosses in bf16, and every mode's tokens equal one
+// engine's with bf16 KV (bf16 is not f32, so equal to that engine, not to the f32 fixture).
+class Bf16KvClusterTest : public EmbeddedClusterTest {
+ protected:
+  void Configure(EmbeddedClusterOptions* o) override {
+    o->prefill_kv_dtype = o->decode_kv_dtype = "bf16";
+  }
+};
+
+TEST_F(Bf16KvClusterTest, MixedLoadEqualsOneEngineWithBf16Kv) {
+  for (const auto& w : cluster_->pool().decode()) {  // what the decode tier advertises
+    absl::MutexLock lock(&w->mu);
+    EXPECT_NE(w->status.endpoint().layout().find("dtype=bf16"), std::string::npos)
+        << w->status.endpoint().layout();
+  }
+  MixedLoadEqualsOneEngine(kv::KvDtype::kBF16);
+}
+
+// Tiers that store KV differently are refused at once, naming both dtypes and the flag: the
+// KV is never converted on the way, and nothing waits for KV that cannot come.
+class MismatchedKvDtypeTest : public EmbeddedClusterTest {
+ protected:
+  void Configure(EmbeddedClusterOptions* o) override {
+    o->prefill_kv_dtype = "f32";
+    o->decode_kv_dtype = "bf16";
+  }
+};
+
+TEST_F(MismatchedKvDtypeTest, RequestsAreRefusedNamingBothDtypes) {
+  const testing::GenerateOutcome out = Generate(stub_.get(), Request({1, 2, 3}, 4), 10);
+  EXPECT_EQ(out.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << out.status.error_message();
+  EXPECT_NE(out.status.error_message().find(
+                "stores KV as bf16, this worker as f32; start prefill and decode workers with "
+                "the same --kv-dtype"),
+            std::string::npos)
+      << out.status.error_message();
+  ExpectNoLeaks();
+}
+
 TEST_F(EmbeddedClusterTest, AdapterAdminListsUpdatesAndUnregisters) {
   grpc::ClientContext lctx;
   v1::ListModelsResponse models;

@@ -96,7 +96,8 @@ class MultiProcessClusterTest : public ::testing::Test {
       std::vector<std::string> argv = {Bin("services/decode/preft-decode"), "--model", model,
                                        "--kv-bytes", "16777216", "--threads", "1",
                                        "--quarantine-ms", "100", "--adapters", "all-positions",
-                                       "--adapter-root", (*dir_ / "adapters").string()};
+                                       "--adapter-root", (*dir_ / "adapters").string(),
+                                       "--kv-dtype", KvDtypeFlag()};
       const std::vector<std::string> transport = DecodeTransportFlags(i);
       argv.insert(argv.end(), transport.begin(), transport.end());
       auto p = ChildProcess::Spawn(argv, (*dir_ / ("decode" + std::to_string(i) + ".log")).string());
@@ -106,7 +107,8 @@ class MultiProcessClusterTest : public ::testing::Test {
     for (int i = 0; i < 2; ++i) {
       std::vector<std::string> argv = {Bin("services/prefill/preft-prefill"), "--model", model,
                                        "--kv-bytes", "8388608", "--threads", "1",
-                                       "--adapter-root", (*dir_ / "adapters").string()};
+                                       "--adapter-root", (*dir_ / "adapters").string(),
+                                       "--kv-dtype", KvDtypeFlag()};
       argv.insert(argv.end(), kShmUcxFlags.begin(), kShmUcxFlags.end());
       for (const std::string& flag : PrefillFlags()) argv.push_back(flag);
       auto p = ChildProcess::Spawn(argv, (*dir_ / ("prefill" + std::to_string(i) + ".log")).string());
@@ -148,6 +150,8 @@ class MultiProcessClusterTest : public ::testing::Test {
   }
 
   virtual std::vector<std::string> PrefillFlags() const { return {}; }
+  // Both tiers' --kv-dtype (auto: f32, the fixture's dtype).
+  virtual std::string KvDtypeFlag() const { return "auto"; }
   virtual std::vector<std::string> DecodeTransportFlags(int /*i*/) const { return kShmUcxFlags; }
 
   void TearDown() override {
@@ -175,9 +179,11 @@ class MultiProcessClusterTest : public ::testing::Test {
   }
 
   // The same requests on one in-process engine.
-  static std::vector<std::vector<int32_t>> Expected(const std::vector<v1::GenerateRequest>& reqs) {
+  static std::vector<std::vector<int32_t>> Expected(const std::vector<v1::GenerateRequest>& reqs,
+                                                    kv::KvDtype kv_dtype = kv::KvDtype::kF32) {
     engine::EngineOptions o;
     o.kv_blocks = 2048;
+    o.kv_dtype = kv_dtype;
     auto e = engine::Engine::Create(model_, tokenizer_, o);
     EXPECT_TRUE(e.ok());
     std::vector<engine::Request> ers;
@@ -303,6 +309,31 @@ TEST_F(MultiProcessClusterTest, FiveHundredMixedRequestsMatchOneEngine) {
     ok += got[i].status.ok() && got[i].token_ids == want[i];
   }
   EXPECT_EQ(ok, 500);
+  ExpectDecodeClean(0);
+  ExpectDecodeClean(1);
+}
+
+// Both tiers store bf16 KV (separate processes, UCX over shared memory): the KV crosses in
+// bf16 and every request equals one engine with bf16 KV.
+class Bf16KvMultiProcessTest : public MultiProcessClusterTest {
+ protected:
+  std::string KvDtypeFlag() const override { return "bf16"; }
+};
+
+TEST_F(Bf16KvMultiProcessTest, MixedRequestsMatchOneEngineWithBf16Kv) {
+  std::vector<v1::GenerateRequest> requests;
+  for (int i = 0; i < 120; ++i) requests.push_back(Workload(i, 6 + i % 5));
+  const auto want = Expected(requests, kv::KvDtype::kBF16);
+  const auto got = RunAll(requests, 32);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    EXPECT_TRUE(got[i].status.ok()) << i << ": " << got[i].status.error_message();
+    EXPECT_EQ(got[i].token_ids, want[i])
+        << "request " << i << " model " << requests[i].model() << ": "
+        << Divergence(got[i].token_ids, want[i], &expected_logprobs_[i]);
+  }
+  for (const auto& p : decode_) {
+    EXPECT_NE(p->Log().find("kv=bf16"), std::string::npos) << p->Log();
+  }
   ExpectDecodeClean(0);
   ExpectDecodeClean(1);
 }
