@@ -3,6 +3,9 @@
 // run. The sender (this process) re-executes itself as the receiver.
 //
 //   kv_transfer_bench [--mib=64] [--reps=7] [--tls=posix,self] [--tls=tcp,self] ...
+//   kv_transfer_bench --handoff [--reps=31] [--tls=...]
+//     one request's prefill -> decode handoff (128- and 2048-token prompts) with f32 and bf16
+//     KV: bytes and time per request, bf16 against f32 (issue 37's <= 0.55x).
 //
 // Blocks are qwen2.5-0.5b's (24 layers x 16 KiB per block and layer). "scattered" writes every
 // block to a shuffled destination (one 16 KiB put each, the usual case: a reservation's blocks
@@ -20,6 +23,7 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -43,8 +47,10 @@ using preft::transport::UcxPutProbe;
 using preft::transport::UcxTransport;
 using preft::transport::UcxTransportOptions;
 
-preft::kv::KvCacheShape Shape(int64_t num_blocks) {
+preft::kv::KvCacheShape Shape(int64_t num_blocks,
+                              preft::kv::KvDtype dtype = preft::kv::KvDtype::kF32) {
   preft::kv::KvCacheShape shape;
+  shape.dtype = dtype;
   shape.num_layers = 24;
   shape.num_blocks = num_blocks;
   shape.block_tokens = 16;
@@ -90,14 +96,15 @@ void Say(const std::string& line) {
 
 // ---- receiver (child) ----
 
-int Receiver(const std::string& tls, int64_t num_blocks) {
-  auto cache = preft::kv::KvCache::Create(Shape(num_blocks));
+int Receiver(const std::string& tls, int64_t num_blocks, preft::kv::KvDtype dtype) {
+  auto cache = preft::kv::KvCache::Create(Shape(num_blocks, dtype));
   if (!cache.ok()) Die(std::string(cache.status().message()));
   UcxTransport transport(Options(tls));
-  absl::Status s = transport.Start(cache->get(), KvLayout::ForCache(Shape(1), "qwen2.5-0.5b"),
+  absl::Status s = transport.Start(cache->get(),
+                                   KvLayout::ForCache(Shape(1, dtype), "qwen2.5-0.5b"),
                                    [](uint64_t, uint32_t) {});
   if (!s.ok()) Die(std::string(s.message()));
-  auto probe = UcxPutProbe::Create(Options(tls), (*cache)->layer_base(0), (*cache)->bytes());
+  auto probe = UcxPutProbe::Create(Options(tls), (*cache)->layer_data(0), (*cache)->bytes());
   if (!probe.ok()) Die(std::string(probe.status().message()));
   Say("ADDRESS " + Hex(transport.LocalAddress()));
   Say("PROBE " + Hex((*probe)->address()));
@@ -121,7 +128,8 @@ int Receiver(const std::string& tls, int64_t num_blocks) {
 
 class Child {
  public:
-  Child(const std::string& tls, int64_t num_blocks) {
+  Child(const std::string& tls, int64_t num_blocks,
+        preft::kv::KvDtype dtype = preft::kv::KvDtype::kF32) {
     int in[2], out[2];
     if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(out, O_CLOEXEC) != 0) Die("pipe");
     posix_spawn_file_actions_t actions;
@@ -129,8 +137,10 @@ class Child {
     posix_spawn_file_actions_adddup2(&actions, in[0], 0);
     posix_spawn_file_actions_adddup2(&actions, out[1], 1);
     std::string self = "/proc/self/exe", role = "--receiver", tls_arg = tls,
-                blocks = std::to_string(num_blocks);
-    char* argv[] = {self.data(), role.data(), tls_arg.data(), blocks.data(), nullptr};
+                blocks = std::to_string(num_blocks),
+                dtype_arg = std::string(preft::kv::KvDtypeName(dtype));
+    char* argv[] = {self.data(), role.data(),      tls_arg.data(),
+                    blocks.data(), dtype_arg.data(), nullptr};
     if (posix_spawn(&pid_, self.c_str(), &actions, nullptr, argv, environ) != 0) Die("spawn");
     posix_spawn_file_actions_destroy(&actions);
     ::close(in[0]);
@@ -192,17 +202,13 @@ void Run(const std::string& tls, int64_t num_blocks, int reps) {
   if (!cache.ok()) Die(std::string(cache.status().message()));
   preft::kv::KvCache& kv = **cache;
   std::mt19937 rng(7);
-  {
-    float* p = kv.layer_base(0);
-    const size_t n = kv.bytes() / sizeof(float);
-    for (size_t i = 0; i < n; ++i) p[i] = static_cast<float>(rng() % 1000) * 0.001f;
-  }
+  for (size_t i = 0; i < kv.bytes(); ++i) kv.layer_data(0)[i] = static_cast<std::byte>(rng());
   UcxTransport transport(Options(tls));
   absl::Status s = transport.Start(&kv, KvLayout::ForCache(Shape(1), "qwen2.5-0.5b"), nullptr);
   if (!s.ok()) Die(std::string(s.message()));
   absl::StatusOr<preft::transport::PeerId> peer = transport.Connect(transport_address);
   if (!peer.ok()) Die(std::string(peer.status().message()));
-  auto probe = UcxPutProbe::Create(Options(tls), kv.layer_base(0), kv.bytes());
+  auto probe = UcxPutProbe::Create(Options(tls), kv.layer_data(0), kv.bytes());
   if (!probe.ok()) Die(std::string(probe.status().message()));
   s = (*probe)->Connect(probe_address);
   if (!s.ok()) Die(std::string(s.message()));
@@ -261,29 +267,107 @@ void Run(const std::string& tls, int64_t num_blocks, int reps) {
   std::fflush(stdout);
 }
 
+// One request's handoff: a prompt's blocks, scattered over the prefill worker's cache, into a
+// decode reservation's run of blocks, per KV dtype (a receiver process each, both alive, the
+// rounds interleaved so drift hits both alike).
+void RunHandoff(const std::string& tls, int reps) {
+  using preft::kv::KvDtype;
+  constexpr int64_t kBlocks = 256;  // 4096 tokens' worth on each side
+  struct Side {
+    KvDtype dtype;
+    std::unique_ptr<Child> child;
+    std::unique_ptr<preft::kv::KvCache> cache;
+    std::unique_ptr<UcxTransport> transport;
+    preft::transport::PeerId peer = -1;
+  };
+  std::vector<Side> sides;
+  std::mt19937 rng(11);
+  for (KvDtype d : {KvDtype::kF32, KvDtype::kBF16}) {
+    Side s;
+    s.dtype = d;
+    s.child = std::make_unique<Child>(tls, kBlocks, d);
+    const std::string address = Unhex(s.child->Expect("ADDRESS "));
+    (void)s.child->Expect("PROBE ");
+    auto cache = preft::kv::KvCache::Create(Shape(kBlocks, d));
+    if (!cache.ok()) Die(std::string(cache.status().message()));
+    s.cache = *std::move(cache);
+    for (size_t i = 0; i < s.cache->bytes(); ++i) s.cache->layer_data(0)[i] = std::byte(rng());
+    s.transport = std::make_unique<UcxTransport>(Options(tls));
+    absl::Status st = s.transport->Start(s.cache.get(),
+                                         KvLayout::ForCache(Shape(1, d), "qwen2.5-0.5b"), nullptr);
+    if (!st.ok()) Die(std::string(st.message()));
+    absl::StatusOr<preft::transport::PeerId> peer = s.transport->Connect(address);
+    if (!peer.ok()) Die(std::string(peer.status().message()));
+    s.peer = *peer;
+    sides.push_back(std::move(s));
+  }
+  std::printf("\n%s: one request's KV handoff, median of %d\n"
+              "| prompt tokens | kv dtype | bytes | time | bytes vs f32 | time vs f32 |\n"
+              "|---|---|---|---|---|---|\n",
+              tls.c_str(), reps);
+  for (int64_t tokens : {128, 2048}) {
+    BlockTransfer t;
+    std::vector<int32_t> all(kBlocks);
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    const int64_t n = (tokens + 15) / 16;
+    t.src_blocks.assign(all.begin(), all.begin() + n);
+    for (int32_t b = 0; b < n; ++b) t.dst_blocks.push_back(b + 7);
+    for (Side& s : sides) WriteSeconds(*s.transport, s.peer, t);  // warm-up
+    std::vector<std::vector<double>> seconds(sides.size());
+    for (int rep = 0; rep < reps; ++rep) {
+      for (size_t i = 0; i < sides.size(); ++i) {
+        seconds[i].push_back(WriteSeconds(*sides[i].transport, sides[i].peer, t));
+      }
+    }
+    const double f32_bytes = double(n) * sides[0].cache->shape().bytes_per_block_all_layers();
+    const double f32_s = preft::bench::Median(seconds[0]);
+    for (size_t i = 0; i < sides.size(); ++i) {
+      const double bytes = double(n) * sides[i].cache->shape().bytes_per_block_all_layers();
+      const double s = preft::bench::Median(seconds[i]);
+      std::printf("| %lld | %s | %.2f MiB | %.0f us | %.2f | %.2f |\n",
+                  static_cast<long long>(tokens),
+                  std::string(preft::kv::KvDtypeName(sides[i].dtype)).c_str(), bytes / (1 << 20),
+                  s * 1e6, bytes / f32_bytes, s / f32_s);
+    }
+  }
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc == 4 && std::string(argv[1]) == "--receiver") {
+  if (argc == 5 && std::string(argv[1]) == "--receiver") {
     int64_t blocks = 0;
     if (!absl::SimpleAtoi(argv[3], &blocks)) return 2;
-    return Receiver(argv[2], blocks);
+    const std::string dtype = argv[4];
+    return Receiver(argv[2], blocks,
+                    dtype == "bf16" ? preft::kv::KvDtype::kBF16 : preft::kv::KvDtype::kF32);
   }
   ::signal(SIGPIPE, SIG_IGN);
   int64_t mib = 64;
   int reps = 7;
+  bool handoff = false;
   std::vector<std::string> tls;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg.rfind("--mib=", 0) == 0 && absl::SimpleAtoi(arg.substr(6), &mib)) continue;
     if (arg.rfind("--reps=", 0) == 0 && absl::SimpleAtoi(arg.substr(7), &reps)) continue;
+    if (arg == "--handoff") {
+      handoff = true;
+      continue;
+    }
     if (arg.rfind("--tls=", 0) == 0) {
       tls.push_back(arg.substr(6));
       continue;
     }
-    Die("usage: kv_transfer_bench [--mib=64] [--reps=7] [--tls=posix,self]...");
+    Die("usage: kv_transfer_bench [--mib=64] [--reps=7] [--handoff] [--tls=posix,self]...");
   }
   if (tls.empty()) tls = {"posix,self", "tcp,self"};
+  if (handoff) {
+    for (const std::string& t : tls) RunHandoff(t, reps);
+    return 0;
+  }
   const int64_t num_blocks =
       std::max<int64_t>(1, (mib << 20) / Shape(1).bytes_per_block_all_layers());
   std::printf("KV transfer between two processes, median of %d (UCX_NET_DEVICES=lo)\n", reps);

@@ -109,7 +109,7 @@ class Cluster:
         b = args.build
         worker = ["--model", args.model, "--metrics-listen", "127.0.0.1:0",
                   "--threads", str(args.threads), "--max-batch-tokens", str(args.max_batch_tokens),
-                  "--device", args.device]
+                  "--device", args.device, "--kv-dtype", args.kv_dtype]
         if args.tensor_parallel > 1:
             worker += ["--tensor-parallel", str(args.tensor_parallel)]
         store = ["--adapter-root", adapter_root,
@@ -576,6 +576,8 @@ def main():
                         "every process shares every core")
     p.add_argument("--max-batch-tokens", type=int, default=512)
     p.add_argument("--kv-mib", type=int, default=1024, help="decode (or colocated) KV pool")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "f32", "bf16", "fp8_e4m3"],
+                   help="both tiers' --kv-dtype (auto: the model's dtype, bf16 for --dtype bf16)")
     p.add_argument("--prefill-kv-mib", type=int, default=512)
     p.add_argument("--adapter-host-mib", type=int, default=2048)
     p.add_argument("--adapter-compute-mib", type=int, default=2048)

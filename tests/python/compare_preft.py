@@ -61,11 +61,15 @@ def norm_top(top):
     return out
 
 
+KV_DTYPE = "auto"  # preft generate --kv-dtype (main sets it from --kv-dtype)
+
+
 def preft_generate(preft, model_dir, prompt_ids, max_tokens, k, ignore_eos=True, adapter=None,
                    positions=None):
     cmd = [preft, "generate", "--model", model_dir,
            "--prompt-ids", ",".join(str(t) for t in prompt_ids),
-           "--max-tokens", str(max_tokens), "--logprobs", str(k), "--json"]
+           "--max-tokens", str(max_tokens), "--logprobs", str(k), "--json",
+           "--kv-dtype", KV_DTYPE]
     if ignore_eos:
         cmd.append("--ignore-eos")
     if adapter:
@@ -170,6 +174,14 @@ def prompt_lengths(cfg, max_tokens):
     return sorted(set(min(L, cap) for L in lengths if L >= 1))
 
 
+def oracle_kv_dtype(args):
+    """What preft's cache holds (--kv-dtype, or auto: the checkpoint's dtype), for the oracle to
+    round K and V to: torch.bfloat16, or None (kept exact)."""
+    import torch
+    bf16 = KV_DTYPE == "bf16" or (KV_DTYPE == "auto" and args.model_dtype == "bf16")
+    return torch.bfloat16 if bf16 else None
+
+
 def run_preset(args):
     try:
         import numpy as np
@@ -186,9 +198,9 @@ def run_preset(args):
     for seed in seeds:
         mdir = os.path.join(args.workdir, f"{args.preset}-seed{seed}")
         os.makedirs(args.workdir, exist_ok=True)
-        run([args.preft, "make-model", "--preset", args.preset, "--dtype", "f32",
+        run([args.preft, "make-model", "--preset", args.preset, "--dtype", args.model_dtype,
              "--seed", str(seed), "--out", mdir])
-        model = reference.Model(mdir, torch.float64)
+        model = reference.Model(mdir, torch.float64, oracle_kv_dtype(args))
         cfg = model.config
         if model.unused_weights:
             v.notes.append(f"seed {seed}: checkpoint tensors HF would ignore (oracle ignores "
@@ -256,7 +268,7 @@ def compare_adapters(args, mdir, seed, rng, v):
     for mode in args.adapter_modes.split(","):
         kind, positions = ADAPTER_MODES[mode]
         if kind not in oracles:
-            oracles[kind] = reference.Model(mdir, reference.torch.float64)
+            oracles[kind] = reference.Model(mdir, reference.torch.float64, oracle_kv_dtype(args))
             oracles[kind].load_adapter(adirs[kind])
         model = oracles[kind]
         vocab = int(model.config["vocab_size"])
@@ -343,8 +355,15 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--logprobs", type=int, default=5)
     ap.add_argument("--tol", type=float, default=1e-4)
+    ap.add_argument("--model-dtype", default="f32", choices=["f32", "bf16"],
+                    help="with --preset: the made checkpoint's dtype")
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "f32", "bf16"],
+                    help="preft's --kv-dtype; the oracle rounds K and V to bf16 where preft's "
+                         "cache is bf16")
     ap.add_argument("--strict", action="store_true", help="no near-tie tolerance")
     args = ap.parse_args(argv)
+    global KV_DTYPE
+    KV_DTYPE = args.kv_dtype
     if not os.path.exists(args.preft):
         print(f"FAIL: preft binary not found: {args.preft}")
         return 1

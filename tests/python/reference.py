@@ -172,10 +172,13 @@ def rotate_half(x):
 
 
 class Model:
-    def __init__(self, model_dir, dtype=None):
+    def __init__(self, model_dir, dtype=None, kv_dtype=None):
+        """kv_dtype=torch.bfloat16 rounds every K (after RoPE) and V to bf16 before attention
+        reads them, as a bf16 KV cache stores them (HF keeps bf16 KV for bf16 models)."""
         if torch is None:
             raise RuntimeError("torch not available")
         self.dtype = dtype or torch.float64
+        self.kv_dtype = kv_dtype
         with open(os.path.join(model_dir, "config.json")) as f:
             self.config = cfg = json.load(f)
         archs = cfg.get("architectures") or []
@@ -369,6 +372,9 @@ class Model:
             v = v.view(T, KV, hd).transpose(0, 1)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
+            if self.kv_dtype is not None:            # what a cache of kv_dtype holds
+                k = k.to(self.kv_dtype).to(self.dtype)
+                v = v.to(self.kv_dtype).to(self.dtype)
             rep = H // KV                            # repeat_kv
             k = k[:, None].expand(KV, rep, T, hd).reshape(H, T, hd)
             v = v[:, None].expand(KV, rep, T, hd).reshape(H, T, hd)
