@@ -2,6 +2,11 @@
 
 #include <httplib.h>
 
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <thread>
+
 #include "absl/strings/str_cat.h"
 #include "common/http/bind.h"
 #include "prometheus/text_serializer.h"
@@ -29,7 +34,17 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::s
     return absl::Status(bound.status().code(), absl::StrCat("metrics ", bound.status().message()));
   s->address_ = *std::move(bound);
   httplib::Server* server = s->server_.get();
-  s->thread_ = std::thread([server] { server->listen_after_bind(); });
+  auto ended = std::make_shared<std::atomic<bool>>(false);
+  s->thread_ = std::thread([server, ended] {
+    server->listen_after_bind();
+    ended->store(true);
+  });
+  // httplib's stop() does nothing until listen has begun: a server destroyed right after Start
+  // (a worker whose engine then failed to load, a test) left its thread in accept() for good,
+  // and the destructor's join with it. Return once it listens (or has already ended).
+  while (!server->is_running() && !ended->load()) {
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
   return s;
 }
 

@@ -15,6 +15,7 @@
 #include "common/base/fnv.h"
 #include "common/base/mapped_file.h"
 #include "common/base/status_macros.h"
+#include "common/metrics/families.h"
 #ifdef PREFT_HAVE_CUDA
 #include "common/backend/cuda_backend.h"
 #endif
@@ -273,6 +274,18 @@ absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& f, bool kv_tran
       MakeEngine(w.model.model.get(), w.model.tokenizer.get(), f.device, o,
                  kv_transport && f.transport.kind != "cuda_ipc", f.tensor_parallel));
   w.engine->set_observer(w.engine_metrics.get());
+  if (w.metrics != nullptr) {
+    // vllm:cache_config_info's counterpart: what a block holds and how many there are.
+    const kv::KvCacheShape& shape = w.engine->backend().cache_shape();
+    metrics::GaugeFamily(w.metrics->registry(), "preft:cache_config_info",
+                         "The KV cache's configuration (value 1): kv_dtype, block_tokens, "
+                         "num_blocks, block_bytes (every layer)")
+        .Add({{"kv_dtype", std::string(kv::KvDtypeName(shape.dtype))},
+              {"block_tokens", absl::StrCat(shape.block_tokens)},
+              {"num_blocks", absl::StrCat(shape.num_blocks)},
+              {"block_bytes", absl::StrCat(shape.bytes_per_block_all_layers())}})
+        .Set(1);
+  }
   return w;
 }
 

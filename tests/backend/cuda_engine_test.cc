@@ -347,6 +347,46 @@ TEST(CudaEngineTest, PromptBlocksReachAnotherGpuEngineThroughHostMirrors) {
   EXPECT_EQ((*decode)->allocator().num_free(), 64);  // every imported sequence finished
 }
 
+// bf16 KV on the GPU: the engine generates what the CPU engine with bf16 KV does (both caches
+// hold the same round-to-nearest-even values), near ties aside; the mirrored handoff between
+// two GPU engines carries bf16 blocks.
+TEST(CudaEngineTest, Bf16KvMatchesTheCpuEngineAndHandsOverThroughMirrors) {
+  uint64_t seed = 0;
+  std::unique_ptr<model::Model> model = FreshTinyModel("bf16_kv_model", &seed);
+  ASSERT_NE(model, nullptr);
+  if (kernels::cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible";
+  backend::CudaBackend::Options bo;
+  bo.kv_dtype = kv::KvDtype::kBF16;
+  bo.kv_blocks = 64;
+  bo.host_mirror = true;
+  auto gpu_backend = backend::CudaBackend::Create(*model, bo);
+  ASSERT_TRUE(gpu_backend.ok()) << gpu_backend.status();
+  EXPECT_EQ((*gpu_backend)->cache_shape().dtype, kv::KvDtype::kBF16);
+  const auto adapters = RandomAdapters(*model, seed, "bf16_kv_");
+  ASSERT_EQ(adapters.size(), 2u);
+  EngineOptions o;
+  o.kv_blocks = 64;
+  o.kv_dtype = kv::KvDtype::kBF16;
+  auto cpu = Engine::Create(model.get(), nullptr, o);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto gpu = Engine::Create(*std::move(gpu_backend), nullptr, o);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  auto want = (*cpu)->Generate(MixedRequests(adapters, seed, true));
+  auto got = (*gpu)->Generate(MixedRequests(adapters, seed, false));
+  ASSERT_TRUE(want.ok() && got.ok());
+  ExpectSameUpToNearTies(*want, *got);
+
+  auto decode_backend = backend::CudaBackend::Create(*model, bo);
+  ASSERT_TRUE(decode_backend.ok()) << decode_backend.status();
+  auto decode = Engine::Create(*std::move(decode_backend), nullptr, o);
+  ASSERT_TRUE(decode.ok());
+  size_t handed = 0;
+  ASSERT_NO_FATAL_FAILURE(
+      HandOverThroughMirrors(gpu->get(), decode->get(), SplitRequests(seed), nullptr, &handed));
+  EXPECT_EQ(handed, 3u);
+  EXPECT_EQ((*decode)->allocator().num_free(), 64);
+}
+
 // Tiers split differently hand KV through their host mirrors, which hold every KV head (each
 // rank copies its own in or out): prompts prefilled on two ranks decode on one GPU, and
 // prompts prefilled on one GPU decode on two ranks. Both generate the tokens one engine alone

@@ -4,6 +4,9 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <map>
+
+#include "absl/strings/str_cat.h"
 
 #include "common/model/make_model.h"
 #include "tests/testing/fixtures.h"
@@ -141,9 +144,22 @@ TEST(WorkerSetupTest, KvDtypeAutoFollowsTheCheckpoint) {
     f.model = dir;
     f.kv_blocks = 8;
     f.kv_dtype = flag;
+    f.metrics_listen = "127.0.0.1:0";
     absl::StatusOr<WorkerEngine> w = MakeWorkerEngine(f, /*kv_transport=*/false);
     ASSERT_TRUE(w.ok()) << w.status();
     EXPECT_EQ(w->engine->backend().cache_shape().dtype, want) << flag;
+    std::map<std::string, std::string> labels;  // of preft:cache_config_info
+    for (const auto& family : w->metrics->registry().Collect()) {
+      if (family.name != "preft:cache_config_info") continue;
+      ASSERT_EQ(family.metric.size(), 1u);
+      for (const auto& l : family.metric[0].label) labels[l.name] = l.value;
+    }
+    EXPECT_EQ(labels["kv_dtype"], want == kv::KvDtype::kBF16 ? "bf16" : "f32") << flag;
+    EXPECT_EQ(labels["num_blocks"], "8");
+    EXPECT_EQ(labels["block_tokens"], "16");
+    EXPECT_EQ(labels["block_bytes"],
+              absl::StrCat(w->engine->backend().cache_shape().bytes_per_block_all_layers()));
+    w->engine.reset();  // before the metrics it reports to
   }
   CLI::App app;
   WorkerFlags f;

@@ -15,7 +15,6 @@
 #include "common/base/check.h"
 #include "common/base/math.h"
 #include "common/kernels/cpu/cpu_features.h"
-#include "common/kernels/dtype.h"
 
 namespace preft::kernels::cpu {
 namespace {
@@ -157,8 +156,10 @@ constexpr int64_t kMaxDirectHeadDim = 256;
 // 16 consecutive elements widened to f32; masked-off lanes read nothing and are +0.0.
 inline __m512 Load16(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 Load16(__mmask16 m, const Bf16Bits* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  // The maskz forms (all lanes) rather than the plain ones: GCC 12 warns that the plain ones'
+  // undefined pass-through source "may be used uninitialized".
+  const __m512i wide = _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xffff, wide, 16));
 }
 
 // AttendDirect with AVX-512 and all G query heads of the KV head at once: each 16-token row
