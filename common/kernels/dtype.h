@@ -111,6 +111,44 @@ inline float LoadAsF32(const void* data, DType t, size_t i) {
   return t == DType::kBF16 ? Bf16ToF32(h) : F16ToF32(h);
 }
 
+// fp8 e4m3 "fn" (sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities, 0x7f/0xff
+// NaN; largest finite 448), the KV element type of --kv-dtype fp8_e4m3. Rounds to nearest
+// even and saturates to +-448 (CUDA's __nv_cvt_float_to_fp8 with __NV_SATFINITE); NaN stays NaN.
+inline uint8_t F32ToFp8E4M3(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
+  u &= 0x7fffffffu;
+  if (u > 0x7f800000u) return sign | 0x7f;  // NaN
+  if (u >= 0x43e00000u) return sign | 0x7e;  // >= 448 (infinity too): the largest finite
+  if (u < 0x3c800000u) {                      // below 2^-6: a subnormal, m x 2^-9
+    float a;
+    std::memcpy(&a, &u, 4);
+    // a * 512 is exact (a power of two); m = 8 is the smallest normal, 0x08, as it should.
+    const float scaled = a * 512.f;
+    uint32_t m = static_cast<uint32_t>(scaled);
+    const float rest = scaled - static_cast<float>(m);
+    if (rest > 0.5f || (rest == 0.5f && (m & 1))) ++m;
+    return sign | static_cast<uint8_t>(m);
+  }
+  const uint32_t rounded = u + 0x7ffffu + ((u >> 20) & 1);  // to nearest even at mantissa bit 20
+  const uint32_t e = (rounded >> 23) - 127 + 7, m = (rounded >> 20) & 7;
+  return sign | static_cast<uint8_t>((e << 3) | m);
+}
+
+inline float Fp8E4M3ToF32(uint8_t b) {
+  const uint32_t e = (b >> 3) & 15, m = b & 7;
+  float v;
+  if (e == 15 && m == 7) {
+    v = __builtin_nanf("");
+  } else if (e == 0) {
+    v = static_cast<float>(m) / 512.f;
+  } else {
+    v = static_cast<float>(8 + m) / 8.f * static_cast<float>(1u << e) / 128.f;
+  }
+  return (b & 0x80) ? -v : v;
+}
+
 // Writes v as element i of a typed buffer (bf16 and f16 rounded to nearest even).
 inline void StoreFromF32(void* data, DType t, size_t i, float v) {
   switch (t) {

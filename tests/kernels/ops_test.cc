@@ -21,6 +21,36 @@ std::vector<float> Random(size_t n, uint64_t seed) {
   return v;
 }
 
+// fp8 e4m3 (the --kv-dtype fp8_e4m3 element): every code round-trips; a value between two codes
+// goes to the nearer, a tie to the even one; past 448 saturates; NaN stays NaN.
+TEST(OpsTest, Fp8E4M3RoundTripsEveryCodeAndRoundsToNearestEven) {
+  EXPECT_EQ(Fp8E4M3ToF32(0x7e), 448.f);
+  EXPECT_EQ(Fp8E4M3ToF32(0x08), std::ldexp(1.f, -6));  // smallest normal
+  EXPECT_EQ(Fp8E4M3ToF32(0x01), std::ldexp(1.f, -9));  // smallest subnormal
+  EXPECT_EQ(Fp8E4M3ToF32(0x38), 1.f);
+  EXPECT_EQ(Fp8E4M3ToF32(0xb9), -1.125f);
+  for (int b = 0; b < 256; ++b) {
+    const uint8_t code = static_cast<uint8_t>(b);
+    if ((code & 0x7f) == 0x7f) {
+      EXPECT_TRUE(std::isnan(Fp8E4M3ToF32(code))) << b;
+      continue;
+    }
+    EXPECT_EQ(F32ToFp8E4M3(Fp8E4M3ToF32(code)), code) << b;
+  }
+  for (uint8_t c = 0; c < 0x7e; ++c) {  // positive neighbours c, c + 1
+    const float lo = Fp8E4M3ToF32(c), hi = Fp8E4M3ToF32(c + 1), mid = (lo + hi) / 2;
+    EXPECT_EQ(F32ToFp8E4M3(mid), (c & 1) ? c + 1 : c) << int(c);
+    EXPECT_EQ(F32ToFp8E4M3(std::nextafter(mid, hi)), c + 1) << int(c);
+    EXPECT_EQ(F32ToFp8E4M3(std::nextafter(mid, lo)), c) << int(c);
+    EXPECT_EQ(F32ToFp8E4M3(-mid), 0x80 | ((c & 1) ? c + 1 : c)) << int(c);
+  }
+  EXPECT_EQ(F32ToFp8E4M3(460.f), 0x7e);
+  EXPECT_EQ(F32ToFp8E4M3(1e30f), 0x7e);
+  EXPECT_EQ(F32ToFp8E4M3(-INFINITY), 0xfe);
+  EXPECT_EQ(F32ToFp8E4M3(std::ldexp(1.f, -11)), 0x00);  // a quarter of the smallest: to zero
+  EXPECT_EQ(F32ToFp8E4M3(NAN) & 0x7f, 0x7f);
+}
+
 TEST(OpsTest, RmsNormMatchesDefinition) {
   auto x = Random(3 * 10, 1), w = Random(10, 2);
   std::vector<float> out(30);
