@@ -61,8 +61,8 @@ absl::Status CheckTransport(const std::string& opened, const TransportFlags& fla
 inline constexpr char kKvDtypeHelp[] =
     "how the KV cache stores K and V: auto (the checkpoint's dtype: bf16 for bf16 checkpoints, "
     "else f32), f32, bf16 (half the bytes: twice the sequences per GiB, half the KV on the "
-    "wire), or fp8_e4m3 (a quarter; --device cuda only). Prefill and decode workers that "
-    "exchange KV must store the same";
+    "wire), or fp8_e4m3 (reserved: no kernel reads it yet, so it is refused). Prefill and "
+    "decode workers that exchange KV must store the same";
 void AddKvDtypeFlag(CLI::App& app, std::string* flag);
 // The dtype `flag` names for a model whose weights are `weights` and a forward on `device`.
 absl::StatusOr<kv::KvDtype> ResolveKvDtype(const std::string& flag, kernels::DType weights,

@@ -14,6 +14,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/kv/kv_cache.h"
+#include "common/transport/kv_transport.h"
 #include "gtest/gtest.h"
 
 namespace preft::transport::testing {
@@ -94,5 +95,19 @@ class NoticeLog {
   absl::Mutex mu_;
   std::vector<std::pair<uint64_t, uint32_t>> notices_ ABSL_GUARDED_BY(mu_);
 };
+
+// Transport `f32` started on cache `a` (f32) connecting to `bf16` started on `b` (bf16) of the
+// same model is refused FailedPrecondition, naming both dtypes (the check every transport
+// shares). The caches must outlive the transports.
+inline void ExpectKvDtypeMismatchRefused(KvTransport& f32, kv::KvCache& a, KvTransport& bf16,
+                                         kv::KvCache& b) {
+  ASSERT_TRUE(f32.Start(&a, KvLayout::ForCache(a.shape(), "m"), nullptr).ok());
+  ASSERT_TRUE(bf16.Start(&b, KvLayout::ForCache(b.shape(), "m"), nullptr).ok());
+  absl::StatusOr<PeerId> id = f32.Connect(bf16.LocalAddress());
+  ASSERT_EQ(id.status().code(), absl::StatusCode::kFailedPrecondition) << id.status();
+  EXPECT_NE(id.status().message().find("stores KV as bf16, this worker as f32"),
+            std::string::npos)
+      << id.status();
+}
 
 }  // namespace preft::transport::testing

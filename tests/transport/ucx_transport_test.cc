@@ -183,13 +183,7 @@ TEST_P(UcxTransportTest, Bf16BlocksCrossByteExactAtHalfTheBytes) {
 TEST_P(UcxTransportTest, KvDtypeMismatchIsRefusedNamingBoth) {
   auto a = Cache(4), b = Cache(4, kv::KvDtype::kBF16);
   UcxTransport ta(Options(GetParam())), tb(Options(GetParam()));
-  ASSERT_TRUE(ta.Start(a.get(), KvLayout::ForCache(a->shape(), "m"), nullptr).ok());
-  ASSERT_TRUE(tb.Start(b.get(), KvLayout::ForCache(b->shape(), "m"), nullptr).ok());
-  absl::StatusOr<PeerId> id = ta.Connect(tb.LocalAddress());
-  ASSERT_EQ(id.status().code(), absl::StatusCode::kFailedPrecondition) << id.status();
-  EXPECT_NE(id.status().message().find("stores KV as bf16, this worker as f32"),
-            std::string::npos)
-      << id.status();
+  testing::ExpectKvDtypeMismatchRefused(ta, *a, tb, *b);
 }
 
 TEST_P(UcxTransportTest, LayoutMismatchIsRefusedNamingBothLayouts) {
