@@ -7,11 +7,6 @@ namespace preft::backend {
 absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(model::Model* model, int64_t blocks,
                                                                int64_t block_tokens,
                                                                kv::KvDtype kv_dtype) {
-  if (kv_dtype == kv::KvDtype::kFp8E4M3) {
-    return absl::InvalidArgumentError(
-        "--kv-dtype fp8_e4m3 is for CUDA workers only (--device cuda): the CPU kernels read f32 "
-        "and bf16 KV");
-  }
   PREFT_ASSIGN_OR_RETURN(auto cache,
                          kv::KvCache::Create(model->CacheShape(blocks, block_tokens, kv_dtype)));
   return std::unique_ptr<CpuBackend>(new CpuBackend(model, std::move(cache)));

@@ -14,8 +14,7 @@ namespace preft::backend {
 // Model::Forward over a KvCache of its own.
 class CpuBackend : public ForwardBackend {
  public:
-  // `blocks` blocks of `block_tokens` tokens stored as `kv_dtype` (f32 or bf16: the CPU
-  // kernels read no fp8); `model` is borrowed.
+  // `blocks` blocks of `block_tokens` tokens stored as `kv_dtype`; `model` is borrowed.
   static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(
       model::Model* model, int64_t blocks, int64_t block_tokens,
       kv::KvDtype kv_dtype = kv::KvDtype::kF32);

@@ -10,8 +10,8 @@
 namespace preft::kernels {
 
 // The element type of a KV cache. Its own enum, not DType (dtype.h): DTypeSize answers 2 for
-// every non-f32 weight type, and weight loading relies on that. Only kF32 is stored so far
-// (docs/plans/kv-dtype.md); the others name the sizes and the layout hash already.
+// every non-f32 weight type, and weight loading relies on that (docs/plans/kv-dtype.md).
+// fp8 e4m3 stores each element divided by its layer's and KV head's scale (KvScales).
 enum class KvDtype : uint8_t { kF32, kBF16, kFp8E4M3 };
 
 constexpr int64_t KvDtypeBytes(KvDtype d) {
@@ -34,11 +34,24 @@ constexpr std::string_view KvDtypeName(KvDtype d) {
   return "f32";
 }
 
+// The dtype KvDtypeName spells `name`; false for any other name.
+constexpr bool ParseKvDtype(std::string_view name, KvDtype* out) {
+  for (KvDtype d : {KvDtype::kF32, KvDtype::kBF16, KvDtype::kFp8E4M3}) {
+    if (KvDtypeName(d) == name) {
+      *out = d;
+      return true;
+    }
+  }
+  return false;
+}
+
 // Where one layer's K and V blocks live. Block b of a sequence holds K at
 // `k_base + block_table[b] * block_stride` laid out [kv_head][head_dim][block_tokens]
 // (transposed), and V at the same place plus `v_offset`, laid out
 // [kv_head][block_tokens][head_dim]. Offsets count elements of `dtype` (k_base is untyped so
-// one layout serves every dtype); `dtype` is last so positional initialisers stay f32.
+// one layout serves every dtype); `dtype` and the scales are last so positional initialisers
+// stay f32. An fp8 element reads as its e4m3 value times its KV head's scale: k_scales and
+// v_scales hold this layer's, one per KV head (null: 1; f32 and bf16 ignore them).
 struct PagedKvLayout {
   const void* k_base = nullptr;
   int64_t block_stride = 0;  // elements between consecutive blocks
@@ -47,6 +60,8 @@ struct PagedKvLayout {
   int64_t num_kv_heads = 0;
   int64_t head_dim = 0;
   KvDtype dtype = KvDtype::kF32;
+  const float* k_scales = nullptr;
+  const float* v_scales = nullptr;
 };
 
 // One sequence's attention work in a batch. The new tokens sit at positions

@@ -23,6 +23,7 @@ struct ExpectedTensor {
   std::vector<int64_t> shape;
   bool is_norm = false;  // RMSNorm weight (initialised to 1 by make-model)
   bool is_bias = false;
+  bool is_kv_scale = false;  // optional self_attn.{k,v}_scale of fp8 KV (make-model --kv-scales)
 };
 
 // Every weight of a Llama/Qwen2/Mistral model with `config`, in module order (embeddings, layers,

@@ -239,6 +239,20 @@ void FillOnes(DType dtype, int64_t n, void* out) {
   }
 }
 
+// fp8 KV scales, in [0.008, 0.032): K and V of these models are O(1), so divided by a scale
+// they land in e4m3's upper range, where calibrated scales (amax / 448) put them.
+void FillKvScales(uint64_t key, DType dtype, int64_t n, void* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t h = Fmix32(static_cast<uint32_t>(i) * 0x9e3779b9u + static_cast<uint32_t>(key));
+    const float v = 0.008f * (1.f + 3.f * static_cast<float>(h >> 8) / 16777216.f);
+    switch (dtype) {
+      case DType::kF32: Store<DType::kF32>(out, i, v); break;
+      case DType::kBF16: Store<DType::kBF16>(out, i, v); break;
+      case DType::kF16: Store<DType::kF16>(out, i, v); break;
+    }
+  }
+}
+
 absl::Status WriteShard(const std::string& path, const std::vector<const ExpectedTensor*>& tensors,
                         DType dtype, uint64_t seed, std::vector<uint8_t>* buffer,
                         const std::function<void(int64_t)>& wrote) {
@@ -256,6 +270,8 @@ absl::Status WriteShard(const std::string& path, const std::vector<const Expecte
     if (buffer->size() < static_cast<size_t>(s->num_bytes())) buffer->resize(s->num_bytes());
     if (t->is_norm) {
       FillOnes(dtype, n, buffer->data());
+    } else if (t->is_kv_scale) {
+      FillKvScales(base::SplitMix64(seed ^ HashName(t->name)), dtype, n, buffer->data());
     } else {
       FillUniform(base::SplitMix64(seed ^ HashName(t->name)), InitStd(*t), dtype, n, buffer->data());
     }
@@ -331,7 +347,14 @@ absl::Status MakeModel(const MakeModelOptions& options) {
       base::WriteStringToFile((dir / "generation_config.json").string(), gen.dump(2) + "\n"));
 
   // Greedy packing in module order, as transformers' save_pretrained does.
-  const std::vector<ExpectedTensor> tensors = ExpectedTensors(config);
+  std::vector<ExpectedTensor> tensors = ExpectedTensors(config);
+  if (options.kv_scales) {
+    for (int64_t i = 0; i < config.num_layers; ++i) {
+      const std::string p = absl::StrCat("model.layers.", i, ".self_attn.");
+      tensors.push_back({p + "k_scale", {}, false, false, /*is_kv_scale=*/true});
+      tensors.push_back({p + "v_scale", {config.num_kv_heads}, false, false, true});
+    }
+  }
   std::vector<std::vector<const ExpectedTensor*>> shards(1);
   int64_t shard_bytes = 0, total_bytes = 0;
   for (const ExpectedTensor& t : tensors) {

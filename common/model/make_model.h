@@ -29,6 +29,9 @@ struct MakeModelOptions {
   std::string out_dir;
   // Shard size: weights over this are split into model-0000k-of-0000n.safetensors + index.
   int64_t max_shard_bytes = int64_t{5} << 30;
+  // Also write each layer's fp8 KV scales, as KV-quantised checkpoints carry them:
+  // self_attn.k_scale (one per layer, shape []) and self_attn.v_scale (one per KV head).
+  bool kv_scales = false;
   // Called after each tensor is written with the weight bytes written so far and in all
   // (the CLI's progress line); may be empty.
   std::function<void(int64_t done, int64_t total)> progress;

@@ -28,6 +28,31 @@ std::vector<float> ToF32(const TensorInfo* t) {
   return out;
 }
 
+// The fp8 KV scale of one layer per KV head: the checkpoint's `name` (vLLM's fp8 checkpoints
+// hold one per layer, shape [] or [1], which every head shares; or one per head), else
+// `fallback` (kv_scale, older checkpoints' one scale for K and V), else 1.
+absl::StatusOr<std::vector<float>> KvScale(const Checkpoint& ckpt, const std::string& name,
+                                           const std::string& fallback, int64_t kv_heads) {
+  const std::string& found = ckpt.Has(name) ? name : fallback;
+  if (!ckpt.Has(found)) return std::vector<float>(kv_heads, 1.f);
+  const TensorInfo* t = ckpt.tensors().find(found)->second;
+  const int64_t n = t->num_elements();
+  if (t->shape.size() > 1 || (n != 1 && n != kv_heads)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        ckpt.dir(), ": KV scale '", found, "' has ", n, " elements; expected 1 or one per KV head (",
+        kv_heads, ")"));
+  }
+  std::vector<float> scale = ToF32(t);
+  for (float s : scale) {
+    if (!std::isfinite(s) || s <= 0.f) {
+      return absl::InvalidArgumentError(absl::StrCat(ckpt.dir(), ": KV scale '", found, "' is ", s,
+                                                     "; a scale must be finite and positive"));
+    }
+  }
+  if (n == 1) scale.assign(kv_heads, scale[0]);
+  return scale;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir) {
@@ -94,6 +119,12 @@ absl::Status Model::LoadWeights() {
     PREFT_ASSIGN_OR_RETURN(const TensorInfo* n2, get(p + "post_attention_layernorm.weight", {d}));
     l.input_norm = ToF32(n1);
     l.post_attention_norm = ToF32(n2);
+    PREFT_ASSIGN_OR_RETURN(
+        l.k_scale, KvScale(*checkpoint_, p + "self_attn.k_scale", p + "self_attn.kv_scale",
+                           c.num_kv_heads));
+    PREFT_ASSIGN_OR_RETURN(
+        l.v_scale, KvScale(*checkpoint_, p + "self_attn.v_scale", p + "self_attn.kv_scale",
+                           c.num_kv_heads));
   }
   return absl::OkStatus();
 }
@@ -107,11 +138,12 @@ kv::KvCacheShape Model::CacheShape(int64_t num_blocks, int64_t block_tokens,
 namespace {
 
 // Writes the new tokens' K and V (f32, [token][kv_head][head_dim]) into their block slots, as
-// T: f32 as is, bf16 rounded to nearest even (the same rounding as the GPU's
-// __float2bfloat16_rn, so either writer leaves the same bytes).
-template <class T>
-void WriteKvAs(const ForwardBatch& batch, const float* k, const float* v, int64_t layer,
-               kv::KvCache* cache, T (*convert)(float)) {
+// T through convert(x, head's scale): f32 as is, bf16 rounded to nearest even, fp8 divided by
+// the scale then rounded to nearest even (the GPU's writers round the same way, so either
+// leaves the same bytes).
+template <class T, class Convert>
+void WriteKvAs(const ForwardBatch& batch, const float* k, const float* v,
+               const Model::LayerWeights& w, int64_t layer, kv::KvCache* cache, Convert convert) {
   const kv::KvCacheShape& cs = cache->shape();
   const int64_t kvh = cs.num_kv_heads, hd = cs.head_dim, bt = cs.block_tokens;
   int64_t t = 0;
@@ -125,8 +157,9 @@ void WriteKvAs(const ForwardBatch& batch, const float* k, const float* v, int64_
         T* vt = block + cache->v_offset() + (h * bt + slot) * hd;
         const float* kh = k + (t * kvh + h) * hd;
         const float* vh = v + (t * kvh + h) * hd;
-        for (int64_t i = 0; i < hd; ++i) kt[i * bt] = convert(kh[i]);
-        for (int64_t i = 0; i < hd; ++i) vt[i] = convert(vh[i]);
+        const float ks = w.k_scale[h], vs = w.v_scale[h];
+        for (int64_t i = 0; i < hd; ++i) kt[i * bt] = convert(kh[i], ks);
+        for (int64_t i = 0; i < hd; ++i) vt[i] = convert(vh[i], vs);
       }
     }
   }
@@ -135,16 +168,19 @@ void WriteKvAs(const ForwardBatch& batch, const float* k, const float* v, int64_
 }  // namespace
 
 void Model::WriteKv(const ForwardBatch& batch, int64_t layer, kv::KvCache* cache) {
+  const LayerWeights& w = layers_[layer];
   switch (cache->shape().dtype) {
     case kv::KvDtype::kF32:
-      return WriteKvAs<float>(batch, k_.data(), v_.data(), layer, cache,
-                              +[](float x) { return x; });
+      return WriteKvAs<float>(batch, k_.data(), v_.data(), w, layer, cache,
+                              [](float x, float) { return x; });
     case kv::KvDtype::kBF16:
-      return WriteKvAs<uint16_t>(batch, k_.data(), v_.data(), layer, cache, kernels::F32ToBf16);
+      return WriteKvAs<uint16_t>(batch, k_.data(), v_.data(), w, layer, cache,
+                                 [](float x, float) { return kernels::F32ToBf16(x); });
     case kv::KvDtype::kFp8E4M3:
-      break;
+      return WriteKvAs<uint8_t>(batch, k_.data(), v_.data(), w, layer, cache,
+                                [](float x, float s) { return kernels::F32ToFp8E4M3(x / s); });
   }
-  PREFT_CHECK(false && "fp8_e4m3 KV has no CPU writer");
+  PREFT_CHECK(false && "unknown KV dtype");
 }
 
 absl::Status CheckAdapterFits(const ModelConfig& c, const AdapterWeights& a) {
@@ -310,7 +346,7 @@ absl::Status Model::Forward(const ForwardBatch& batch, kv::KvCache* cache,
     WriteKv(batch, li, cache);
     cpu::PagedKvLayout layout{cache->layer_data(li), cs.block_elements(), cache->v_offset(),
                               cs.block_tokens,       c.num_kv_heads,      hd,
-                              cs.dtype};
+                              cs.dtype,              l.k_scale.data(),    l.v_scale.data()};
     cpu::PagedAttention(attn_seqs.data(), static_cast<int64_t>(attn_seqs.size()), layout,
                         c.num_heads, scale, window);
     cpu::Linear(attn_.data(), T, l.o, bias(l.o_bias), tmp_.data());

@@ -64,6 +64,9 @@ class Model {
     kernels::MatrixView q, k, v, o, gate, up, down;
     std::vector<float> q_bias, k_bias, v_bias, o_bias;  // empty without attention bias
     std::vector<float> input_norm, post_attention_norm;
+    // Per KV head: what an fp8 KV cache stores K and V divided by (the checkpoint's
+    // self_attn.k_scale / v_scale where present, else 1). Unused by f32 and bf16 caches.
+    std::vector<float> k_scale, v_scale;
   };
   const LayerWeights& layer(int64_t i) const { return layers_[i]; }
   const kernels::MatrixView& embed() const { return embed_; }

@@ -125,24 +125,12 @@ void AddKvDtypeFlag(CLI::App& app, std::string* flag) {
       ->check(CLI::IsMember({"auto", "f32", "bf16", "fp8_e4m3"}));
 }
 
-absl::StatusOr<kv::KvDtype> ResolveKvDtype(const std::string& flag, kernels::DType weights,
-                                           const std::string& device) {
+absl::StatusOr<kv::KvDtype> ResolveKvDtype(const std::string& flag, kernels::DType weights) {
   kv::KvDtype d;
-  if (flag == "auto") {
-    d = weights == kernels::DType::kBF16 ? kv::KvDtype::kBF16 : kv::KvDtype::kF32;
-  } else if (flag == "f32") {
-    d = kv::KvDtype::kF32;
-  } else if (flag == "bf16") {
-    d = kv::KvDtype::kBF16;
-  } else if (flag == "fp8_e4m3") {
-    d = kv::KvDtype::kFp8E4M3;
-  } else {
+  if (flag == "auto") return weights == kernels::DType::kBF16 ? kv::KvDtype::kBF16 : kv::KvDtype::kF32;
+  if (!kernels::ParseKvDtype(flag, &d)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--kv-dtype ", flag, ": expected auto, f32, bf16 or fp8_e4m3"));
-  }
-  if (d == kv::KvDtype::kFp8E4M3 && device != "cuda") {
-    return absl::InvalidArgumentError(
-        "--kv-dtype fp8_e4m3 is for --device cuda: the CPU kernels read f32 and bf16 KV");
   }
   return d;
 }
@@ -268,7 +256,7 @@ absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& f, bool kv_tran
   o.scheduler.max_batch_tokens = f.max_batch_tokens;
   o.num_threads = f.threads;
   PREFT_ASSIGN_OR_RETURN(o.kv_dtype,
-                         ResolveKvDtype(f.kv_dtype, w.model.model->weight_dtype(), f.device));
+                         ResolveKvDtype(f.kv_dtype, w.model.model->weight_dtype()));
   PREFT_ASSIGN_OR_RETURN(
       w.engine,
       MakeEngine(w.model.model.get(), w.model.tokenizer.get(), f.device, o,

@@ -61,12 +61,12 @@ absl::Status CheckTransport(const std::string& opened, const TransportFlags& fla
 inline constexpr char kKvDtypeHelp[] =
     "how the KV cache stores K and V: auto (the checkpoint's dtype: bf16 for bf16 checkpoints, "
     "else f32), f32, bf16 (half the bytes: twice the sequences per GiB, half the KV on the "
-    "wire), or fp8_e4m3 (reserved: no kernel reads it yet, so it is refused). Prefill and "
+    "wire), or fp8_e4m3 (a quarter of f32's bytes; K and V divided by the checkpoint's "
+    "k_scale/v_scale, else 1, and rounded to 3 mantissa bits). Prefill and "
     "decode workers that exchange KV must store the same";
 void AddKvDtypeFlag(CLI::App& app, std::string* flag);
-// The dtype `flag` names for a model whose weights are `weights` and a forward on `device`.
-absl::StatusOr<kv::KvDtype> ResolveKvDtype(const std::string& flag, kernels::DType weights,
-                                           const std::string& device);
+// The dtype `flag` names for a model whose weights are `weights`.
+absl::StatusOr<kv::KvDtype> ResolveKvDtype(const std::string& flag, kernels::DType weights);
 
 // The flags every worker binary takes (preft-prefill, preft-decode), registered the same way.
 struct WorkerFlags {

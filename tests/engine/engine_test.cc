@@ -153,9 +153,13 @@ TEST_F(EngineTest, BackendSamplingGivesTheHostSamplersTokens) {
 // Measured 1.05e-2 (24 tokens after a 40-token prompt): bf16 keeps 8 significant bits of each
 // K and V element (relative error <= 2^-9), and the error compounds through the layers.
 constexpr double kBf16KvLogprobTolerance = 3e-2;
+// The same for fp8 e4m3 KV (4 significant bits, relative error <= 2^-4, scales 1), over the
+// steps before the first token that differs: measured 0.22.
+constexpr double kFp8KvLogprobTolerance = 0.5;
 
 // The KV dtypes the CPU engine stores: each must keep batch invariance on its own.
-constexpr kv::KvDtype kCpuKvDtypes[] = {kv::KvDtype::kF32, kv::KvDtype::kBF16};
+constexpr kv::KvDtype kCpuKvDtypes[] = {kv::KvDtype::kF32, kv::KvDtype::kBF16,
+                                        kv::KvDtype::kFp8E4M3};
 
 TEST_F(EngineTest, TokensAreIdenticalAloneAndInABusyBatch) {
   for (const kv::KvDtype kv_dtype : kCpuKvDtypes) {
@@ -214,27 +218,42 @@ TEST_F(EngineTest, PreemptionRecomputesWithoutChangingTokens) {
 }
 
 // bf16 KV is not f32 KV (each K and V element keeps 8 significant bits), but on this model it
-// moves logprobs by little and changes no greedy token; the same cache budget holds twice the
-// blocks. fp8 is refused on the CPU (no kernel reads it), with the flag to use instead.
-TEST_F(EngineTest, Bf16KvStaysCloseToF32AndHoldsTwiceTheBlocks) {
+// moves logprobs by little and changes no greedy token. fp8 keeps 4 bits: it moves them more,
+// and this model's flat distributions (top logprobs near -1) make a near tie flip a greedy
+// token after a few steps (measured: the 7th), so fp8 is compared until the first differing
+// token (the oracle test in tests/python checks fp8 exactly, against rounding in the oracle).
+// The same cache budget holds twice the blocks at bf16, four times at fp8.
+TEST_F(EngineTest, NarrowKvStaysCloseToF32AndHoldsMoreBlocks) {
   Request r = MakeRequest("close", 40, 24, 0.f, 3);
   r.sampling.logprobs = 1;
   const GenerationResult f32 = RunAloneResult(r, kv::KvDtype::kF32);
-  const GenerationResult bf16 = RunAloneResult(r, kv::KvDtype::kBF16);
-  EXPECT_EQ(bf16.token_ids, f32.token_ids);
-  ASSERT_EQ(bf16.logprobs.size(), f32.logprobs.size());
-  double worst = 0;
-  bool any_differs = false;
-  for (size_t i = 0; i < f32.logprobs.size(); ++i) {
-    const double d = std::abs(double(bf16.logprobs[i].logprob) - f32.logprobs[i].logprob);
-    worst = std::max(worst, d);
-    any_differs |= d > 0;
+  struct Expectation {
+    kv::KvDtype dtype;
+    double tolerance;
+    size_t same_tokens;  // at least this many leading tokens equal f32's
+  };
+  for (const Expectation& x : {Expectation{kv::KvDtype::kBF16, kBf16KvLogprobTolerance, 24},
+                               Expectation{kv::KvDtype::kFp8E4M3, kFp8KvLogprobTolerance, 4}}) {
+    SCOPED_TRACE(std::string(kv::KvDtypeName(x.dtype)));
+    const GenerationResult narrow = RunAloneResult(r, x.dtype);
+    ASSERT_EQ(narrow.token_ids.size(), f32.token_ids.size());
+    ASSERT_EQ(narrow.logprobs.size(), f32.logprobs.size());
+    size_t same = 0;
+    while (same < f32.token_ids.size() && narrow.token_ids[same] == f32.token_ids[same]) ++same;
+    EXPECT_GE(same, x.same_tokens);
+    double worst = 0;  // over the steps whose contexts are the same
+    for (size_t i = 0; i < std::min(same + 1, f32.logprobs.size()); ++i) {
+      worst = std::max(worst, std::abs(double(narrow.logprobs[i].logprob) - f32.logprobs[i].logprob));
+    }
+    EXPECT_LT(worst, x.tolerance);
+    EXPECT_GT(worst, 0) << "gave f32's logprobs exactly: is the KV stored as f32?";
+    std::printf("%s KV: %zu leading tokens as f32 KV's, largest logprob difference %.3g\n",
+                std::string(kv::KvDtypeName(x.dtype)).c_str(), same, worst);
   }
-  EXPECT_LT(worst, kBf16KvLogprobTolerance);
-  EXPECT_TRUE(any_differs) << "bf16 KV gave f32's logprobs exactly: is it stored as f32?";
 
   const int64_t f32_block = model_->CacheShape(1, 16).bytes_per_block_all_layers();
-  for (const auto [dtype, blocks] : {std::pair{kv::KvDtype::kF32, 10}, {kv::KvDtype::kBF16, 20}}) {
+  for (const auto& [dtype, blocks] : {std::pair{kv::KvDtype::kF32, 10}, {kv::KvDtype::kBF16, 20},
+                                     {kv::KvDtype::kFp8E4M3, 40}}) {
     EngineOptions o;
     o.kv_bytes = 10 * f32_block;
     o.kv_dtype = dtype;
@@ -244,14 +263,6 @@ TEST_F(EngineTest, Bf16KvStaysCloseToF32AndHoldsTwiceTheBlocks) {
     EXPECT_EQ((*e)->allocator().num_free(), blocks);
     EXPECT_EQ((*e)->cache()->bytes(), static_cast<size_t>(10 * f32_block));
   }
-  EngineOptions fp8;
-  fp8.kv_blocks = 16;
-  fp8.kv_dtype = kv::KvDtype::kFp8E4M3;
-  auto refused = Engine::Create(model_, tokenizer_, fp8);
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(refused.status().message().find("fp8_e4m3 is for CUDA workers only"),
-            std::string::npos)
-      << refused.status();
 }
 
 TEST_F(EngineTest, PromptThatCannotFitFailsClearlyAndOthersFinish) {

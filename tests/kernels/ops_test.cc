@@ -171,12 +171,14 @@ TEST(OpsTest, PagedAttentionMatchesDenseCausalAttention) {
   }
 }
 
-// Attention over a bf16 cache equals, bit for bit, attention over an f32 cache holding the same
-// bf16-rounded values: the kernels widen exactly and keep f32's order of operations. Every path:
-// groups of 1, 2, 7 and 8 query heads (the AVX-512 kernel per group, or the portable one under
-// PREFT_CPU_ISA=avx2, whose prompts take the gathered-GEMM path), masked tails of K rows and V
-// slices, sliding windows, decode- and prompt-sized chunks.
-TEST(OpsTest, PagedAttentionOverBf16EqualsF32OverTheRoundedValues) {
+// Attention over a bf16 or fp8 cache equals, bit for bit, attention over an f32 cache holding
+// the values the narrow cache reads back (fp8: the e4m3 value times its KV head's scale, scales
+// unlike powers of two): the kernels widen with at most that one rounding and keep f32's order
+// of operations. Every path: groups of 1, 2, 7 and 8 query heads (the AVX-512 kernel per group,
+// or the portable one under PREFT_CPU_ISA=avx2, whose prompts take the gathered-GEMM path),
+// masked tails of K rows and V slices, sliding windows, decode- and prompt-sized chunks.
+template <class T>
+void ExpectNarrowAttentionEqualsF32(KvDtype dtype, T (*encode)(float), float (*decode)(T)) {
   const int64_t num_blocks = 48;
   std::vector<int32_t> table(num_blocks);
   for (int32_t b = 0; b < num_blocks; ++b) table[b] = (b * 29 + 5) % num_blocks;
@@ -187,40 +189,60 @@ TEST(OpsTest, PagedAttentionOverBf16EqualsF32OverTheRoundedValues) {
   for (int64_t num_new : {1, 5, 70}) {
     const int64_t ctx = num_new + 37;
     const int64_t block_elements = 2 * kv_heads * bt * hd;
+    const bool scaled = dtype == KvDtype::kFp8E4M3;
+    std::vector<float> k_scales(kv_heads, 1.f), v_scales(kv_heads, 1.f);
+    if (scaled) {
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        k_scales[h] = 0.013f * float(h + 1);
+        v_scales[h] = 0.0071f * float(h + 3);
+      }
+    }
     // Unwritten slots hold NaN in both pools: a kernel reading past the context shows.
     std::vector<float> f32_pool(num_blocks * block_elements, NAN);
-    std::vector<uint16_t> bf16_pool(num_blocks * block_elements, F32ToBf16(NAN));
+    std::vector<T> narrow_pool(num_blocks * block_elements, encode(NAN));
     const auto kv = Random(ctx * block_elements, 40 + num_new);
     for (int64_t b = 0; b * bt < ctx; ++b) {
       for (int64_t e = 0; e < block_elements; ++e) {
-        const int64_t slot = e < block_elements / 2 ? e % bt : (e - block_elements / 2) / hd % bt;
+        const bool is_key = e < block_elements / 2;
+        const int64_t slot = is_key ? e % bt : (e - block_elements / 2) / hd % bt;
         if (b * bt + slot >= ctx) continue;
+        const int64_t h = (is_key ? e : e - block_elements / 2) / (bt * hd);
+        const float s = is_key ? k_scales[h] : v_scales[h];
         const int64_t at = table[b] * block_elements + e;
-        bf16_pool[at] = F32ToBf16(3.f * kv[b * block_elements + e]);
-        f32_pool[at] = Bf16ToF32(bf16_pool[at]);
+        narrow_pool[at] = encode(3.f * kv[b * block_elements + e]);
+        f32_pool[at] = scaled ? decode(narrow_pool[at]) * s : decode(narrow_pool[at]);
       }
     }
     const auto q = Random(num_new * heads * hd, 50 + num_new);
     std::vector<float> want(num_new * heads * hd), got(want.size());
     AttentionSeq f32_seq{q.data(), want.data(), table.data(), num_new, ctx};
-    AttentionSeq bf16_seq{q.data(), got.data(), table.data(), num_new, ctx};
+    AttentionSeq narrow_seq{q.data(), got.data(), table.data(), num_new, ctx};
     const PagedKvLayout f32_layout{f32_pool.data(), block_elements, kv_heads * bt * hd, bt,
                                    kv_heads,        hd,             KvDtype::kF32};
-    const PagedKvLayout bf16_layout{bf16_pool.data(), block_elements, kv_heads * bt * hd, bt,
-                                    kv_heads,         hd,             KvDtype::kBF16};
+    const PagedKvLayout narrow_layout{narrow_pool.data(), block_elements, kv_heads * bt * hd,
+                                      bt,                 kv_heads,       hd,
+                                      dtype,              k_scales.data(), v_scales.data()};
     const float scale = 1.f / std::sqrt(float(hd));
     PagedAttention(&f32_seq, 1, f32_layout, heads, scale, window);
-    PagedAttention(&bf16_seq, 1, bf16_layout, heads, scale, window);
+    PagedAttention(&narrow_seq, 1, narrow_layout, heads, scale, window);
     for (size_t i = 0; i < want.size(); ++i) {
       ASSERT_FALSE(std::isnan(want[i])) << i;
       uint32_t a, b;
       std::memcpy(&a, &want[i], 4);
       std::memcpy(&b, &got[i], 4);
-      ASSERT_EQ(a, b) << "heads " << heads << "/" << kv_heads << " hd " << hd << " bt " << bt
-                      << " window " << window << " num_new " << num_new << " element " << i
-                      << ": " << want[i] << " vs " << got[i];
+      ASSERT_EQ(a, b) << KvDtypeName(dtype) << " heads " << heads << "/" << kv_heads << " hd "
+                      << hd << " bt " << bt << " window " << window << " num_new " << num_new
+                      << " element " << i << ": " << want[i] << " vs " << got[i];
     }
   }
+}
+
+TEST(OpsTest, PagedAttentionOverBf16EqualsF32OverTheRoundedValues) {
+  ExpectNarrowAttentionEqualsF32<uint16_t>(KvDtype::kBF16, F32ToBf16, Bf16ToF32);
+}
+
+TEST(OpsTest, PagedAttentionOverFp8EqualsF32OverTheScaledValues) {
+  ExpectNarrowAttentionEqualsF32<uint8_t>(KvDtype::kFp8E4M3, F32ToFp8E4M3, Fp8E4M3ToF32);
 }
 
 }  // namespace

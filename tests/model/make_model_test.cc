@@ -16,6 +16,8 @@
 #include "common/base/mapped_file.h"
 #include "common/model/checkpoint.h"
 #include "common/model/config.h"
+#include "common/model/model.h"
+#include "common/model/safetensors.h"
 #include "nlohmann/json.hpp"
 
 namespace preft::model {
@@ -309,6 +311,69 @@ TEST(MakeModelProgressTest, ReportsEveryWeightByteOnceAndEndsAtTheTotal) {
   for (const auto& e : std::filesystem::directory_iterator(o.out_dir))
     if (e.path().extension() == ".safetensors") files += std::filesystem::file_size(e.path()) > 0;
   EXPECT_GT(files, 1);
+}
+
+// fp8 KV scales come from the checkpoint (make-model --kv-scales writes what KV-quantised
+// checkpoints carry: a scalar k_scale per layer, shared by its KV heads, and a v_scale per KV
+// head); without them every scale is 1. A scale that is not finite and positive, or of another
+// shape, is refused naming the tensor.
+TEST(MakeModelTest, KvScalesComeFromTheCheckpoint) {
+  const std::string plain = TempDir("kv_scales_plain"), scaled = TempDir("kv_scales");
+  ASSERT_TRUE(Make("tiny-qwen2", DType::kF32, 1, plain).ok());
+  MakeModelOptions o;
+  o.preset = "tiny-qwen2";
+  o.seed = 1;
+  o.out_dir = scaled;
+  o.kv_scales = true;
+  o.max_shard_bytes = 64 << 10;  // shards + index, so the test can add a shard below
+  ASSERT_TRUE(MakeModel(o).ok());
+  auto a = Model::Load(plain);
+  auto b = Model::Load(scaled);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  const int64_t heads = (*b)->config().num_kv_heads;
+  ASSERT_GT(heads, 1);
+  for (int64_t l = 0; l < (*b)->config().num_layers; ++l) {
+    EXPECT_EQ((*a)->layer(l).k_scale, std::vector<float>(heads, 1.f));
+    EXPECT_EQ((*a)->layer(l).v_scale, std::vector<float>(heads, 1.f));
+    const std::vector<float>& k = (*b)->layer(l).k_scale;
+    const std::vector<float>& v = (*b)->layer(l).v_scale;
+    ASSERT_EQ(k.size(), static_cast<size_t>(heads));
+    ASSERT_EQ(v.size(), static_cast<size_t>(heads));
+    EXPECT_EQ(k, std::vector<float>(heads, k[0])) << "a scalar k_scale is every head's";
+    EXPECT_NE(v[0], v[1]) << "v_scale is per head";
+    for (float x : k) EXPECT_TRUE(x >= 0.008f && x < 0.032f) << x;
+    for (float x : v) EXPECT_TRUE(x >= 0.008f && x < 0.032f) << x;
+  }
+
+  // A shard with a bad k_scale for layer 0 takes the place of the good one in the index.
+  const std::string index_path = scaled + "/model.safetensors.index.json";
+  auto index = nlohmann::json::parse(Read(index_path));
+  struct Bad {
+    std::vector<int64_t> shape;
+    std::vector<float> values;
+    const char* message;
+  };
+  for (const Bad& bad : {Bad{{}, {0.f}, "must be finite and positive"},
+                         Bad{{}, {-1.f}, "must be finite and positive"},
+                         Bad{{}, {NAN}, "must be finite and positive"},
+                         Bad{{3}, {1.f, 1.f, 1.f}, "expected 1 or one per KV head"}}) {
+    const std::string name = "model.layers.0.self_attn.k_scale";
+    {
+      auto w = SafetensorsWriter::Create(scaled + "/bad.safetensors",
+                                         {TensorSpec{name, DType::kF32, bad.shape}});
+      ASSERT_TRUE(w.ok()) << w.status();
+      ASSERT_TRUE((*w)->Append(bad.values.data(), bad.values.size() * sizeof(float)).ok());
+      ASSERT_TRUE((*w)->Close().ok());
+    }
+    index["weight_map"][name] = "bad.safetensors";
+    ASSERT_TRUE(base::WriteStringToFile(index_path, index.dump()).ok());
+    auto refused = Model::Load(scaled);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr(name));
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr(bad.message));
+  }
 }
 
 }  // namespace

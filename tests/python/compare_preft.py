@@ -176,8 +176,10 @@ def prompt_lengths(cfg, max_tokens):
 
 def oracle_kv_dtype(args):
     """What preft's cache holds (--kv-dtype, or auto: the checkpoint's dtype), for the oracle to
-    round K and V to: torch.bfloat16, or None (kept exact)."""
+    round K and V to: torch.bfloat16, "fp8_e4m3", or None (kept exact)."""
     import torch
+    if KV_DTYPE == "fp8_e4m3":
+        return KV_DTYPE
     bf16 = KV_DTYPE == "bf16" or (KV_DTYPE == "auto" and args.model_dtype == "bf16")
     return torch.bfloat16 if bf16 else None
 
@@ -199,7 +201,7 @@ def run_preset(args):
         mdir = os.path.join(args.workdir, f"{args.preset}-seed{seed}")
         os.makedirs(args.workdir, exist_ok=True)
         run([args.preft, "make-model", "--preset", args.preset, "--dtype", args.model_dtype,
-             "--seed", str(seed), "--out", mdir])
+             "--seed", str(seed), "--out", mdir] + (["--kv-scales"] if args.kv_scales else []))
         model = reference.Model(mdir, torch.float64, oracle_kv_dtype(args))
         cfg = model.config
         if model.unused_weights:
@@ -357,9 +359,11 @@ def main(argv=None):
     ap.add_argument("--tol", type=float, default=1e-4)
     ap.add_argument("--model-dtype", default="f32", choices=["f32", "bf16"],
                     help="with --preset: the made checkpoint's dtype")
-    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "f32", "bf16"],
-                    help="preft's --kv-dtype; the oracle rounds K and V to bf16 where preft's "
-                         "cache is bf16")
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "f32", "bf16", "fp8_e4m3"],
+                    help="preft's --kv-dtype; the oracle rounds K and V as preft's cache "
+                         "stores them (bf16, or fp8 e4m3 with the checkpoint's scales)")
+    ap.add_argument("--kv-scales", action="store_true",
+                    help="with --preset: make-model --kv-scales (fp8 KV scales in the checkpoint)")
     ap.add_argument("--strict", action="store_true", help="no near-tie tolerance")
     args = ap.parse_args(argv)
     global KV_DTYPE

@@ -171,10 +171,21 @@ def rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def round_to_e4m3(x):
+    """x rounded to the nearest fp8 e4m3 value, ties to even, saturating at +-448 (CUDA's
+    SATFINITE conversion; this torch has no float8 dtype). Below 2**-6 the spacing stays 2**-9
+    (subnormals)."""
+    _, exp = torch.frexp(x.abs().clamp(min=2.0 ** -6))   # |x| = m * 2**exp, m in [0.5, 1)
+    quantum = torch.pow(torch.tensor(2.0, dtype=x.dtype), (exp - 4).to(x.dtype))  # 3 mantissa bits
+    return (torch.round(x / quantum) * quantum).clamp(-448.0, 448.0)  # round: half to even
+
+
 class Model:
     def __init__(self, model_dir, dtype=None, kv_dtype=None):
         """kv_dtype=torch.bfloat16 rounds every K (after RoPE) and V to bf16 before attention
-        reads them, as a bf16 KV cache stores them (HF keeps bf16 KV for bf16 models)."""
+        reads them, as a bf16 KV cache stores them (HF keeps bf16 KV for bf16 models);
+        kv_dtype="fp8_e4m3" divides them by the layer's k_scale / v_scale (1 where the
+        checkpoint has none), rounds to e4m3 and multiplies back, as an fp8 cache reads."""
         if torch is None:
             raise RuntimeError("torch not available")
         self.dtype = dtype or torch.float64
@@ -266,7 +277,10 @@ class Model:
                 raise ValueError(f"checkpoint lacks {k}")
             if tuple(self.W[k].shape) != shape:
                 raise ValueError(f"{k}: shape {tuple(self.W[k].shape)}, expected {shape}")
-        return sorted(k for k in self.W if k not in need and not k.endswith("rotary_emb.inv_freq"))
+        used = ("rotary_emb.inv_freq",)
+        if self.kv_dtype == "fp8_e4m3":
+            used += ("self_attn.k_scale", "self_attn.v_scale", "self_attn.kv_scale")
+        return sorted(k for k in self.W if k not in need and not k.endswith(used))
 
     # ---------------------------------------------------------------- adapters
     def load_adapter(self, adapter_dir):
@@ -340,6 +354,14 @@ class Model:
             y = y + delta * lora_mask[:, None].to(y.dtype)
         return y
 
+    def _kv_scale(self, prefix, which):
+        """The fp8 scale of layer `prefix`'s K or V per KV head, shaped [KV, 1, 1]: the
+        checkpoint's self_attn.{k,v}_scale (one, or one per head), else kv_scale, else 1."""
+        w = self.W.get(prefix + f"self_attn.{which}_scale", self.W.get(prefix + "self_attn.kv_scale"))
+        if w is None:
+            return torch.ones((self.n_kv, 1, 1), dtype=self.dtype)
+        return w.reshape(-1).expand(self.n_kv).reshape(self.n_kv, 1, 1)
+
     def _rmsnorm(self, x, w):
         var = x.pow(2).mean(-1, keepdim=True)
         return w * (x * torch.rsqrt(var + self.eps))
@@ -372,7 +394,11 @@ class Model:
             v = v.view(T, KV, hd).transpose(0, 1)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            if self.kv_dtype is not None:            # what a cache of kv_dtype holds
+            if self.kv_dtype == "fp8_e4m3":          # what an fp8 cache reads back
+                ks, vs = self._kv_scale(p, "k"), self._kv_scale(p, "v")
+                k = round_to_e4m3(k / ks) * ks
+                v = round_to_e4m3(v / vs) * vs
+            elif self.kv_dtype is not None:          # what a cache of kv_dtype holds
                 k = k.to(self.kv_dtype).to(self.dtype)
                 v = v.to(self.kv_dtype).to(self.dtype)
             rep = H // KV                            # repeat_kv

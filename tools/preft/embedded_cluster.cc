@@ -21,7 +21,7 @@ absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(model::Model* model,
   engine::EngineOptions e;
   e.kv_bytes = kv_bytes;
   PREFT_ASSIGN_OR_RETURN(e.kv_dtype,
-                         serving::ResolveKvDtype(kv_dtype, model->weight_dtype(), o.device));
+                         serving::ResolveKvDtype(kv_dtype, model->weight_dtype()));
   e.scheduler.max_batch_tokens = o.max_batch_tokens;
   e.num_threads = o.threads;
   return serving::MakeEngine(model, tokenizer, o.device, e, /*kv_transport=*/!o.colocated);

@@ -180,7 +180,7 @@ int RunGenerate(const GenerateFlags& f) {
   options.kv_bytes = f.device == "cpu" ? f.kv_mib << 20 : 0;
   options.num_threads = f.threads;
   absl::StatusOr<kv::KvDtype> kv_dtype =
-      serving::ResolveKvDtype(f.kv_dtype, (*model)->weight_dtype(), f.device);
+      serving::ResolveKvDtype(f.kv_dtype, (*model)->weight_dtype());
   if (!kv_dtype.ok()) return Fail(std::string(kv_dtype.status().message()));
   options.kv_dtype = *kv_dtype;
   absl::StatusOr<std::unique_ptr<engine::Engine>> eng =

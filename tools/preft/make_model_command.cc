@@ -17,6 +17,7 @@ void RegisterMakeModelCommand(CLI::App& app, int* exit_code) {
     std::string dtype = "f32";
     uint64_t seed = 0;
     std::string out;
+    bool kv_scales = false;
   };
   auto flags = std::make_shared<Flags>();
   cmd->add_option("--preset", flags->preset,
@@ -27,12 +28,16 @@ void RegisterMakeModelCommand(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   cmd->add_option("--seed", flags->seed, "Seed of the random weights")->capture_default_str();
   cmd->add_option("--out", flags->out, "Output folder (created if missing)")->required();
+  cmd->add_flag("--kv-scales", flags->kv_scales,
+                "Also write fp8 KV scales (self_attn.k_scale and v_scale per layer), as "
+                "KV-quantised checkpoints carry them; --kv-dtype fp8_e4m3 reads them");
   cmd->callback([flags, exit_code] {
     model::MakeModelOptions o;
     o.preset = flags->preset;
     o.dtype = flags->dtype == "bf16" ? kernels::DType::kBF16 : kernels::DType::kF32;
     o.seed = flags->seed;
     o.out_dir = flags->out;
+    o.kv_scales = flags->kv_scales;
     // Large presets take minutes: a progress line on a terminal (whole percents only).
     if (isatty(STDERR_FILENO)) {
       o.progress = [last = -1](int64_t done, int64_t total) mutable {

@@ -15,6 +15,7 @@
 #include "common/base/check.h"
 #include "common/base/math.h"
 #include "common/kernels/cpu/cpu_features.h"
+#include "common/kernels/dtype.h"
 
 namespace preft::kernels::cpu {
 namespace {
@@ -27,17 +28,39 @@ constexpr int64_t kGemmMinQueries = 8;
 // Query rows per work item of the direct paths.
 constexpr int64_t kDirectRows = 64;
 
-// The cache's elements: float (f32 KV) or the bits of a bf16 (bf16 KV). Every kernel reads
-// them through Widen (or its vector form, Load16), which is exact, and then runs the f32 code
-// unchanged: attention over a bf16 cache equals, bit for bit, attention over an f32 cache
-// holding the same (rounded) values, so batch invariance carries over from f32 as it is.
+// The cache's elements: float (f32 KV), the bits of a bf16 (bf16 KV) or of an fp8 e4m3 (fp8
+// KV, times its KV head's scale). Every kernel reads them through Widen (or its vector form,
+// Load16), which rounds at most once (fp8: the exact value times the scale), and then runs the
+// f32 code unchanged: attention over a bf16 or fp8 cache equals, bit for bit, attention over an
+// f32 cache holding the same values, so batch invariance carries over from f32 as it is.
 using Bf16Bits = uint16_t;
+using Fp8Bits = uint8_t;
 
-inline float Widen(float v) { return v; }
-inline float Widen(Bf16Bits v) {
+// `scale` is the KV head's fp8 scale; f32 and bf16 elements ignore it.
+inline float Widen(float v, float /*scale*/) { return v; }
+inline float Widen(Bf16Bits v, float /*scale*/) {
   // The shift in integers, then a bit cast: a loop of these vectorises (Bf16ToF32's memcpy
   // through a local does too, but less reliably).
   return std::bit_cast<float>(static_cast<uint32_t>(v) << 16);
+}
+
+// Every fp8 e4m3 code's exact value (0x7f and 0xff: NaN; the writer stores NaN only for NaN).
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) value[b] = Fp8E4M3ToF32(static_cast<uint8_t>(b));
+  }
+};
+const Fp8Table kFp8;
+
+inline float Widen(Fp8Bits v, float scale) { return kFp8.value[v] * scale; }
+
+// The fp8 scales of KV head h (1 where the layout has none: f32 and bf16 caches).
+float KeyScale(const PagedKvLayout& l, int64_t h) {
+  return l.k_scales != nullptr ? l.k_scales[h] : 1.f;
+}
+float ValueScale(const PagedKvLayout& l, int64_t h) {
+  return l.v_scales != nullptr ? l.v_scales[h] : 1.f;
 }
 
 // Where K tile of KV head h in the b-th block of a sequence starts; V is l.v_offset further.
@@ -96,6 +119,7 @@ void AttendDirect(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, in
   const int64_t group = num_heads / l.num_kv_heads;
   const int64_t ctx = seq.context_len;
   const int64_t stride = base::RoundUp(ctx, bt);  // scores of one head, whole blocks
+  const float ks = KeyScale(l, h), vs = ValueScale(l, h);
   scores.resize(group * stride);
   for (int64_t t = t_begin; t < t_end; ++t) {
     const int64_t visible = ctx - seq.num_new + t + 1;
@@ -118,7 +142,7 @@ void AttendDirect(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, in
             const float qi = qj[i] * scale;
             const T* row = kt + i * bt + tok0;
 #pragma omp simd
-            for (int64_t tok = 0; tok < n; ++tok) acc[tok] += qi * Widen(row[tok]);
+            for (int64_t tok = 0; tok < n; ++tok) acc[tok] += qi * Widen(row[tok], ks);
           }
           std::copy(acc, acc + n, scores.data() + j * stride + b * bt + tok0);
         }
@@ -136,9 +160,9 @@ void AttendDirect(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, in
           const float wp = w[p];
           if (n == kOutChunk) {
 #pragma omp simd
-            for (int64_t i = 0; i < kOutChunk; ++i) acc[i] += wp * Widen(v[i]);
+            for (int64_t i = 0; i < kOutChunk; ++i) acc[i] += wp * Widen(v[i], vs);
           } else {
-            for (int64_t i = 0; i < n; ++i) acc[i] += wp * Widen(v[i]);
+            for (int64_t i = 0; i < n; ++i) acc[i] += wp * Widen(v[i], vs);
           }
         }
         std::copy(acc, acc + n, seq.out + (t * num_heads + h * group + j) * d + i0);
@@ -154,12 +178,25 @@ void AttendDirect(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, in
 constexpr int64_t kMaxDirectHeadDim = 256;
 
 // 16 consecutive elements widened to f32; masked-off lanes read nothing and are +0.0.
-inline __m512 Load16(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 Load16(__mmask16 m, const Bf16Bits* p) {
+// `scale256` is 256 times the KV head's fp8 scale (f32 and bf16 ignore it).
+inline __m512 Load16(__mmask16 m, const float* p, __m512 /*scale256*/) {
+  return _mm512_maskz_loadu_ps(m, p);
+}
+inline __m512 Load16(__mmask16 m, const Bf16Bits* p, __m512 /*scale256*/) {
   // The maskz forms (all lanes) rather than the plain ones: GCC 12 warns that the plain ones'
   // undefined pass-through source "may be used uninitialized".
   const __m512i wide = _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_maskz_loadu_epi16(m, p));
   return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xffff, wide, 16));
+}
+inline __m512 Load16(__mmask16 m, const Fp8Bits* p, __m512 scale256) {
+  // An e4m3 code moved into an f16's bit positions, sign | exponent and mantissa << 7, is an
+  // f16 of 1/256 of its value (normals and subnormals alike: the exponent biases differ by 8),
+  // which vcvtph2ps widens exactly; the one multiply by 256 * scale rounds as Widen does.
+  const __m256i b = _mm256_maskz_cvtepu8_epi16(0xffff, _mm_maskz_loadu_epi8(m, p));
+  const __m256i h = _mm256_or_si256(
+      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), scale256);
 }
 
 // AttendDirect with AVX-512 and all G query heads of the KV head at once: each 16-token row
@@ -174,6 +211,8 @@ void AttendGroupAvx512(const AttentionSeq& seq, const PagedKvLayout& l, int64_t 
   const int64_t stride = base::RoundUp(ctx, bt);
   scores.resize(G * stride);
   float qs[G * kMaxDirectHeadDim];
+  const __m512 ks = _mm512_set1_ps(256.f * KeyScale(l, h));
+  const __m512 vs = _mm512_set1_ps(256.f * ValueScale(l, h));
   for (int64_t t = t_begin; t < t_end; ++t) {
     const int64_t visible = ctx - seq.num_new + t + 1;
     const int64_t first = FirstVisible(visible, window);
@@ -189,7 +228,7 @@ void AttendGroupAvx512(const AttentionSeq& seq, const PagedKvLayout& l, int64_t 
         __m512 acc[G];
         for (int j = 0; j < G; ++j) acc[j] = _mm512_setzero_ps();
         for (int64_t i = 0; i < d; ++i) {
-          const __m512 k = Load16(mask, kt + i * bt + tok0);
+          const __m512 k = Load16(mask, kt + i * bt + tok0, ks);
           for (int j = 0; j < G; ++j)
             acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(qs[j * d + i]), k, acc[j]);
         }
@@ -213,7 +252,7 @@ void AttendGroupAvx512(const AttentionSeq& seq, const PagedKvLayout& l, int64_t 
         }
         for (int64_t p = p0; p < block_end; ++p) {
           const T* v = vb + (p % bt) * d;
-          const __m512 v0 = Load16(m0, v), v1 = Load16(m1, v + 16);
+          const __m512 v0 = Load16(m0, v, vs), v1 = Load16(m1, v + 16, vs);
           for (int j = 0; j < G; ++j) {
             const __m512 w = _mm512_set1_ps(scores[j * stride + p]);
             o0[j] = _mm512_fmadd_ps(w, v0, o0[j]);
@@ -261,15 +300,16 @@ template <class T>
 void GatherHead(const AttentionSeq& seq, const PagedKvLayout& l, int64_t h, float* keys_t,
                 float* values) {
   const int64_t d = l.head_dim, bt = l.block_tokens, ctx = seq.context_len;
+  const float ks = KeyScale(l, h), vs = ValueScale(l, h);
   for (int64_t p0 = 0; p0 < ctx; p0 += bt) {
     const int64_t len = std::min(bt, ctx - p0);
     const T* kb = KeyBlock<T>(l, seq.block_table, p0 / bt, h);
     for (int64_t i = 0; i < d; ++i) {
       std::transform(kb + i * bt, kb + i * bt + len, keys_t + i * ctx + p0,
-                     [](T v) { return Widen(v); });
+                     [ks](T v) { return Widen(v, ks); });
     }
     std::transform(kb + l.v_offset, kb + l.v_offset + len * d, values + p0 * d,
-                   [](T v) { return Widen(v); });
+                   [vs](T v) { return Widen(v, vs); });
   }
 }
 
@@ -368,9 +408,9 @@ void PagedAttention(const AttentionSeq* seqs, int64_t num_seqs, const PagedKvLay
     case KvDtype::kBF16:
       return PagedAttentionOf<Bf16Bits>(seqs, num_seqs, layout, num_heads, scale, window);
     case KvDtype::kFp8E4M3:
-      break;
+      return PagedAttentionOf<Fp8Bits>(seqs, num_seqs, layout, num_heads, scale, window);
   }
-  PREFT_CHECK(false && "fp8_e4m3 KV has no CPU kernel");
+  PREFT_CHECK(false && "unknown KV dtype");
 }
 
 }  // namespace preft::kernels::cpu
