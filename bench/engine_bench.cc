@@ -4,8 +4,8 @@
 //
 //   engine_bench --model DIR [--threads N] [--quick] [--only-batch N | --only-prefill N (for profiling)]
 //   engine_bench --model DIR --kv-compare CTX [--seqs 64] [--steps 24]
-//     decode tok/s with f32 vs bf16 KV at SEQS sequences of CTX-token contexts (issue 37), the
-//     two engines' decode steps alternating; attention timed alone; then how many sequences the
+//     decode tok/s with f32, bf16 and fp8 KV at SEQS sequences of CTX-token contexts (issue 37),
+//     the engines' decode steps alternating; attention timed alone; then how many sequences the
 //     scheduler admits into one fixed KV budget at each dtype (--steps 0: attention only).
 
 #include <omp.h>
@@ -93,9 +93,15 @@ double AttentionStepSeconds(const preft::model::ModelConfig& c, int seqs, int ct
   preft::kv::KvCacheShape shape{1, seqs * per_seq, bt, c.num_kv_heads, c.head_dim, dtype};
   auto cache = preft::kv::KvCache::Create(shape).value();
   std::mt19937 rng(5);
-  for (size_t i = 0; i < cache->bytes(); i += 2) {  // small finite values in either dtype
-    const uint16_t bits = 0x3c00 + (rng() & 0x3ff);
-    std::memcpy(cache->layer_data(0) + i, &bits, 2);
+  if (dtype == preft::kv::KvDtype::kFp8E4M3) {  // e4m3 codes of 0.25 to 0.5
+    for (size_t i = 0; i < cache->bytes(); ++i) {
+      cache->layer_data(0)[i] = static_cast<std::byte>(0x28 + (rng() & 7));
+    }
+  } else {
+    for (size_t i = 0; i < cache->bytes(); i += 2) {  // small finite values as f32 or bf16
+      const uint16_t bits = 0x3c00 + (rng() & 0x3ff);
+      std::memcpy(cache->layer_data(0) + i, &bits, 2);
+    }
   }
   std::vector<int32_t> table(seqs * per_seq);
   std::iota(table.begin(), table.end(), 0);
@@ -123,28 +129,34 @@ double AttentionStepSeconds(const preft::model::ModelConfig& c, int seqs, int ct
   return runs[runs.size() / 2];
 }
 
-// Issue 37's figures: decode at `seqs` x `ctx` with f32 vs bf16 KV, and admissions into one
-// KV budget. The two engines are prefilled, then their decode steps alternate (`steps` pairs),
-// so the host's slow spells (10-20% for minutes on this VM) hit both alike; the figure is the
-// median of the pairs' ratios. The prediction beside it comes from attention timed alone.
+// Issue 37's figures: decode at `seqs` x `ctx` with f32, bf16 and fp8 KV, and admissions into
+// one KV budget. The engines are prefilled, then their decode steps alternate (`steps` rounds),
+// so the host's slow spells (10-20% for minutes on this VM) hit all alike; each figure is the
+// median of the rounds' ratios to f32. The prediction beside it comes from attention alone.
 int KvCompare(preft::model::Model* model, int ctx, int seqs, int steps) {
   using preft::kv::KvDtype;
   const auto& c = model->config();
+  constexpr KvDtype kDtypes[] = {KvDtype::kF32, KvDtype::kBF16, KvDtype::kFp8E4M3};
+  constexpr int kN = 3;
+  auto name = [](KvDtype d) { return std::string(preft::kv::KvDtypeName(d)); };
   const double kv_f32 = double(seqs) * ctx * model->CacheShape(1).bytes_per_block_all_layers() / 16;
-  const double att_f32 = AttentionStepSeconds(c, seqs, ctx, KvDtype::kF32);
-  const double att_bf16 = AttentionStepSeconds(c, seqs, ctx, KvDtype::kBF16);
-  std::printf("attention alone, one decode step (%lld layers, %d x %d): f32 %.1f ms (%.1f GB/s "
-              "of KV), bf16 %.1f ms (%.1f GB/s); bf16 / f32 time %.2f\n",
-              static_cast<long long>(c.num_layers), seqs, ctx, att_f32 * 1e3,
-              kv_f32 / att_f32 / 1e9, att_bf16 * 1e3, kv_f32 / 2 / att_bf16 / 1e9,
-              att_bf16 / att_f32);
+  double att[kN];
+  std::printf("attention alone, one decode step (%lld layers, %d x %d):",
+              static_cast<long long>(c.num_layers), seqs, ctx);
+  for (int i = 0; i < kN; ++i) {
+    att[i] = AttentionStepSeconds(c, seqs, ctx, kDtypes[i]);
+    const double bytes = kv_f32 * preft::kv::KvDtypeBytes(kDtypes[i]) / 4;
+    std::printf(" %s %.1f ms (%.1f GB/s of KV, %.2f of f32's time);", name(kDtypes[i]).c_str(),
+                att[i] * 1e3, bytes / att[i] / 1e9, att[i] / att[0]);
+  }
+  std::printf("\n");
   if (steps <= 0) return 0;
   std::vector<std::unique_ptr<preft::engine::Engine>> engines;
   const int64_t batch_tokens = 2048;
   // Long enough that the first sequences, decoding while the last prefill, still run through
   // the timed steps.
   const int max_tokens = steps + 8 + static_cast<int>(int64_t{seqs} * ctx / batch_tokens);
-  for (KvDtype d : {KvDtype::kF32, KvDtype::kBF16}) {
+  for (KvDtype d : kDtypes) {
     preft::engine::EngineOptions o;
     o.kv_blocks = seqs * ((ctx + max_tokens + 15) / 16);
     o.kv_dtype = d;
@@ -158,39 +170,42 @@ int KvCompare(preft::model::Model* model, int ctx, int seqs, int steps) {
       (void)engines.back()->Step();
     }
   }
-  std::vector<double> t[2], ratio;
+  std::vector<double> t[kN], ratio[kN];
   for (int s = 0; s < steps; ++s) {
-    for (int e = 0; e < 2; ++e) {
+    for (int e = 0; e < kN; ++e) {
       const auto t0 = Clock::now();
       (void)engines[e]->Step();
       t[e].push_back(Seconds(t0, Clock::now()));
     }
-    ratio.push_back(t[0].back() / t[1].back());
+    for (int e = 0; e < kN; ++e) ratio[e].push_back(t[0].back() / t[e].back());
   }
   auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
     return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
   };
-  const double step_f32 = median(t[0]), step_bf16 = median(t[1]);
+  const double step_f32 = median(t[0]);
   std::printf("\n| kv dtype | decode step, %d seqs x %d ctx (median of %d) | tok/s | KV read per "
-              "step | attention alone |\n|---|---|---|---|---|\n",
+              "step | attention alone | tok/s / f32's (paired) | predicted |\n"
+              "|---|---|---|---|---|---|---|\n",
               seqs, ctx, steps);
-  std::printf("| f32 | %.1f ms | %.1f | %.2f GB | %.1f ms |\n", step_f32 * 1e3, seqs / step_f32,
-              kv_f32 / 1e9, att_f32 * 1e3);
-  std::printf("| bf16 | %.1f ms | %.1f | %.2f GB | %.1f ms |\n", step_bf16 * 1e3,
-              seqs / step_bf16, kv_f32 / 2e9, att_bf16 * 1e3);
-  std::printf("bf16 / f32 decode tok/s: %.2f (median of paired steps; predicted %.2f from "
-              "attention alone: the f32 step less the attention time bf16 saves)\n",
-              median(ratio), step_f32 / (step_f32 - (att_f32 - att_bf16)));
+  for (int e = 0; e < kN; ++e) {
+    const double step = median(t[e]);
+    // The f32 step less the attention time this dtype saves.
+    const double predicted = step_f32 / (step_f32 - (att[0] - att[e]));
+    std::printf("| %s | %.1f ms | %.1f | %.2f GB | %.1f ms | **%.2f** | %.2f |\n",
+                name(kDtypes[e]).c_str(), step * 1e3, seqs / step,
+                kv_f32 * preft::kv::KvDtypeBytes(kDtypes[e]) / 4 / 1e9, att[e] * 1e3,
+                median(ratio[e]), predicted);
+  }
 
-  // One budget (64 f32 blocks), both dtypes: how many 64-token prompts (4 blocks each) the
+  // One budget (64 f32 blocks), every dtype: how many 64-token prompts (4 blocks each) the
   // scheduler admits in one step. Short prompts, so the step's prefill stays cheap; the count
   // depends on blocks alone.
   const int64_t budget = 64 * model->CacheShape(1).bytes_per_block_all_layers();
   std::printf("\n| kv dtype | --kv-bytes | blocks | 64-token prompts admitted at once | ratio |\n"
               "|---|---|---|---|---|\n");
   int64_t admitted_f32 = 0;
-  for (KvDtype d : {KvDtype::kF32, KvDtype::kBF16}) {
+  for (KvDtype d : kDtypes) {
     preft::engine::EngineOptions o;
     o.kv_bytes = budget;
     o.kv_dtype = d;
@@ -200,7 +215,7 @@ int KvCompare(preft::model::Model* model, int ctx, int seqs, int steps) {
     (void)eng->Step();
     const int64_t admitted = eng->num_running();
     if (d == KvDtype::kF32) admitted_f32 = admitted;
-    std::printf("| %s | %lld | %lld | %lld | %.2f |\n", std::string(preft::kv::KvDtypeName(d)).c_str(),
+    std::printf("| %s | %lld | %lld | %lld | %.2f |\n", name(d).c_str(),
                 static_cast<long long>(budget), static_cast<long long>(eng->allocator().num_blocks()),
                 static_cast<long long>(admitted), double(admitted) / admitted_f32);
   }

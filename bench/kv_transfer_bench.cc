@@ -4,7 +4,7 @@
 //
 //   kv_transfer_bench [--mib=64] [--reps=7] [--tls=posix,self] [--tls=tcp,self] ...
 //   kv_transfer_bench --handoff [--reps=31] [--tls=...]
-//     one request's prefill -> decode handoff (128- and 2048-token prompts) with f32 and bf16
+//     one request's prefill -> decode handoff (128- and 2048-token prompts) with f32, bf16, fp8
 //     KV: bytes and time per request, bf16 against f32 (issue 37's <= 0.55x).
 //
 // Blocks are qwen2.5-0.5b's (24 layers x 16 KiB per block and layer). "scattered" writes every
@@ -282,7 +282,7 @@ void RunHandoff(const std::string& tls, int reps) {
   };
   std::vector<Side> sides;
   std::mt19937 rng(11);
-  for (KvDtype d : {KvDtype::kF32, KvDtype::kBF16}) {
+  for (KvDtype d : {KvDtype::kF32, KvDtype::kBF16, KvDtype::kFp8E4M3}) {
     Side s;
     s.dtype = d;
     s.child = std::make_unique<Child>(tls, kBlocks, d);
@@ -340,9 +340,9 @@ int main(int argc, char** argv) {
   if (argc == 5 && std::string(argv[1]) == "--receiver") {
     int64_t blocks = 0;
     if (!absl::SimpleAtoi(argv[3], &blocks)) return 2;
-    const std::string dtype = argv[4];
-    return Receiver(argv[2], blocks,
-                    dtype == "bf16" ? preft::kv::KvDtype::kBF16 : preft::kv::KvDtype::kF32);
+    preft::kv::KvDtype dtype;
+    if (!preft::kernels::ParseKvDtype(argv[4], &dtype)) return 2;
+    return Receiver(argv[2], blocks, dtype);
   }
   ::signal(SIGPIPE, SIG_IGN);
   int64_t mib = 64;

@@ -104,9 +104,6 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Build(const model::Mod
                                                                 const MakeRank& make_rank) {
   const int tp = options.tensor_parallel;
   PREFT_RETURN_IF_ERROR(CheckTensorParallel(config, tp));
-  if (options.kv_dtype == kv::KvDtype::kFp8E4M3) {
-    return absl::UnimplementedError("KV stored as fp8_e4m3: the CUDA kernels read f32 and bf16");
-  }
   const int visible = cuda::DeviceCount();
   if (visible == 0) return absl::FailedPreconditionError("no CUDA device is visible");
   if (tp > 1 && !options.ranks_share_device && visible < tp) {

@@ -156,7 +156,7 @@ absl::Status DeviceModel::Init(const model::ModelConfig& full, const TensorShard
   const size_t head_at = c.tie_word_embeddings ? embed_at : plan.Place(c.vocab_size * d * bf);
   struct LayerAt {
     size_t m[model::kNumProjections];
-    size_t qb = 0, kb = 0, vb = 0, ob = 0, n1 = 0, n2 = 0;
+    size_t qb = 0, kb = 0, vb = 0, ob = 0, n1 = 0, n2 = 0, ks = 0, vs = 0;
   };
   std::vector<LayerAt> at(c.num_layers);
   for (LayerAt& l : at) {
@@ -175,6 +175,8 @@ absl::Status DeviceModel::Init(const model::ModelConfig& full, const TensorShard
     }
     l.n1 = plan.Place(d * f);
     l.n2 = plan.Place(d * f);
+    l.ks = plan.Place(c.num_kv_heads * f);
+    l.vs = plan.Place(c.num_kv_heads * f);
   }
   const size_t norm_at = plan.Place(d * f);
   const size_t freq_at = plan.Place(c.head_dim / 2 * f);
@@ -196,6 +198,14 @@ absl::Status DeviceModel::Init(const model::ModelConfig& full, const TensorShard
     dl.o_bias = o_bias ? weights_.as<float>(l.ob) : nullptr;
     dl.input_norm = weights_.as<float>(l.n1);
     dl.post_attention_norm = weights_.as<float>(l.n2);
+    dl.k_scale = weights_.as<float>(l.ks);
+    dl.v_scale = weights_.as<float>(l.vs);
+    const std::vector<float> ones(c.num_kv_heads, 1.f);  // Upload copies the checkpoint's
+    for (const float* scale : {dl.k_scale, dl.v_scale}) {
+      PREFT_RETURN_IF_ERROR(CudaStatus(
+          cuda::CopyToDevice(const_cast<float*>(scale), ones.data(), ones.size() * f, nullptr),
+          "copy"));
+    }
   }
   const std::vector<float> inv_freq = model::RopeInverseFrequencies(c);
   PREFT_RETURN_IF_ERROR(CudaStatus(cuda::CopyToDevice(const_cast<float*>(inv_freq_), inv_freq.data(),
@@ -271,6 +281,11 @@ absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Upload(const model::Mo
     PREFT_RETURN_IF_ERROR(floats(dl.o_bias, hl.o_bias));  // rank 0's alone
     PREFT_RETURN_IF_ERROR(floats(dl.input_norm, hl.input_norm));
     PREFT_RETURN_IF_ERROR(floats(dl.post_attention_norm, hl.post_attention_norm));
+    // The rank's KV heads' scales (one per head: RangeOf over heads, as the biases over rows).
+    for (const auto& [dst, src] : {std::pair{dl.k_scale, &hl.k_scale}, {dl.v_scale, &hl.v_scale}}) {
+      const ShardRange r = RangeOf(static_cast<int64_t>(src->size()), shard);
+      PREFT_RETURN_IF_ERROR(floats(dst, std::vector<float>(src->begin() + r.begin, src->begin() + r.end)));
+    }
   }
   PREFT_RETURN_IF_ERROR(floats(m->final_norm_, host.final_norm()));
   PREFT_RETURN_IF_ERROR(CudaStatus(cuda::StreamSynchronize(nullptr), "synchronize"));
@@ -579,7 +594,8 @@ absl::Status DeviceModel::Launch(const Step& step, DeviceKvCache* cache, const L
     const kernels::PagedKvLayout layout{cache->layer_data(li), cs.block_elements(),
                                         cache->v_offset(),     bt,
                                         c.num_kv_heads,        hd,
-                                        cs.dtype};
+                                        cs.dtype,              l.k_scale,
+                                        l.v_scale};
     PREFT_RETURN_IF_ERROR(CudaStatus(cuda::RopeWriteKv(positions, inv_freq_, q_, c.num_heads, k_, v_,
                                                  slots, T, cache->layer_data(li), layout,
                                                  stream_),

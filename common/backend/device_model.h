@@ -114,6 +114,8 @@ class DeviceModel {
     const uint16_t *q, *k, *v, *o, *gate, *up, *down;
     const float *q_bias, *k_bias, *v_bias, *o_bias;  // null without attention bias
     const float *input_norm, *post_attention_norm;
+    // The fp8 KV scales of this rank's KV heads (model::Model::LayerWeights; 1 for Random).
+    const float *k_scale, *v_scale;
   };
   // The metadata of one forward, in one host buffer copied to the device at once.
   struct Meta;
@@ -160,7 +162,7 @@ class DeviceModel {
   std::function<absl::Status(const absl::Status&)> agree_;  // tensor-parallel ranks only
   void* stream_ = nullptr;
   kernels::cuda::Blas* blas_ = nullptr;
-  DeviceBuffer weights_;  // every matrix (bf16), then norms, biases and inv_freq (f32)
+  DeviceBuffer weights_;  // every matrix (bf16), then norms, biases, KV scales, inv_freq (f32)
   const uint16_t* embed_ = nullptr;
   const uint16_t* lm_head_ = nullptr;
   const float* final_norm_ = nullptr;

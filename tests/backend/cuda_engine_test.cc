@@ -105,9 +105,9 @@ std::vector<Request> MixedRequests(
 
 // `got` generated the tokens of `want` (which has each token's top-2 logprobs), but for a
 // request that took want's runner-up at a near tie, compared no further from there.
+// `near_tie`: nats between the reference's best two below which the other may take either.
 void ExpectSameUpToNearTies(const std::vector<GenerationResult>& want,
-                            const std::vector<GenerationResult>& got) {
-  constexpr double kNearTie = 0.05;  // nats between the reference's best two
+                            const std::vector<GenerationResult>& got, double near_tie = 0.05) {
   ASSERT_EQ(got.size(), want.size());
   size_t diverged = 0;
   for (size_t i = 0; i < want.size(); ++i) {
@@ -124,7 +124,7 @@ void ExpectSameUpToNearTies(const std::vector<GenerationResult>& want,
     ASSERT_GE(at.top.size(), 2u);
     const int32_t other = at.top[0].first == w[j] ? at.top[1].first : at.top[0].first;
     EXPECT_EQ(g[j], other) << "token " << j << ": not the reference's runner-up";
-    EXPECT_LT(at.top[0].second - at.top[1].second, kNearTie)
+    EXPECT_LT(at.top[0].second - at.top[1].second, near_tie)
         << "token " << j << " differs where the reference's margin was clear";
     std::printf("request %zu: took the runner-up at token %zu (margin %.4f nats)\n", i, j,
                 at.top[0].second - at.top[1].second);
@@ -347,44 +347,49 @@ TEST(CudaEngineTest, PromptBlocksReachAnotherGpuEngineThroughHostMirrors) {
   EXPECT_EQ((*decode)->allocator().num_free(), 64);  // every imported sequence finished
 }
 
-// bf16 KV on the GPU: the engine generates what the CPU engine with bf16 KV does (both caches
-// hold the same round-to-nearest-even values), near ties aside; the mirrored handoff between
-// two GPU engines carries bf16 blocks.
-TEST(CudaEngineTest, Bf16KvMatchesTheCpuEngineAndHandsOverThroughMirrors) {
+// bf16 and fp8 KV on the GPU: the engine generates what the CPU engine with the same KV dtype
+// does (both caches hold the same rounded values), near ties aside (wider for fp8: a K or V
+// element the two devices compute a rounding apart can land a whole e4m3 step apart); the
+// mirrored handoff between two GPU engines carries the narrow blocks.
+TEST(CudaEngineTest, NarrowKvMatchesTheCpuEngineAndHandsOverThroughMirrors) {
   uint64_t seed = 0;
-  std::unique_ptr<model::Model> model = FreshTinyModel("bf16_kv_model", &seed);
+  std::unique_ptr<model::Model> model = FreshTinyModel("narrow_kv_model", &seed);
   ASSERT_NE(model, nullptr);
   if (kernels::cuda::DeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible";
-  backend::CudaBackend::Options bo;
-  bo.kv_dtype = kv::KvDtype::kBF16;
-  bo.kv_blocks = 64;
-  bo.host_mirror = true;
-  auto gpu_backend = backend::CudaBackend::Create(*model, bo);
-  ASSERT_TRUE(gpu_backend.ok()) << gpu_backend.status();
-  EXPECT_EQ((*gpu_backend)->cache_shape().dtype, kv::KvDtype::kBF16);
-  const auto adapters = RandomAdapters(*model, seed, "bf16_kv_");
+  const auto adapters = RandomAdapters(*model, seed, "narrow_kv_");
   ASSERT_EQ(adapters.size(), 2u);
-  EngineOptions o;
-  o.kv_blocks = 64;
-  o.kv_dtype = kv::KvDtype::kBF16;
-  auto cpu = Engine::Create(model.get(), nullptr, o);
-  ASSERT_TRUE(cpu.ok()) << cpu.status();
-  auto gpu = Engine::Create(*std::move(gpu_backend), nullptr, o);
-  ASSERT_TRUE(gpu.ok()) << gpu.status();
-  auto want = (*cpu)->Generate(MixedRequests(adapters, seed, true));
-  auto got = (*gpu)->Generate(MixedRequests(adapters, seed, false));
-  ASSERT_TRUE(want.ok() && got.ok());
-  ExpectSameUpToNearTies(*want, *got);
+  for (const auto& [dtype, near_tie] :
+       {std::pair{kv::KvDtype::kBF16, 0.05}, {kv::KvDtype::kFp8E4M3, 0.3}}) {
+    SCOPED_TRACE(std::string(kv::KvDtypeName(dtype)));
+    backend::CudaBackend::Options bo;
+    bo.kv_dtype = dtype;
+    bo.kv_blocks = 64;
+    bo.host_mirror = true;
+    auto gpu_backend = backend::CudaBackend::Create(*model, bo);
+    ASSERT_TRUE(gpu_backend.ok()) << gpu_backend.status();
+    EXPECT_EQ((*gpu_backend)->cache_shape().dtype, dtype);
+    EngineOptions o;
+    o.kv_blocks = 64;
+    o.kv_dtype = dtype;
+    auto cpu = Engine::Create(model.get(), nullptr, o);
+    ASSERT_TRUE(cpu.ok()) << cpu.status();
+    auto gpu = Engine::Create(*std::move(gpu_backend), nullptr, o);
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    auto want = (*cpu)->Generate(MixedRequests(adapters, seed, true));
+    auto got = (*gpu)->Generate(MixedRequests(adapters, seed, false));
+    ASSERT_TRUE(want.ok() && got.ok());
+    ExpectSameUpToNearTies(*want, *got, near_tie);
 
-  auto decode_backend = backend::CudaBackend::Create(*model, bo);
-  ASSERT_TRUE(decode_backend.ok()) << decode_backend.status();
-  auto decode = Engine::Create(*std::move(decode_backend), nullptr, o);
-  ASSERT_TRUE(decode.ok());
-  size_t handed = 0;
-  ASSERT_NO_FATAL_FAILURE(
-      HandOverThroughMirrors(gpu->get(), decode->get(), SplitRequests(seed), nullptr, &handed));
-  EXPECT_EQ(handed, 3u);
-  EXPECT_EQ((*decode)->allocator().num_free(), 64);
+    auto decode_backend = backend::CudaBackend::Create(*model, bo);
+    ASSERT_TRUE(decode_backend.ok()) << decode_backend.status();
+    auto decode = Engine::Create(*std::move(decode_backend), nullptr, o);
+    ASSERT_TRUE(decode.ok());
+    size_t handed = 0;
+    ASSERT_NO_FATAL_FAILURE(
+        HandOverThroughMirrors(gpu->get(), decode->get(), SplitRequests(seed), nullptr, &handed));
+    EXPECT_EQ(handed, 3u);
+    EXPECT_EQ((*decode)->allocator().num_free(), 64);
+  }
 }
 
 // Tiers split differently hand KV through their host mirrors, which hold every KV head (each

@@ -468,9 +468,11 @@ TEST_F(CudaOpsTest, FusedKernelsEqualTheKernelsTheyReplace) {
   }
 }
 
-// A bf16 cache written on the GPU holds the bytes the CPU writes (F32ToBf16: round to nearest
-// even), in the same layout; RopeWriteKv into it equals ApplyRope then WriteKv.
-TEST_F(CudaOpsTest, Bf16KvWritesAreTheCpusBytes) {
+// A bf16 or fp8 cache written on the GPU holds the bytes the CPU writes (Model::WriteKv: bf16
+// rounded to nearest even; fp8 divided by its KV head's scale, rounded to nearest even and
+// saturated at 448, which values up to 40 / 0.05 reach), in the same layout; RopeWriteKv into
+// it equals ApplyRope then WriteKv.
+TEST_F(CudaOpsTest, NarrowKvWritesAreTheCpusBytes) {
   const int64_t tokens = 11, kv_heads = 2, hd = 64, heads = 14, bt = 16, blocks = 5;
   const int64_t block_stride = 2 * kv_heads * bt * hd;
   std::vector<int64_t> slots(tokens);
@@ -484,34 +486,43 @@ TEST_F(CudaOpsTest, Bf16KvWritesAreTheCpusBytes) {
   const std::vector<float> k = Random(tokens * kv_heads * hd, -40.f, 40.f);
   const std::vector<float> v = Random(tokens * kv_heads * hd, -40.f, 40.f);
   const std::vector<float> q = Random(tokens * heads * hd);
-  std::vector<uint16_t> want(blocks * block_stride, 0xffff);
-  for (int64_t t = 0; t < tokens; ++t) {
-    uint16_t* block = want.data() + slots[t] / bt * block_stride;
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      for (int64_t d = 0; d < hd; ++d) {
-        block[(h * hd + d) * bt + slots[t] % bt] = F32ToBf16(k[(t * kv_heads + h) * hd + d]);
-        block[kv_heads * bt * hd + (h * bt + slots[t] % bt) * hd + d] =
-            F32ToBf16(v[(t * kv_heads + h) * hd + d]);
+  const std::vector<float> k_scales = {0.05f, 0.13f}, v_scales = {0.11f, 0.07f};
+  DeviceVec<float> d_ks(k_scales), d_vs(v_scales);
+  auto check = [&](auto element, KvDtype dtype, auto encode) {
+    using T = decltype(element);
+    SCOPED_TRACE(std::string(KvDtypeName(dtype)));
+    std::vector<T> want(blocks * block_stride, static_cast<T>(~T{0}));  // DeviceVec's poison
+    for (int64_t t = 0; t < tokens; ++t) {
+      T* block = want.data() + slots[t] / bt * block_stride;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        for (int64_t d = 0; d < hd; ++d) {
+          block[(h * hd + d) * bt + slots[t] % bt] =
+              encode(k[(t * kv_heads + h) * hd + d], k_scales[h]);
+          block[kv_heads * bt * hd + (h * bt + slots[t] % bt) * hd + d] =
+              encode(v[(t * kv_heads + h) * hd + d], v_scales[h]);
+        }
       }
     }
-  }
-  DeviceVec<float> d_k(k), d_k2(k), d_v(v), d_q1(q), d_q2(q), d_inv(inv_freq);
-  DeviceVec<int64_t> d_slots(slots);
-  DeviceVec<int32_t> d_pos(pos);
-  DeviceVec<uint16_t> d_cache(want.size()), d_cache1(want.size()), d_cache2(want.size());
-  const cuda::PagedKvLayout layout{nullptr, block_stride, kv_heads * hd * bt, bt, kv_heads, hd,
-                                   KvDtype::kBF16};
-  CUDA_OK(cuda::WriteKv(d_k.get(), d_v.get(), d_slots.get(), tokens, d_cache.get(), layout,
-                        nullptr));
-  EXPECT_EQ(d_cache.ToHost(), want);  // 0xffff (poison) where no token was written
-  CUDA_OK(cuda::ApplyRope(d_pos.get(), tokens, d_inv.get(), hd, d_q1.get(), heads, d_k.get(),
-                          kv_heads, nullptr));
-  CUDA_OK(cuda::WriteKv(d_k.get(), d_v.get(), d_slots.get(), tokens, d_cache1.get(), layout,
-                        nullptr));
-  CUDA_OK(cuda::RopeWriteKv(d_pos.get(), d_inv.get(), d_q2.get(), heads, d_k2.get(), d_v.get(),
-                            d_slots.get(), tokens, d_cache2.get(), layout, nullptr));
-  EXPECT_EQ(d_cache2.ToHost(), d_cache1.ToHost());
-  EXPECT_EQ(d_q2.ToHost(), d_q1.ToHost());
+    DeviceVec<float> d_k(k), d_k2(k), d_v(v), d_q1(q), d_q2(q), d_inv(inv_freq);
+    DeviceVec<int64_t> d_slots(slots);
+    DeviceVec<int32_t> d_pos(pos);
+    DeviceVec<T> d_cache(want.size()), d_cache1(want.size()), d_cache2(want.size());
+    const cuda::PagedKvLayout layout{nullptr, block_stride, kv_heads * hd * bt, bt, kv_heads,
+                                     hd,      dtype,        d_ks.get(),         d_vs.get()};
+    CUDA_OK(cuda::WriteKv(d_k.get(), d_v.get(), d_slots.get(), tokens, d_cache.get(), layout,
+                          nullptr));
+    EXPECT_EQ(d_cache.ToHost(), want);  // the poison where no token was written
+    CUDA_OK(cuda::ApplyRope(d_pos.get(), tokens, d_inv.get(), hd, d_q1.get(), heads, d_k.get(),
+                            kv_heads, nullptr));
+    CUDA_OK(cuda::WriteKv(d_k.get(), d_v.get(), d_slots.get(), tokens, d_cache1.get(), layout,
+                          nullptr));
+    CUDA_OK(cuda::RopeWriteKv(d_pos.get(), d_inv.get(), d_q2.get(), heads, d_k2.get(), d_v.get(),
+                              d_slots.get(), tokens, d_cache2.get(), layout, nullptr));
+    EXPECT_EQ(d_cache2.ToHost(), d_cache1.ToHost());
+    EXPECT_EQ(d_q2.ToHost(), d_q1.ToHost());
+  };
+  check(uint16_t{}, KvDtype::kBF16, [](float x, float) { return F32ToBf16(x); });
+  check(uint8_t{}, KvDtype::kFp8E4M3, [](float x, float s) { return F32ToFp8E4M3(x / s); });
 }
 
 TEST_F(CudaOpsTest, PagedAttentionMatchesCpu) {
@@ -526,20 +537,34 @@ TEST_F(CudaOpsTest, PagedAttentionMatchesCpu) {
   const std::vector<std::vector<Seq>> sets = {
       {{1, 1, {}}, {1, 200, {}}, {7, 7, {}}, {16, 300, {}}, {1, 17, {}}},
       {{1, 1, {}}, {1, 200, {}}, {1, 16, {}}, {1, 300, {}}, {1, 17, {}}, {1, 49, {}}}};
-  for (const KvDtype dtype : {KvDtype::kF32, KvDtype::kBF16})
+  for (const KvDtype dtype : {KvDtype::kF32, KvDtype::kBF16, KvDtype::kFp8E4M3})
   for (const Geometry g : {Geometry{14, 2, 64}, Geometry{32, 8, 128}, Geometry{18, 2, 64}}) {
     SCOPED_TRACE(std::string("KV ") + std::string(KvDtypeName(dtype)));
     const int64_t heads = g.heads, kv_heads = g.kv_heads, hd = g.hd;
     const int64_t block_stride = 2 * kv_heads * bt * hd;
-    // Both devices read the same cache: f32, or bf16 (what each widens exactly).
+    // Both devices read the same cache: f32, bf16 or fp8 (what each widens exactly, fp8 then
+    // times its KV head's scale).
     const std::vector<float> cache_f32 = Random(blocks * block_stride);
     std::vector<uint16_t> cache_bf16(cache_f32.size());
-    for (size_t i = 0; i < cache_f32.size(); ++i) cache_bf16[i] = F32ToBf16(cache_f32[i]);
-    DeviceVec<float> d_f32(cache_f32);
+    std::vector<uint8_t> cache_fp8(cache_f32.size());
+    for (size_t i = 0; i < cache_f32.size(); ++i) {
+      cache_bf16[i] = F32ToBf16(cache_f32[i]);
+      cache_fp8[i] = F32ToFp8E4M3(cache_f32[i] * 100.f);
+    }
+    std::vector<float> k_scales(kv_heads), v_scales(kv_heads);
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      k_scales[h] = 0.01f + 0.001f * static_cast<float>(h);
+      v_scales[h] = 0.013f - 0.001f * static_cast<float>(h);
+    }
+    DeviceVec<float> d_f32(cache_f32), d_ks(k_scales), d_vs(v_scales);
     DeviceVec<uint16_t> d_bf16(cache_bf16);
-    const bool f32 = dtype == KvDtype::kF32;
-    const void* cache = f32 ? static_cast<const void*>(cache_f32.data()) : cache_bf16.data();
-    const void* d_cache = f32 ? static_cast<const void*>(d_f32.get()) : d_bf16.get();
+    DeviceVec<uint8_t> d_fp8(cache_fp8);
+    const void* cache = dtype == KvDtype::kF32    ? static_cast<const void*>(cache_f32.data())
+                        : dtype == KvDtype::kBF16 ? static_cast<const void*>(cache_bf16.data())
+                                                  : cache_fp8.data();
+    const void* d_cache = dtype == KvDtype::kF32    ? static_cast<const void*>(d_f32.get())
+                          : dtype == KvDtype::kBF16 ? static_cast<const void*>(d_bf16.get())
+                                                    : d_fp8.get();
     for (std::vector<Seq> seqs : sets) {
       for (Seq& s : seqs) {
         for (int64_t b = 0; b * bt < s.context_len; ++b) {
@@ -547,9 +572,11 @@ TEST_F(CudaOpsTest, PagedAttentionMatchesCpu) {
         }
       }
       for (const int64_t window : {int64_t{0}, int64_t{50}}) {
-        cpu::PagedKvLayout layout{cache, block_stride, kv_heads * hd * bt, bt, kv_heads, hd, dtype};
-        cuda::PagedKvLayout dlayout{d_cache, block_stride, kv_heads * hd * bt, bt, kv_heads, hd,
-                                    dtype};
+        cpu::PagedKvLayout layout{cache, block_stride,    kv_heads * hd * bt, bt,
+                                  kv_heads, hd, dtype, k_scales.data(), v_scales.data()};
+        cuda::PagedKvLayout dlayout{d_cache, block_stride, kv_heads * hd * bt, bt,
+                                    kv_heads, hd,          dtype,              d_ks.get(),
+                                    d_vs.get()};
         std::vector<std::vector<float>> q, out;
         std::vector<std::unique_ptr<DeviceVec<float>>> dq, dout;
         std::vector<std::unique_ptr<DeviceVec<int32_t>>> dtab;

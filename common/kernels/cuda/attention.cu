@@ -1,6 +1,7 @@
 #include "common/kernels/cuda/attention.cuh"
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <type_traits>
@@ -14,13 +15,25 @@ constexpr int kThreads = 128;  // keys per tile; output dims per pass
 constexpr int kWarps = kThreads / 32;
 constexpr int kDimsPerThread = kMaxHeadDim / kThreads;
 
-// The cache's element types: every kernel reads through Load (exact widening to f32) and
-// writes through Store (f32 as is; bf16 rounded to nearest even, as the CPU's F32ToBf16, so
-// either device leaves the same bytes for the same values).
-__device__ __forceinline__ float Load(const float* p) { return *p; }
-__device__ __forceinline__ float Load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-__device__ __forceinline__ void Store(float* p, float v) { *p = v; }
-__device__ __forceinline__ void Store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+// The cache's element types: every kernel reads through Load (exact widening to f32; fp8
+// then times its KV head's scale, one rounding as the CPU's) and writes through Store (f32 as
+// is; bf16 rounded to nearest even, as the CPU's F32ToBf16; fp8 divided by the scale, then
+// rounded to nearest even and saturated, as the CPU's F32ToFp8E4M3), so either device leaves
+// the same bytes for the same values. f32 and bf16 ignore the scale.
+__device__ __forceinline__ float Load(const float* p, float) { return *p; }
+__device__ __forceinline__ float Load(const __nv_bfloat16* p, float) { return __bfloat162float(*p); }
+__device__ __forceinline__ float Load(const __nv_fp8_e4m3* p, float scale) {
+  return __fmul_rn(static_cast<float>(*p), scale);
+}
+__device__ __forceinline__ void Store(float* p, float v, float) { *p = v; }
+__device__ __forceinline__ void Store(__nv_bfloat16* p, float v, float) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void Store(__nv_fp8_e4m3* p, float v, float scale) {
+  *p = __nv_fp8_e4m3(__fdiv_rn(v, scale));  // __NV_SATFINITE, round to nearest even
+}
+// KV head h's fp8 scale (PagedKvLayout::k_scales / v_scales; 1 without them).
+__device__ __forceinline__ float HeadScale(const float* scales, int64_t h) {
+  return scales != nullptr ? scales[h] : 1.f;
+}
 
 // Block-wide reduction through shared scratch (kWarps floats); every thread gets the result.
 template <bool kMax>
@@ -47,6 +60,7 @@ __global__ void AttentionKernel(const AttentionSeq* seqs, PagedKvLayout kv, int6
   if (qi >= seq.num_new) return;
   const int64_t hd = kv.head_dim, bt = kv.block_tokens;
   const int64_t kvh = head / (num_heads / kv.num_kv_heads);
+  const float ks = HeadScale(kv.k_scales, kvh), vs = HeadScale(kv.v_scales, kvh);
   const int64_t pos = seq.context_len - seq.num_new + qi;
   const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
   const float* qrow = seq.q + (qi * num_heads + head) * hd;
@@ -64,7 +78,7 @@ __global__ void AttentionKernel(const AttentionSeq* seqs, PagedKvLayout kv, int6
       key_base[threadIdx.x] = base;
       const T* kp = k_base + base + kvh * hd * bt + j % bt;
       float dot = 0.f;
-      for (int64_t d = 0; d < hd; ++d) dot += q[d] * Load(kp + d * bt);
+      for (int64_t d = 0; d < hd; ++d) dot += q[d] * Load(kp + d * bt, ks);
       s = dot * scale;
     }
     const float tile_max = BlockReduce<true>(s, scratch);
@@ -82,7 +96,7 @@ __global__ void AttentionKernel(const AttentionSeq* seqs, PagedKvLayout kv, int6
       float a = acc[r] * correction;
       for (int64_t t = 0; t < count; ++t) {
         const int64_t jj = start + t;
-        a += p[t] * Load(k_base + key_base[t] + kv.v_offset + (kvh * bt + jj % bt) * hd + d);
+        a += p[t] * Load(k_base + key_base[t] + kv.v_offset + (kvh * bt + jj % bt) * hd + d, vs);
       }
       acc[r] = a;
     }
@@ -106,8 +120,9 @@ __global__ void WriteKvKernel(const float* k, const float* v, const int64_t* slo
   const int64_t off = slot % bt;
   for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
     const int64_t h = i / hd, d = i % hd;
-    Store(block + (h * hd + d) * bt + off, k[t * width + i]);
-    Store(block + kv.v_offset + (h * bt + off) * hd + d, v[t * width + i]);
+    Store(block + (h * hd + d) * bt + off, k[t * width + i], HeadScale(kv.k_scales, h));
+    Store(block + kv.v_offset + (h * bt + off) * hd + d, v[t * width + i],
+          HeadScale(kv.v_scales, h));
   }
 }
 
@@ -134,12 +149,14 @@ __global__ void RopeWriteKvKernel(const int32_t* positions, const float* inv_fre
     const int64_t h = p / half, i = p % half;
     const float* kh = k + t * width + h * hd;
     const float2 r = RotateHalfPair(kh[i], kh[i + half], pos, inv_freq[i]);
-    Store(block + (h * hd + i) * bt + off, r.x);
-    Store(block + (h * hd + i + half) * bt + off, r.y);
+    const float ks = HeadScale(kv.k_scales, h);
+    Store(block + (h * hd + i) * bt + off, r.x, ks);
+    Store(block + (h * hd + i + half) * bt + off, r.y, ks);
   }
   for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
     const int64_t h = i / hd, d = i % hd;
-    Store(block + kv.v_offset + (h * bt + off) * hd + d, v[t * width + i]);
+    Store(block + kv.v_offset + (h * bt + off) * hd + d, v[t * width + i],
+          HeadScale(kv.v_scales, h));
   }
 }
 
@@ -169,6 +186,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int64_t qi = per_query ? static_cast<int64_t>(blockIdx.z) : seq.num_new - 1;
   if (qi < 0 || qi >= seq.num_new) return;
   const int kvh = blockIdx.y;
+  const float ks = HeadScale(kv.k_scales, kvh), vs = HeadScale(kv.v_scales, kvh);
   const T* k_base = static_cast<const T*>(kv.k_base);  // the launchers pick T by kv.dtype
   const int split = per_query ? 0 : blockIdx.z, splits = per_query ? 1 : gridDim.z;
   const int hd = static_cast<int>(kv.head_dim), bt = static_cast<int>(kv.block_tokens);
@@ -205,7 +223,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
 #pragma unroll
     for (int g = 0; g < kMaxGroup; ++g) dot[g] = 0.f;
     for (int d = slice; d < hd; d += slices) {
-      const float k = Load(kt + d * bt + t_mine);
+      const float k = Load(kt + d * bt + t_mine, ks);
 #pragma unroll
       for (int g = 0; g < kMaxGroup; ++g) {
         if (g < group) dot[g] += q[g][d] * k;
@@ -251,7 +269,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
         if (g < group) o[g][r] *= corr[g];
       }
       for (int t = t_lo; t <= t_hi; ++t) {  // keys out of range may hold anything, even NaN
-        const float v = Load(vt + t * hd + d);
+        const float v = Load(vt + t * hd + d, vs);
 #pragma unroll
         for (int g = 0; g < kMaxGroup; ++g) {
           if (g < group) o[g][r] += p[g][t] * v;
@@ -329,13 +347,13 @@ int DecodeSplits(int64_t num_seqs, int64_t num_kv_heads) {
   return static_cast<int>(splits < 1 ? 1 : splits > kMaxDecodeSplits ? kMaxDecodeSplits : splits);
 }
 
-// Calls fn with a null pointer of the cache's element type; false for a dtype no kernel reads.
+// Calls fn with a null pointer of the cache's element type; false for an unknown dtype.
 template <class Fn>
 bool WithElementType(KvDtype dtype, Fn&& fn) {
   switch (dtype) {
     case KvDtype::kF32: fn(static_cast<float*>(nullptr)); return true;
     case KvDtype::kBF16: fn(static_cast<__nv_bfloat16*>(nullptr)); return true;
-    case KvDtype::kFp8E4M3: return false;
+    case KvDtype::kFp8E4M3: fn(static_cast<__nv_fp8_e4m3*>(nullptr)); return true;
   }
   return false;
 }

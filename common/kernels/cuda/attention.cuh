@@ -17,8 +17,9 @@ using kernels::PagedKvLayout;  // head_dim <= kMaxHeadDim
 // Stores the K and V of num_tokens new tokens ([T, num_kv_heads, head_dim] each) into one
 // layer's blocks at layer_base, in the geometry of `layout` (its k_base is not read): token t
 // goes to block slots[t] / block_tokens, at offset slots[t] % block_tokens. The cache holds
-// layout.dtype: f32, or bf16 (rounded to nearest even, as the CPU writes it); fp8 is
-// cudaErrorInvalidValue here and in RopeWriteKv and PagedAttention.
+// layout.dtype: f32, bf16 (rounded to nearest even, as the CPU writes it) or fp8 e4m3 (divided
+// by layout.k_scales / v_scales, device arrays of one per KV head, then rounded as the CPU
+// rounds it).
 int WriteKv(const float* k, const float* v, const int64_t* slots, int64_t num_tokens,
             void* layer_base, const PagedKvLayout& layout, void* stream);
 
