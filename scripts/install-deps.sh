@@ -36,7 +36,7 @@ CUDA_RUNTIME_PACKAGES=(cuda-cudart-13-0 libcublas-13-0)
 DEV_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
-  libabsl-dev libucx-dev ucx-utils prometheus-cpp-dev prometheus openssl
+  libabsl-dev libucx-dev ucx-utils prometheus-cpp-dev prometheus openssl libssl-dev
   libopenblas-dev nlohmann-json3-dev libpcre2-dev libcpp-httplib-dev libcli11-dev libutf8proc-dev
   libboost-dev libpq-dev postgresql libspdlog-dev libfmt-dev
   libgtest-dev libgmock-dev libbenchmark-dev

@@ -10,6 +10,7 @@
 #include "common/backend/cpu_backend.h"
 #include "common/base/check.h"
 #include "common/base/status_macros.h"
+#include "common/engine/prefix_cache.h"
 #include "common/engine/sampler.h"
 #include "common/kernels/cpu/threads.h"
 #include "common/kv/blocks.h"
@@ -47,6 +48,12 @@ struct Engine::Sequence {
   model::AdapterPositions adapter_positions = model::AdapterPositions::kAll;
   std::vector<uint8_t> mask;  // per-step scratch: adapter mask of the tokens computed now
   bool imported = false;      // prompt KV computed elsewhere: never recomputed here
+  // Prefix caching: content addresses of the first full blocks of `tokens`, how many of the
+  // blocks held now have theirs published, and the cached run found while waiting.
+  std::vector<kv::BlockHash> block_hashes;
+  int64_t published = 0;
+  int64_t cached_blocks = 0;
+  int64_t cached_tokens = 0;  // prompt tokens served from the cache at first admission
   bool adapter_ready = false;  // the backend said so once (it stays ready while in use)
   // For the observer (RequestReport).
   absl::Time arrival;
@@ -57,6 +64,9 @@ struct Engine::Sequence {
   int64_t prompt_counted = 0;  // prompt tokens counted in the stats (not again if recomputed)
 
   int64_t num_generated() const { return static_cast<int64_t>(tokens.size()) - num_prompt; }
+  AdapterRun adapter_run() const {
+    return {request.adapter.weights.get(), adapter_positions, num_prompt};
+  }
 };
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(model::Model* model,
@@ -97,7 +107,12 @@ Engine::Engine(std::unique_ptr<backend::ForwardBackend> backend, const text::Tok
     : backend_(std::move(backend)),
       tokenizer_(tokenizer),
       options_(options),
-      allocator_(static_cast<int32_t>(backend_->cache_shape().num_blocks)),
+      allocator_(static_cast<int32_t>(backend_->cache_shape().num_blocks),
+                 !options.prefix_caching ? 0
+                 : options.max_cached_blocks > 0
+                     ? static_cast<int32_t>(std::min(options.max_cached_blocks,
+                                                     backend_->cache_shape().num_blocks))
+                     : static_cast<int32_t>(backend_->cache_shape().num_blocks)),
       next_seed_(std::random_device{}()) {}
 
 Engine::~Engine() = default;
@@ -249,6 +264,7 @@ void Engine::HandOverPrefilled(std::unique_ptr<Sequence>& seq, int32_t token,
   }
   p.num_tokens = seq->num_prompt;
   p.seed = seq->seed;
+  p.cached_tokens = seq->cached_tokens;
   p.blocks = std::move(seq->blocks);
   seq->blocks.clear();
   prefilled_[p.request_id] = p.blocks;
@@ -283,6 +299,7 @@ void Engine::Finish(std::unique_ptr<Sequence>& seq, FinishReason reason, absl::S
     r.prefill_only = static_cast<bool>(seq->request.on_prefilled);
     r.imported = seq->imported;
     r.prompt_tokens = seq->num_prompt;
+    r.cached_prompt_tokens = seq->cached_tokens;
     r.generated_tokens = seq->sampled;
     r.arrival = seq->arrival;
     r.scheduled = seq->scheduled;
@@ -306,6 +323,7 @@ void Engine::Finish(std::unique_ptr<Sequence>& seq, FinishReason reason, absl::S
     r.finish = reason;
     r.status = status;
     r.logprobs = std::move(seq->logprobs);
+    r.cached_prompt_tokens = seq->cached_tokens;
     if (seq->request.adapter.weights) {
       r.adapter = seq->request.adapter.name;
       r.adapter_version = seq->request.adapter.version;
@@ -319,9 +337,49 @@ void Engine::Finish(std::unique_ptr<Sequence>& seq, FinishReason reason, absl::S
 void Engine::Preempt(Sequence& seq) {
   allocator_.Free(seq.blocks);
   seq.blocks.clear();
+  seq.published = 0;
   seq.num_computed = 0;  // recompute prompt + generated tokens when readmitted
   ++stats_.preemptions;
   ++step_report_.preemptions;
+}
+
+int64_t Engine::CachedPrefixBlocks(Sequence& seq) {
+  if (allocator_.max_cached() == 0 || seq.imported) return 0;
+  const int64_t bt = options_.scheduler.block_tokens;
+  const int64_t most = (static_cast<int64_t>(seq.tokens.size()) - 1) / bt;
+  ExtendBlockHashes(seq.tokens, most, bt, seq.adapter_run(), &seq.block_hashes);
+  int64_t n = 0;
+  while (n < most && allocator_.Peek(seq.block_hashes[n]) >= 0) ++n;
+  return n;
+}
+
+void Engine::TakeCachedPrefix(Sequence& seq) {
+  if (allocator_.max_cached() == 0 || seq.imported) return;
+  const int64_t bt = options_.scheduler.block_tokens;
+  for (int64_t b = 0; b < seq.cached_blocks; ++b) {
+    const int32_t block = allocator_.Acquire(seq.block_hashes[b]);
+    PREFT_CHECK(block >= 0);  // found while scheduling; nothing was evicted since
+    seq.blocks.push_back(block);
+  }
+  seq.num_computed = seq.published = seq.cached_blocks;
+  seq.num_computed *= bt;
+  if (seq.scheduled == absl::InfinitePast()) seq.cached_tokens = seq.num_computed;
+  const int64_t queried = static_cast<int64_t>(seq.tokens.size());
+  stats_.prefix_query_tokens += queried;
+  stats_.prefix_hit_tokens += seq.num_computed;
+  step_report_.prefix_query_tokens += queried;
+  step_report_.prefix_hit_tokens += seq.num_computed;
+}
+
+void Engine::PublishFullBlocks(Sequence& seq) {
+  if (allocator_.max_cached() == 0 || seq.imported) return;
+  const int64_t bt = options_.scheduler.block_tokens;
+  const int64_t full = std::min(seq.num_computed / bt, static_cast<int64_t>(seq.blocks.size()));
+  if (seq.published >= full) return;
+  ExtendBlockHashes(seq.tokens, full, bt, seq.adapter_run(), &seq.block_hashes);
+  for (; seq.published < full; ++seq.published) {
+    allocator_.Publish(seq.blocks[seq.published], seq.block_hashes[seq.published]);
+  }
 }
 
 namespace {
@@ -402,6 +460,7 @@ FinishReason Engine::AppendToken(Sequence& seq, int32_t token, const float* logi
     e.text_delta = std::move(delta);
     e.logprob = lp;
     e.finish = finish;
+    e.cached_prompt_tokens = seq.cached_tokens;
     seq.request.on_token(e);
   }
   return finish;
@@ -411,6 +470,7 @@ absl::Status Engine::Step() {
   const absl::Time start = absl::Now();
   step_report_.num_sequences = step_report_.num_tokens = step_report_.prompt_tokens = 0;
   step_report_.generated_tokens = step_report_.preemptions = 0;
+  step_report_.prefix_query_tokens = step_report_.prefix_hit_tokens = 0;
   step_report_.inter_token.clear();
   // A sequence whose adapter the backend could not prepare fails alone, before scheduling;
   // imported ones whose adapter has landed start decoding.
@@ -437,8 +497,13 @@ absl::Status Engine::Step() {
     running_views.push_back({static_cast<int64_t>(s->tokens.size()), s->num_computed,
                              static_cast<int64_t>(s->blocks.size())});
   }
+  const int64_t bt = options_.scheduler.block_tokens;
   for (const auto& s : waiting_) {
-    waiting_views.push_back({static_cast<int64_t>(s->tokens.size()), s->num_computed,
+    // A waiting sequence holds no block. Its cached prefix counts as computed, and its blocks
+    // as blocks to allocate: admission needs as many free blocks as without the cache (so the
+    // cache never admits what could not run), while the token budget pays only for the rest.
+    s->cached_blocks = CachedPrefixBlocks(*s);
+    waiting_views.push_back({static_cast<int64_t>(s->tokens.size()), s->cached_blocks * bt,
                              static_cast<int64_t>(s->blocks.size()), s->adapter_ready});
   }
   const ScheduleDecision d = Schedule(options_.scheduler, running_views, waiting_views,
@@ -476,10 +541,10 @@ absl::Status Engine::Step() {
   std::deque<std::unique_ptr<Sequence>> still_waiting;
   for (auto& s : waiting_) {
     if (admitted.count(s.get())) {
+      TakeCachedPrefix(*s);  // before any allocation, which could evict what it found
       if (s->scheduled == absl::InfinitePast()) s->scheduled = start;
       still_running.push_back(std::move(s));
     } else if (rejected.count(s.get())) {
-      const int64_t bt = options_.scheduler.block_tokens;
       Finish(s, FinishReason::kError,
              absl::ResourceExhaustedError(
                  absl::StrCat("prompt of ", s->num_prompt, " tokens needs ",
@@ -494,7 +559,7 @@ absl::Status Engine::Step() {
   running_ = std::move(still_running);
   waiting_ = std::move(still_waiting);
   if (work.empty()) {
-    if (observer_ != nullptr && step_report_.preemptions > 0) observer_->OnStep(step_report_);
+    if (observer_ != nullptr && step_report_.preemptions > 0) ReportStep();
     // Only sequences whose adapters are still being copied: let the copies run instead of
     // asking again at once (the loop calls Step while there is work).
     if (adapters_in_flight) absl::SleepFor(absl::Microseconds(200));
@@ -506,7 +571,12 @@ absl::Status Engine::Step() {
   for (size_t i = 0; i < work.size(); ++i) {
     Sequence* s = work[i].first;
     const int64_t n = work[i].second;
-    PREFT_CHECK(allocator_.Allocate(static_cast<int32_t>(new_blocks[i]), &s->blocks).ok());
+    // The decision counted a cached prefix's blocks as new; those are held already. (An
+    // imported sequence holds its whole reservation: nothing more.)
+    const int64_t more = std::max<int64_t>(
+        0, kv::BlocksFor(s->num_computed + n, bt) - static_cast<int64_t>(s->blocks.size()));
+    PREFT_CHECK(more <= new_blocks[i]);
+    PREFT_CHECK(allocator_.Allocate(static_cast<int32_t>(more), &s->blocks).ok());
     const int64_t context = s->num_computed + n;
     const bool last_chunk = context == static_cast<int64_t>(s->tokens.size());
     const model::AdapterWeights* adapter = s->request.adapter.weights.get();
@@ -516,10 +586,9 @@ absl::Status Engine::Step() {
       // same mask they had the first time.
       s->mask.resize(n);
       bool any = false;
+      const AdapterRun run = s->adapter_run();
       for (int64_t i = 0; i < n; ++i) {
-        const int64_t pos = s->num_computed + i;
-        s->mask[i] = pos < s->num_prompt ? adapter->prompt_selection.Selected(pos, s->num_prompt)
-                                         : s->adapter_positions == model::AdapterPositions::kAll;
+        s->mask[i] = run.RunsAt(s->num_computed + i);
         any = any || s->mask[i];
       }
       // Rows the adapter touches none of (a PreFT sequence's generated tokens) run as base
@@ -559,7 +628,10 @@ absl::Status Engine::Step() {
   step_report_.forward = now_ - start;
   step_report_.generated_tokens = static_cast<int64_t>(sampled.size());
   ++stats_.steps;
-  for (auto& [s, n] : work) s->num_computed += n;
+  for (auto& [s, n] : work) {
+    s->num_computed += n;
+    PublishFullBlocks(*s);
+  }
 
   const int64_t vocab = backend_->config().vocab_size;
   std::map<Sequence*, FinishReason> done;
@@ -597,8 +669,15 @@ absl::Status Engine::Step() {
     }
     running_ = std::move(keep);
   }
-  if (observer_ != nullptr) observer_->OnStep(step_report_);
+  if (observer_ != nullptr) ReportStep();
   return absl::OkStatus();
+}
+
+void Engine::ReportStep() {
+  step_report_.prefix_evictions = allocator_.evictions() - evictions_reported_;
+  evictions_reported_ = allocator_.evictions();
+  step_report_.cached_blocks = allocator_.num_cached();
+  observer_->OnStep(step_report_);
 }
 
 absl::StatusOr<std::vector<GenerationResult>> Engine::Generate(std::vector<Request> requests) {

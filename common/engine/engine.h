@@ -31,6 +31,10 @@ struct EngineOptions {
   kv::KvDtype kv_dtype = kv::KvDtype::kF32;
   SchedulerConfig scheduler;
   int num_threads = 0;  // compute threads; 0: all cores
+  // Prefix caching (prefix_cache.h): full blocks stay cached by content after their sequence
+  // ends, and a new sequence's prompt starts after the longest cached run of its blocks.
+  bool prefix_caching = true;
+  int64_t max_cached_blocks = 0;  // 0: any block may stay cached (evicted only when needed)
 };
 
 struct EngineStats {
@@ -38,6 +42,9 @@ struct EngineStats {
   int64_t prompt_tokens = 0;
   int64_t generated_tokens = 0;
   int64_t preemptions = 0;
+  // Prefix caching: prompt tokens looked up at admission, and of those found cached.
+  int64_t prefix_query_tokens = 0;
+  int64_t prefix_hit_tokens = 0;
 };
 
 // Owned and driven by one thread (the engine thread); not thread-safe. Borrows the model
@@ -115,6 +122,14 @@ class Engine {
   absl::StatusOr<bool> AdapterReadyFor(Sequence& seq);
   void HandOverPrefilled(std::unique_ptr<Sequence>& seq, int32_t token, const float* logits);
   void Preempt(Sequence& seq);
+  // Prefix caching: how many leading blocks of a waiting sequence are cached (always leaving
+  // a token to compute, whose logits it samples from), holds them for it when it is admitted,
+  // and gives the blocks its forward filled their content addresses.
+  int64_t CachedPrefixBlocks(Sequence& seq);
+  void TakeCachedPrefix(Sequence& seq);
+  void PublishFullBlocks(Sequence& seq);
+  // Completes step_report_ with the cache's figures and hands it to the observer.
+  void ReportStep();
 
   std::unique_ptr<backend::ForwardBackend> backend_;
   const text::Tokenizer* tokenizer_;
@@ -132,6 +147,7 @@ class Engine {
   EngineStats stats_;
   EngineObserver* observer_ = nullptr;
   StepReport step_report_;  // filled during Step
+  int64_t evictions_reported_ = 0;
   absl::Time now_;          // when the tokens being appended were sampled
   base::AlignedVector<float> logits_;
   std::vector<std::pair<float, int32_t>> sample_scratch_;

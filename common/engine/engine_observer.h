@@ -18,6 +18,12 @@ struct StepReport {
   int64_t prompt_tokens = 0;     // prompt tokens computed for the first time
   int64_t generated_tokens = 0;  // tokens sampled
   int64_t preemptions = 0;       // sequences sent back to the queue to free blocks
+  // Prefix caching: tokens of the sequences admitted this step looked up, and found cached;
+  // cached blocks whose content was reclaimed this step; blocks cached after it.
+  int64_t prefix_query_tokens = 0;
+  int64_t prefix_hit_tokens = 0;
+  int64_t prefix_evictions = 0;
+  int64_t cached_blocks = 0;
   absl::Duration forward;
   // For each token sampled after a sequence's first: the time since its previous token.
   std::vector<absl::Duration> inter_token;
@@ -29,6 +35,7 @@ struct RequestReport {
   bool prefill_only = false;  // handed over after its first token (prefill tier)
   bool imported = false;      // prompt computed elsewhere (decode tier)
   int64_t prompt_tokens = 0;
+  int64_t cached_prompt_tokens = 0;  // of those, served from the prefix cache
   // Tokens this engine sampled (an imported first token was sampled elsewhere).
   int64_t generated_tokens = 0;
   absl::Time arrival;                                // Engine::Add

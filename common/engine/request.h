@@ -26,6 +26,7 @@ struct TokenEvent {
   const TokenLogprob* logprob = nullptr;  // when requested; valid during the callback
   FinishReason finish = FinishReason::kNone;
   absl::Status status;  // not OK for kError
+  int64_t cached_prompt_tokens = 0;  // prompt tokens the prefix cache served (OpenAI's cached_tokens)
 };
 
 using TokenCallback = std::function<void(const TokenEvent&)>;
@@ -49,6 +50,7 @@ struct PrefilledPrompt {
   std::vector<int32_t> blocks;                // the prompt's KV, in position order
   int64_t num_tokens = 0;                     // prompt tokens in those blocks
   uint64_t seed = 0;                          // the sampling seed used (decode continues it)
+  int64_t cached_tokens = 0;                  // of the prompt, served from the prefix cache
 };
 
 // Decode tier: a prompt whose KV another worker computed into blocks of this engine's cache.
@@ -83,6 +85,7 @@ struct GenerationResult {
   FinishReason finish = FinishReason::kNone;
   absl::Status status;
   std::vector<TokenLogprob> logprobs;
+  int64_t cached_prompt_tokens = 0;  // prompt tokens the prefix cache served
   // The adapter it ran with ("" for the base model), its version and positions.
   std::string adapter;
   int64_t adapter_version = 0;

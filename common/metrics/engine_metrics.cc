@@ -47,7 +47,15 @@ EngineMetrics::EngineMetrics(prometheus::Registry& r)
                     OneTwoFiveBuckets(1 << 20))),
       finished_(metrics::CounterFamily(
           r, "preft:request_success_total",
-          "Requests ended, by finish reason (length, stop, abort, error).")) {
+          "Requests ended, by finish reason (length, stop, abort, error).")),
+      prefix_queries_(Counter(r, "preft:prefix_cache_queries_total",
+                              "Tokens of admitted sequences looked up in the prefix cache.")),
+      prefix_hits_(Counter(r, "preft:prefix_cache_hits_total",
+                           "Of the tokens looked up, those whose KV was cached.")),
+      prefix_evictions_(Counter(r, "preft:prefix_cache_evictions_total",
+                                "Cached blocks whose KV was reclaimed for new tokens.")),
+      prefix_blocks_(Gauge(r, "preft:prefix_cache_blocks",
+                           "KV blocks holding cached content (in use or evictable).")) {
   // Present from the first scrape, so increase() sees their first events.
   for (auto reason : {engine::FinishReason::kLength, engine::FinishReason::kStop,
                       engine::FinishReason::kAbort, engine::FinishReason::kError}) {
@@ -59,6 +67,10 @@ void EngineMetrics::OnStep(const engine::StepReport& step) {
   prompt_tokens_.Increment(static_cast<double>(step.prompt_tokens));
   generation_tokens_.Increment(static_cast<double>(step.generated_tokens));
   preemptions_.Increment(static_cast<double>(step.preemptions));
+  prefix_queries_.Increment(static_cast<double>(step.prefix_query_tokens));
+  prefix_hits_.Increment(static_cast<double>(step.prefix_hit_tokens));
+  prefix_evictions_.Increment(static_cast<double>(step.prefix_evictions));
+  prefix_blocks_.Set(static_cast<double>(step.cached_blocks));
   if (step.num_sequences == 0) return;  // only preemptions happened
   iteration_tokens_.Observe(static_cast<double>(step.num_tokens));
   batch_size_.Observe(static_cast<double>(step.num_sequences));

@@ -9,10 +9,13 @@
 // Per-tier meaning: on a prefill worker a request ends at its first token (TTFT is the prompt's
 // queue + compute; there is no decode time); on a decode worker a request starts from an
 // imported prompt (no TTFT or queue time; its decode time is the whole generation).
+// Prefix caching counts tokens as vLLM v1 does: queries are the tokens of the sequences
+// admitted, hits those found cached (hit rate = hits / queries); a decode tier has none.
 
 #include "common/engine/engine_observer.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
+#include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 
@@ -43,6 +46,10 @@ class EngineMetrics final : public engine::EngineObserver {
   prometheus::Histogram& request_prompt_tokens_;
   prometheus::Histogram& request_generation_tokens_;
   prometheus::Family<prometheus::Counter>& finished_;
+  prometheus::Counter& prefix_queries_;
+  prometheus::Counter& prefix_hits_;
+  prometheus::Counter& prefix_evictions_;
+  prometheus::Gauge& prefix_blocks_;
 };
 
 }  // namespace preft::metrics

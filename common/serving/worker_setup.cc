@@ -125,6 +125,17 @@ void AddKvDtypeFlag(CLI::App& app, std::string* flag) {
       ->check(CLI::IsMember({"auto", "f32", "bf16", "fp8_e4m3"}));
 }
 
+void AddPrefixCacheFlags(CLI::App& app, PrefixCacheFlags* flags) {
+  app.add_flag("--no-prefix-caching", flags->off,
+               "compute every prompt whole (by default full KV blocks stay cached by content, "
+               "adapter and version, and a prompt starts after its longest cached prefix)");
+  app.add_option("--prefix-cache-blocks", flags->max_blocks,
+                 "at most this many KV blocks keep cached content (0: any; cached blocks are "
+                 "reclaimed only when new tokens need them)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+}
+
 absl::StatusOr<kv::KvDtype> ResolveKvDtype(const std::string& flag, kernels::DType weights) {
   kv::KvDtype d;
   if (flag == "auto") return weights == kernels::DType::kBF16 ? kv::KvDtype::kBF16 : kv::KvDtype::kF32;
@@ -158,6 +169,7 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f) {
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   AddKvDtypeFlag(app, &f->kv_dtype);
+  AddPrefixCacheFlags(app, &f->prefix_cache);
   app.add_option("--device", f->device,
                  "where the forward runs: cpu, or cuda (the first GPU; a prefill or disaggregated "
                  "decode worker stages KV through host memory unless --transport cuda_ipc)")
@@ -255,6 +267,7 @@ absl::StatusOr<WorkerEngine> MakeWorkerEngine(const WorkerFlags& f, bool kv_tran
   o.kv_blocks = f.kv_blocks;
   o.scheduler.max_batch_tokens = f.max_batch_tokens;
   o.num_threads = f.threads;
+  f.prefix_cache.ApplyTo(&o);
   PREFT_ASSIGN_OR_RETURN(o.kv_dtype,
                          ResolveKvDtype(f.kv_dtype, w.model.model->weight_dtype()));
   PREFT_ASSIGN_OR_RETURN(

@@ -65,6 +65,19 @@ inline constexpr char kKvDtypeHelp[] =
     "k_scale/v_scale, else 1, and rounded to 3 mantissa bits). Prefill and "
     "decode workers that exchange KV must store the same";
 void AddKvDtypeFlag(CLI::App& app, std::string* flag);
+
+// Prefix caching (engine::EngineOptions): on unless --no-prefix-caching; --prefix-cache-blocks
+// caps the blocks that keep cached content (0: any block may, evicted only when needed).
+struct PrefixCacheFlags {
+  bool off = false;
+  int64_t max_blocks = 0;
+
+  void ApplyTo(engine::EngineOptions* options) const {
+    options->prefix_caching = !off;
+    options->max_cached_blocks = max_blocks;
+  }
+};
+void AddPrefixCacheFlags(CLI::App& app, PrefixCacheFlags* flags);
 // The dtype `flag` names for a model whose weights are `weights`.
 absl::StatusOr<kv::KvDtype> ResolveKvDtype(const std::string& flag, kernels::DType weights);
 
@@ -77,6 +90,7 @@ struct WorkerFlags {
   int64_t kv_blocks = 0;  // instead of kv_bytes
   int64_t max_batch_tokens = 512;
   std::string kv_dtype = "auto";  // see kKvDtypeHelp
+  PrefixCacheFlags prefix_cache;
   int threads = 0;  // 0: all cores
   // "cuda": the engine's forward on the first GPU (weights as bf16, the KV cache in device
   // memory sized from what is free unless kv_blocks is set; a worker that moves KV over a

@@ -34,6 +34,7 @@ StreamFinishInfo FinishInfoOf(const CallRequest& r) {
   StreamFinishInfo info;
   info.request_id = r.request_id();
   info.prompt_tokens = r.prompt_ids_size();
+  if constexpr (requires { r.cached_tokens(); }) info.cached_tokens = r.cached_tokens();
   info.adapter = r.adapter();
   info.adapter_version = r.adapter_version();
   info.adapter_positions = r.adapter_positions();

@@ -68,6 +68,7 @@ void StartStream::OnEvent(const engine::TokenEvent& event) {
     if (event.logprob != nullptr) e.logprob = *event.logprob;
     e.finish = event.finish;
     e.status = event.status;
+    e.cached_prompt_tokens = event.cached_prompt_tokens;
     pending_.push_back(std::move(e));
   }
   Pump();
@@ -166,6 +167,8 @@ void StartStream::Pump() {
           f->set_reason(wire::ToProto(e.finish));
           f->mutable_usage()->set_prompt_tokens(info_.prompt_tokens);
           f->mutable_usage()->set_completion_tokens(completion_tokens_);
+          f->mutable_usage()->set_cached_tokens(
+              std::max<int32_t>(info_.cached_tokens, static_cast<int32_t>(e.cached_prompt_tokens)));
           f->set_adapter(info_.adapter);
           f->set_adapter_version(info_.adapter_version);
           f->set_adapter_positions(info_.adapter_positions);

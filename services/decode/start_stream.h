@@ -28,6 +28,7 @@ namespace preft::decode {
 struct StreamFinishInfo {
   std::string request_id;
   int32_t prompt_tokens = 0;
+  int32_t cached_tokens = 0;  // Start: the prefill's; Run: the engine's (its token events)
   std::string adapter;
   int64_t adapter_version = 0;
   v1::AdapterPositions adapter_positions = v1::ADAPTER_POSITIONS_UNSPECIFIED;
@@ -97,6 +98,7 @@ class StartStream : public std::enable_shared_from_this<StartStream> {
     std::optional<engine::TokenLogprob> logprob;
     engine::FinishReason finish = engine::FinishReason::kNone;
     absl::Status status;
+    int64_t cached_prompt_tokens = 0;
   };
 
   StartStream(StreamFinishInfo info, Hooks hooks);

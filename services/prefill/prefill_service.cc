@@ -334,6 +334,7 @@ void PrefillService::Impl::Call::OnPrefilled(const engine::PrefilledPrompt& p) {
       return;
     }
     result_.set_first_token_id(p.first_token);
+    result_.set_cached_tokens(static_cast<int32_t>(p.cached_tokens));
     if (p.first_logprob) *result_.mutable_first_logprob() = wire::ToProto(*p.first_logprob);
     result_.set_queue_us(Micros(added_ - arrival_));
     result_.set_compute_us(Micros(prefilled_ - added_));

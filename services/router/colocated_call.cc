@@ -13,16 +13,29 @@
 namespace preft::router {
 
 absl::StatusOr<std::shared_ptr<DecodeWorker>> GenerateCall::PickColocated(
-    int64_t prompt_tokens, int64_t max_new, const WorkerAttempts& attempts, size_t* known) {
-  PREFT_ASSIGN_OR_RETURN(const DecodeChoice c, DecodeCandidates(prompt_tokens, max_new));
+    const std::vector<int32_t>& prompt, const std::optional<RegisteredAdapter>& adapter,
+    int64_t max_new, const WorkerAttempts& attempts, size_t* known) {
+  PREFT_ASSIGN_OR_RETURN(const DecodeChoice c,
+                         DecodeCandidates(static_cast<int64_t>(prompt.size()), max_new));
   *known = c.workers.size();
   std::vector<DecodeView> views = c.views;
   attempts.ExcludeTried(c.workers, &views);
+  // Where the prompt's prefix was sent last, its KV is probably cached.
+  const std::vector<uint64_t> keys = PrefixAffinity::Keys(
+      adapter ? adapter->name : "", adapter ? adapter->version : 0, prompt,
+      views.empty() ? 16 : views.front().block_tokens);
+  const auto match = router_->prefix_affinity.Match(keys);
+  for (size_t i = 0; i < views.size(); ++i) {
+    if (const auto it = match.find(c.workers[i]->address); it != match.end()) {
+      views[i].prefix_blocks = it->second;
+    }
+  }
   // Any worker may take it (its engine queues what does not fit yet): most free first.
   const std::vector<size_t> order = RankDecode(views, 0);
   if (order.empty()) return nullptr;
   const std::shared_ptr<DecodeWorker>& w = c.workers[order.front()];
-  router_->metrics->Routed("decode", "most_free");
+  router_->prefix_affinity.Record(keys, w->address);
+  router_->metrics->Routed("decode", views[order.front()].prefix_blocks > 0 ? "prefix" : "most_free");
   // Until the next poll says otherwise, so a burst spreads over the workers; never below 0,
   // which would take the worker out of the ranking although its engine would queue.
   absl::MutexLock lock(&w->mu);
@@ -69,7 +82,7 @@ rpc::Task<absl::Status> GenerateCall::RunColocated(const std::vector<int32_t>& p
     size_t known = 0;
     PREFT_CO_ASSIGN_OR_RETURN(
         const std::shared_ptr<DecodeWorker> w,
-        PickColocated(static_cast<int64_t>(prompt.size()), sampling.max_tokens, attempts, &known));
+        PickColocated(prompt, adapter, sampling.max_tokens, attempts, &known));
     if (w == nullptr) {
       if (absl::Now() >= admission_deadline_) {
         co_return absl::UnavailableError(

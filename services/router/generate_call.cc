@@ -370,13 +370,19 @@ rpc::Task<absl::StatusOr<worker::v1::PrefillResponse>> GenerateCall::Prefill(
     Reservation* res, const std::vector<int32_t>& prompt,
     const std::optional<RegisteredAdapter>& adapter, const engine::SamplingParams& sampling) {
   WorkerAttempts attempts(router_->options.max_prefill_attempts, "no prefill worker is available");
+  // Where the prompt's prefix was sent last, its KV is probably cached.
+  const std::vector<uint64_t> keys =
+      PrefixAffinity::Keys(adapter ? adapter->name : "", adapter ? adapter->version : 0, prompt,
+                           res->r.block_tokens());
   while (!attempts.exhausted()) {
     if (stopped()) co_return absl::CancelledError("cancelled");
     const auto workers = router_->pool->prefill();
+    const auto match = router_->prefix_affinity.Match(keys);
     std::vector<PrefillView> views;
     for (const auto& w : workers) {
       absl::MutexLock lock(&w->mu);
       PrefillView v = w->view;
+      if (const auto it = match.find(w->address); it != match.end()) v.prefix_blocks = it->second;
       if (adapter) {
         for (const auto& a : w->status.adapters()) {
           if (a.name() != adapter->name || a.version() != adapter->version) continue;
@@ -400,9 +406,11 @@ rpc::Task<absl::StatusOr<worker::v1::PrefillResponse>> GenerateCall::Prefill(
       continue;
     }
     const auto& w = workers[order.front()];
+    router_->prefix_affinity.Record(keys, w->address);
     router_->metrics->Routed(
-        "prefill",
-        adapter ? ResidencyName(Classify(views[order.front()], true, adapter->bytes)) : "base");
+        "prefill", adapter ? ResidencyName(Classify(views[order.front()], true, adapter->bytes))
+                   : views[order.front()].prefix_blocks > 0 ? "prefix"
+                                                             : "base");
     worker::v1::PrefillRequest req;
     req.set_request_id(id_);
     for (int32_t t : prompt) req.add_prompt_ids(t);
@@ -520,6 +528,7 @@ rpc::Task<absl::Status> GenerateCall::Decode(const Reservation& res,
   req.set_request_id(id_);
   for (int32_t t : prompt) req.add_prompt_ids(t);
   req.set_first_token_id(first.first_token_id());
+  req.set_cached_tokens(first.cached_tokens());
   if (first.has_first_logprob()) *req.mutable_first_logprob() = first.first_logprob();
   *req.mutable_sampling() = wire::ToProto(sampling);
   if (adapter) {

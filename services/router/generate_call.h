@@ -97,10 +97,9 @@ class GenerateCall final {
   // The colocated decode worker to try next: most free first, tried ones left out; null when
   // none may take the request now (`*known` says how many workers there are). A plain function
   // so that the candidates do not live in the coroutine's frame while the request runs.
-  absl::StatusOr<std::shared_ptr<DecodeWorker>> PickColocated(int64_t prompt_tokens,
-                                                              int64_t max_new,
-                                                              const WorkerAttempts& attempts,
-                                                              size_t* known);
+  absl::StatusOr<std::shared_ptr<DecodeWorker>> PickColocated(
+      const std::vector<int32_t>& prompt, const std::optional<RegisteredAdapter>& adapter,
+      int64_t max_new, const WorkerAttempts& attempts, size_t* known);
   // Opens the request's Run stream on `w` (a plain function: the message lives on its stack,
   // not in the coroutine's frame for the whole stream).
   std::shared_ptr<DecodeStream> OpenRun(DecodeWorker& w, const std::vector<int32_t>& prompt,

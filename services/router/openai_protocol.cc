@@ -376,21 +376,25 @@ absl::StatusOr<Plan> ParseChat(const json& body, const std::vector<int32_t>& pro
   return plan;
 }
 
-json Usage(int64_t prompt_tokens, int64_t completion_tokens) {
+json Usage(int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens) {
   return {{"prompt_tokens", prompt_tokens},
           {"completion_tokens", completion_tokens},
-          {"total_tokens", prompt_tokens + completion_tokens}};
+          {"total_tokens", prompt_tokens + completion_tokens},
+          {"prompt_tokens_details", {{"cached_tokens", cached_tokens}}}};
 }
 
 namespace {
 
 json UsageOf(const std::vector<ChoiceResult>& choices, int n_per_prompt) {
-  int64_t prompt = 0, completion = 0;
+  int64_t prompt = 0, completion = 0, cached = 0;
   for (size_t i = 0; i < choices.size(); ++i) {
-    if (i % n_per_prompt == 0) prompt += choices[i].prompt_tokens;  // each prompt once
+    if (i % n_per_prompt == 0) {  // each prompt once
+      prompt += choices[i].prompt_tokens;
+      cached += choices[i].cached_tokens;
+    }
     completion += static_cast<int64_t>(choices[i].token_ids.size());
   }
-  return Usage(prompt, completion);
+  return Usage(prompt, completion, cached);
 }
 
 }  // namespace
@@ -445,13 +449,13 @@ json ChatChunk(const std::string& id, int64_t created, const Plan& plan, int ind
 }
 
 json UsageChunk(const std::string& id, int64_t created, const Plan& plan, bool chat,
-                int64_t prompt_tokens, int64_t completion_tokens) {
+                int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens) {
   return {{"id", id},
           {"object", chat ? "chat.completion.chunk" : "text_completion"},
           {"created", created},
           {"model", plan.model},
           {"choices", json::array()},
-          {"usage", Usage(prompt_tokens, completion_tokens)}};
+          {"usage", Usage(prompt_tokens, completion_tokens, cached_tokens)}};
 }
 
 HttpError ToHttpError(const absl::Status& status, const std::string& param) {

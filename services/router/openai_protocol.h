@@ -48,6 +48,7 @@ struct ChoiceResult {
   std::vector<v1::TokenLogprob> logprobs;
   std::string finish_reason;  // "" while running; "stop", "length", "abort"
   int32_t prompt_tokens = 0;
+  int32_t cached_tokens = 0;  // of prompt_tokens, from a prefix cache
 };
 
 // Bodies. `created` is seconds since the epoch; `tokenizer` names tokens in logprobs (may be
@@ -66,8 +67,10 @@ nlohmann::json ChatChunk(const std::string& id, int64_t created, const Plan& pla
                          const ChoiceResult& delta, bool first, const text::Tokenizer* tokenizer);
 // The final usage-only chunk (stream_options.include_usage).
 nlohmann::json UsageChunk(const std::string& id, int64_t created, const Plan& plan, bool chat,
-                          int64_t prompt_tokens, int64_t completion_tokens);
-nlohmann::json Usage(int64_t prompt_tokens, int64_t completion_tokens);
+                          int64_t prompt_tokens, int64_t completion_tokens,
+                          int64_t cached_tokens = 0);
+// With prompt_tokens_details.cached_tokens: prompt tokens a prefix cache served.
+nlohmann::json Usage(int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens = 0);
 
 // OpenAI's error body and the HTTP status for a status code.
 struct HttpError {

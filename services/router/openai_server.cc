@@ -72,6 +72,7 @@ void Append(const openai::ChoiceResult& delta, openai::ChoiceResult* all) {
   all->logprobs.insert(all->logprobs.end(), delta.logprobs.begin(), delta.logprobs.end());
   if (!delta.finish_reason.empty()) all->finish_reason = delta.finish_reason;
   if (delta.prompt_tokens > 0) all->prompt_tokens = delta.prompt_tokens;
+  if (delta.cached_tokens > 0) all->cached_tokens = delta.cached_tokens;
 }
 
 // The gRPC calls in flight: their callbacks point into the server, which waits for the last.
@@ -153,6 +154,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   std::vector<std::weak_ptr<ChoiceStream>> choices_ ABSL_GUARDED_BY(mu_);  // started
   bool client_gone_ ABSL_GUARDED_BY(mu_) = false;  // or the choices are cancelled
   int64_t prompt_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t cached_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t completion_tokens_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
@@ -263,13 +265,17 @@ void Generation::OnDelta(int index, const v1::GenerateResponse& msg) {
   if (msg.has_finish()) {
     d.finish_reason = wire::FinishReasonName(msg.finish().reason());
     d.prompt_tokens = msg.finish().usage().prompt_tokens();
+    d.cached_tokens = msg.finish().usage().cached_tokens();
   }
   absl::MutexLock lock(&mu_);
   if (answered_) return;
   if (!plan_.stream) return Append(d, &results_[index]);
   BeginStream();
   completion_tokens_ += static_cast<int64_t>(d.token_ids.size());
-  if (index % plan_.n == 0) prompt_tokens_ += d.prompt_tokens;
+  if (index % plan_.n == 0) {
+    prompt_tokens_ += d.prompt_tokens;
+    cached_tokens_ += d.cached_tokens;
+  }
   const json chunk =
       chat_ ? openai::ChatChunk(id_, created_, plan_, index, d, !started_[index], tokenizer_)
             : openai::CompletionChunk(id_, created_, plan_, index, d, tokenizer_);
@@ -311,7 +317,8 @@ void Generation::Finish() {
   // Usage is true or absent: after a failed choice its prompt tokens were never reported.
   if (plan_.include_usage && failed_.ok()) {
     ex_->Write(Event(Dump(
-        openai::UsageChunk(id_, created_, plan_, chat_, prompt_tokens_, completion_tokens_))));
+        openai::UsageChunk(id_, created_, plan_, chat_, prompt_tokens_, completion_tokens_,
+                           cached_tokens_))));
   }
   ex_->Write(Event("[DONE]"));
   ex_->End();

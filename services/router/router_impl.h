@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "common/base/thread_pool.h"
+#include "services/router/prefix_affinity.h"
 #include "services/router/router_metrics.h"
 #include "services/router/router_service.h"
 
@@ -32,6 +33,8 @@ struct RouterService::Impl {
   // for every worker, preloads onto a rejoining worker): a few threads of its own, so it never
   // holds up admission; more admin calls than threads queue.
   std::unique_ptr<base::ThreadPool> admin;
+  // Which worker each prompt prefix went to last (prefix-affinity routing).
+  PrefixAffinity prefix_affinity;
 
   std::mutex mu;
   std::condition_variable idle;  // threads == 0

@@ -54,23 +54,26 @@ absl::StatusOr<int64_t> EligibleDecode(std::vector<DecodeView>* views, const Dec
 
 std::vector<size_t> RankDecode(const std::vector<DecodeView>& workers, int64_t blocks_needed) {
   std::vector<size_t> order;
+  int64_t total_load = 0;
   for (size_t i = 0; i < workers.size(); ++i) {
     const DecodeView& w = workers[i];
-    if (w.healthy && !w.draining && w.free_blocks >= blocks_needed) order.push_back(i);
+    if (w.healthy && !w.draining && w.free_blocks >= blocks_needed) {
+      order.push_back(i);
+      total_load += w.running + w.queue_depth;
+    }
   }
+  const int64_t cap = BoundedLoadCap(total_load, static_cast<int64_t>(order.size()));
   // Free KV blocks alone let a burst fill one worker's batch past max_running while another
   // has places (its engine then queues what the other would run).
-  auto batch_full = [](const DecodeView& w) {
-    return w.max_running > 0 && w.running + w.queue_depth >= w.max_running;
+  auto key = [&](size_t i) {
+    const DecodeView& w = workers[i];
+    const int64_t load = w.running + w.queue_depth;
+    const bool batch_full = w.max_running > 0 && load >= w.max_running;
+    const int64_t prefix = load > cap ? 0 : w.prefix_blocks;
+    return std::make_tuple(w.kv_path_suspect, batch_full, -prefix, -(w.free_blocks - blocks_needed),
+                           load);
   };
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    const DecodeView& x = workers[a];
-    const DecodeView& y = workers[b];
-    return std::make_tuple(x.kv_path_suspect, batch_full(x), -(x.free_blocks - blocks_needed),
-                           x.running + x.queue_depth) <
-           std::make_tuple(y.kv_path_suspect, batch_full(y), -(y.free_blocks - blocks_needed),
-                           y.running + y.queue_depth);
-  });
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return key(a) < key(b); });
   return order;
 }
 
@@ -86,6 +89,11 @@ const char* ResidencyName(Residency r) {
       return "full";
   }
   return "?";
+}
+
+int64_t BoundedLoadCap(int64_t total_load, int64_t workers) {
+  const int64_t n = std::max<int64_t>(1, workers);
+  return (5 * (total_load + 1) + 4 * n - 1) / (4 * n);
 }
 
 Residency Classify(const PrefillView& w, bool has_adapter, int64_t adapter_bytes) {
@@ -109,14 +117,14 @@ std::vector<size_t> RankPrefill(const std::vector<PrefillView>& workers, bool ha
   // keeps the request only while its load is at most 1.25 x the average (counting this
   // request); past that it competes with the free slots on load, so a hot adapter spreads to an
   // idle worker instead of queueing behind its holder.
-  const int64_t n = std::max<int64_t>(1, static_cast<int64_t>(order.size()));
-  const int64_t cap = (5 * (total_load + 1) + 4 * n - 1) / (4 * n);  // ceil(1.25 x average)
+  const int64_t cap = BoundedLoadCap(total_load, static_cast<int64_t>(order.size()));
   auto key = [&](size_t i) {
     const PrefillView& w = workers[i];
     const int64_t load = w.queue_depth + w.running;
     Residency r = Classify(w, has_adapter, adapter_bytes);
     if (has_adapter && r == Residency::kResident && load > cap) r = Residency::kFreeSlot;
-    return std::make_tuple(static_cast<int>(r), load, i);
+    const int64_t prefix = load > cap ? 0 : w.prefix_blocks;
+    return std::make_tuple(static_cast<int>(r), -prefix, load, i);
   };
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return key(a) < key(b); });
   return order;

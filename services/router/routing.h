@@ -31,6 +31,8 @@ struct DecodeView {
   // ranked after every worker that has room and is not suspect, so it is used only as a last
   // resort while the suspicion lasts (RouterOptions::kv_path_suspect).
   bool kv_path_suspect = false;
+  // Colocated: leading blocks of this request's prompt it was last given (PrefixAffinity).
+  int64_t prefix_blocks = 0;
 };
 
 // Where an adapter stands on one prefill worker, best first.
@@ -46,6 +48,8 @@ struct PrefillView {
   // The requested adapter version's state there (filled per request by the caller).
   bool adapter_resident = false;  // in a compute slot
   bool adapter_loading = false;
+  // Leading blocks of this request's prompt it was last given (PrefixAffinity): probably cached.
+  int64_t prefix_blocks = 0;
 };
 
 // Blocks a request needs on a decode worker: its prompt and every token it may generate.
@@ -69,17 +73,24 @@ absl::StatusOr<int64_t> EligibleDecode(std::vector<DecodeView>* views, const Dec
 
 // Indices of decode workers to try, best first: healthy, not draining, with room for
 // `blocks_needed` (by the last report); those with a free place in their batch (running +
-// queued under max_running) first, then most free blocks (after this request), then the
-// lightest batch (running + queued). Workers without room by the report are left out.
+// queued under max_running) first, then the longest cached prefix among those not over the
+// load bound (BoundedLoadCap), then most free blocks (after this request), then the lightest
+// batch (running + queued). Workers without room by the report are left out.
 std::vector<size_t> RankDecode(const std::vector<DecodeView>& workers, int64_t blocks_needed);
+
+// Consistent hashing with bounded loads (Mirrokni et al.): ceil(1.25 x the average load of
+// `workers` workers once this request is added to `total_load`). A worker past it loses its
+// affinities for this request.
+int64_t BoundedLoadCap(int64_t total_load, int64_t workers);
 
 // The adapter's residency class on a worker (base-model requests: every worker is kResident).
 Residency Classify(const PrefillView& w, bool has_adapter, int64_t adapter_bytes);
 
 // Indices of prefill workers to try, best first: healthy and not draining; by residency class
-// (resident > free slot > loading > full), then queue depth + running, then index. A worker
-// holding the adapter whose load (queue depth + running) is over 1.25 x the average ranks as a
-// free slot (bounded-load affinity), so an idle worker takes the overflow.
+// (resident > free slot > loading > full), then the longest cached prefix, then queue depth +
+// running, then index. Both affinities are bounded: a worker whose load (queue depth +
+// running) is over BoundedLoadCap ranks as a free slot and as holding no prefix, so an idle
+// worker takes the overflow of a hot adapter or a hot system prompt.
 std::vector<size_t> RankPrefill(const std::vector<PrefillView>& workers, bool has_adapter,
                                 int64_t adapter_bytes);
 

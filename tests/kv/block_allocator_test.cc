@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
 #include <random>
 #include <set>
 
@@ -54,6 +55,95 @@ TEST(BlockAllocatorDeathTest, DoubleFreeIsABrokenInvariant) {
   EXPECT_DEATH(a.Free(got[0]), "check failed");
 }
 
+BlockHash HashOf(int32_t token) {
+  return HashBlock(BlockHash{}, 0, &token, nullptr, 1);
+}
+
+// A published block outlives its last holder as an evictable block: found again by its hash,
+// counted as free, and reclaimed only after the plain free blocks are gone, least recently
+// freed first.
+TEST(BlockAllocatorTest, CachedBlocksStayUntilAnAllocationNeedsThem) {
+  BlockAllocator a(4, /*max_cached=*/4);
+  std::vector<int32_t> seq;
+  ASSERT_TRUE(a.Allocate(3, &seq).ok());
+  for (int32_t i = 0; i < 3; ++i) a.Publish(seq[i], HashOf(i));
+  EXPECT_EQ(a.num_cached(), 3);
+  a.Free(seq);
+  EXPECT_EQ(a.num_free(), 4);
+  EXPECT_EQ(a.num_evictable(), 3);
+  EXPECT_EQ(a.Peek(HashOf(1)), seq[1]);
+  EXPECT_EQ(a.Peek(HashOf(7)), -1);
+
+  // A hit holds the block (no longer evictable); another holder shares it.
+  EXPECT_EQ(a.Acquire(HashOf(0)), seq[0]);
+  EXPECT_EQ(a.Acquire(HashOf(0)), seq[0]);
+  EXPECT_EQ(a.ref_count(seq[0]), 2);
+  EXPECT_EQ(a.num_free(), 3);
+  // Allocation takes the plain free block first, then the LRU: Free(seq) let go of seq[2]
+  // first (last block first), so it is evicted before seq[1].
+  std::vector<int32_t> more;
+  ASSERT_TRUE(a.Allocate(1, &more).ok());
+  EXPECT_EQ(a.num_cached(), 3);
+  ASSERT_TRUE(a.Allocate(1, &more).ok());
+  EXPECT_EQ(more.back(), seq[2]);
+  EXPECT_EQ(a.Peek(HashOf(2)), -1);
+  EXPECT_EQ(a.evictions(), 1);
+  ASSERT_TRUE(a.Allocate(1, &more).ok());
+  EXPECT_EQ(more.back(), seq[1]);
+  EXPECT_EQ(a.num_free(), 0);
+  EXPECT_FALSE(a.Allocate(1, &more).ok());  // seq[0] is held, never taken
+  a.Free(seq[0]);
+  a.Free(seq[0]);
+  EXPECT_EQ(a.Peek(HashOf(0)), seq[0]);  // cached again once free
+  a.Free(more);
+  EXPECT_EQ(a.num_free(), 4);
+}
+
+// One address names one block: publishing a second block under it keeps that block private.
+// At the cap the oldest evictable block gives up its address; with none evictable the new one
+// stays private. Without a cache (cap 0) nothing is ever found.
+TEST(BlockAllocatorTest, PublishKeepsOneBlockPerHashAndHoldsTheCap) {
+  BlockAllocator a(6, /*max_cached=*/2);
+  std::vector<int32_t> b;
+  ASSERT_TRUE(a.Allocate(4, &b).ok());
+  a.Publish(b[0], HashOf(1));
+  a.Publish(b[1], HashOf(1));  // same content computed twice
+  EXPECT_EQ(a.Peek(HashOf(1)), b[0]);
+  a.Publish(b[2], HashOf(2));
+  a.Publish(b[3], HashOf(3));  // at the cap, nothing evictable: stays private
+  EXPECT_EQ(a.Peek(HashOf(3)), -1);
+  EXPECT_EQ(a.num_cached(), 2);
+  a.Free(b[0]);
+  a.Publish(b[3], HashOf(3));  // the evictable b[0] gives up its address for it
+  EXPECT_EQ(a.Peek(HashOf(1)), -1);
+  EXPECT_EQ(a.Peek(HashOf(3)), b[3]);
+  EXPECT_EQ(a.num_cached(), 2);
+  a.Free({b[1], b[2], b[3]});
+  EXPECT_EQ(a.num_free(), 6);
+
+  BlockAllocator none(4);
+  std::vector<int32_t> c;
+  ASSERT_TRUE(none.Allocate(1, &c).ok());
+  none.Publish(c[0], HashOf(1));
+  EXPECT_EQ(none.Peek(HashOf(1)), -1);
+}
+
+// The hash covers the parent, the salt, every token and every mask bit.
+TEST(BlockHashTest, EveryInputChangesTheHash) {
+  const int32_t tokens[4] = {1, 2, 3, 4};
+  const uint8_t mask[4] = {0, 0, 1, 0};
+  const BlockHash base = HashBlock(BlockHash{}, 0, tokens, nullptr, 4);
+  EXPECT_EQ(base, HashBlock(BlockHash{}, 0, tokens, nullptr, 4));
+  const uint8_t zeros[4] = {};
+  EXPECT_EQ(base, HashBlock(BlockHash{}, 0, tokens, zeros, 4));  // no mask = all zeros
+  EXPECT_NE(base, HashBlock(HashOf(9), 0, tokens, nullptr, 4));
+  EXPECT_NE(base, HashBlock(BlockHash{}, 5, tokens, nullptr, 4));
+  EXPECT_NE(base, HashBlock(BlockHash{}, 0, tokens, mask, 4));
+  EXPECT_NE(base, HashBlock(BlockHash{}, 0, tokens, nullptr, 3));
+  const int32_t other[4] = {1, 2, 3, 5};
+  EXPECT_NE(base, HashBlock(BlockHash{}, 0, other, nullptr, 4));
+}
+
 // Thousands of random sequences growing, finishing and being cancelled: every block is
 // accounted for at every step and all come back at the end.
 TEST(BlockAllocatorTest, NoLeakUnderRandomAllocFreeCancel) {
@@ -97,6 +187,78 @@ TEST(BlockAllocatorTest, NoLeakUnderRandomAllocFreeCancel) {
   EXPECT_GT(cancels, 100);
   EXPECT_GT(completes, 100);
   EXPECT_GT(failures, 10);  // the pool really ran dry along the way
+}
+
+// Thousands of random sequences sharing cached prefixes (each block's address is its chain of
+// "tokens", from a small alphabet so prefixes repeat), growing, finishing and being cancelled,
+// with a cap on cached blocks: every block's holders are counted exactly, free blocks are
+// what nobody holds, and everything comes back at the end.
+TEST(BlockAllocatorTest, NoLeakWithSharedPrefixesUnderRandomAdmitFinishCancel) {
+  constexpr int32_t kBlocks = 97;
+  BlockAllocator a(kBlocks, /*max_cached=*/60);
+  std::mt19937_64 rng(7);
+  struct Seq {
+    std::vector<int32_t> blocks;
+    BlockHash last{};
+  };
+  std::vector<Seq> live;
+  int64_t hits = 0, ends = 0;
+  auto next_hash = [&](const BlockHash& parent) {
+    const int32_t token = static_cast<int32_t>(rng() % 3);
+    return HashBlock(parent, 0, &token, nullptr, 1);
+  };
+  for (int step = 0; step < 20000; ++step) {
+    const int op = static_cast<int>(rng() % 10);
+    if (op < 4 || live.empty()) {  // admit: take the cached run, then allocate the rest
+      Seq s;
+      const int len = 1 + static_cast<int>(rng() % 6);
+      std::vector<BlockHash> chain;
+      for (int i = 0; i < len; ++i) chain.push_back(next_hash(i == 0 ? BlockHash{} : chain.back()));
+      int i = 0;
+      for (; i < len; ++i) {
+        const int32_t b = a.Acquire(chain[i]);
+        if (b < 0) break;
+        s.blocks.push_back(b);
+        ++hits;
+      }
+      std::vector<int32_t> fresh;
+      if (!a.Allocate(len - i, &fresh).ok()) {
+        a.Free(s.blocks);
+        continue;
+      }
+      for (int32_t b : fresh) {
+        a.Publish(b, chain[s.blocks.size()]);
+        s.blocks.push_back(b);
+      }
+      s.last = chain.back();
+      live.push_back(std::move(s));
+    } else if (op < 6) {  // grow (a decode step filling a new block)
+      Seq& s = live[rng() % live.size()];
+      std::vector<int32_t> fresh;
+      if (a.Allocate(1, &fresh).ok()) {
+        s.last = next_hash(s.last);
+        a.Publish(fresh[0], s.last);
+        s.blocks.push_back(fresh[0]);
+      }
+    } else {  // finish or cancel
+      const size_t i = rng() % live.size();
+      a.Free(live[i].blocks);
+      live.erase(live.begin() + static_cast<long>(i));
+      ++ends;
+    }
+    std::map<int32_t, int32_t> holders;
+    for (const Seq& s : live)
+      for (int32_t b : s.blocks) ++holders[b];
+    ASSERT_EQ(static_cast<int32_t>(holders.size()) + a.num_free(), kBlocks) << "step " << step;
+    for (const auto& [b, n] : holders) ASSERT_EQ(a.ref_count(b), n) << "block " << b;
+    ASSERT_LE(a.num_cached(), 60);
+  }
+  for (const Seq& s : live) a.Free(s.blocks);
+  EXPECT_EQ(a.num_free(), kBlocks);
+  for (int32_t b = 0; b < kBlocks; ++b) EXPECT_EQ(a.ref_count(b), 0);
+  EXPECT_GT(hits, 1000);
+  EXPECT_GT(a.evictions(), 100);
+  EXPECT_GT(ends, 1000);
 }
 
 TEST(KvCacheTest, LayoutSeparatesLayersBlocksHeadsAndSlots) {

@@ -24,6 +24,7 @@ absl::StatusOr<std::unique_ptr<engine::Engine>> MakeEngine(model::Model* model,
                          serving::ResolveKvDtype(kv_dtype, model->weight_dtype()));
   e.scheduler.max_batch_tokens = o.max_batch_tokens;
   e.num_threads = o.threads;
+  o.prefix_cache.ApplyTo(&e);
   return serving::MakeEngine(model, tokenizer, o.device, e, /*kv_transport=*/!o.colocated);
 }
 

@@ -42,6 +42,7 @@ struct EmbeddedClusterOptions {
   // --kv-dtype of each tier (serving::kKvDtypeHelp); apart so tests can start a mismatch.
   std::string prefill_kv_dtype = "auto";
   std::string decode_kv_dtype = "auto";
+  serving::PrefixCacheFlags prefix_cache;  // every tier's (decode workers cache only colocated)
   int64_t max_batch_tokens = 512;
   int threads = 0;  // per engine; 0: all cores
   // "cuda": each (colocated) worker's forward on the first GPU, its KV cache of

@@ -26,6 +26,7 @@ struct ServeFlags {
   int64_t prefill_kv_mib = 256;
   int64_t decode_kv_mib = 512;
   std::string kv_dtype = "auto";
+  serving::PrefixCacheFlags prefix_cache;
   int threads = 0;
   std::string device = "cpu";
   std::string decode_adapters = "none";
@@ -65,6 +66,7 @@ int RunServe(const ServeFlags& f) {
   o.prefill_kv_bytes = f.prefill_kv_mib << 20;
   o.decode_kv_bytes = f.decode_kv_mib << 20;
   o.prefill_kv_dtype = o.decode_kv_dtype = f.kv_dtype;
+  o.prefix_cache = f.prefix_cache;
   o.threads = f.threads;
   o.device = f.device;
   o.decode.all_position_adapters = f.decode_adapters == "all-positions";
@@ -113,6 +115,7 @@ void RegisterServeCommand(CLI::App& app, int* exit_code) {
   cmd->add_option("--prefill-kv-mib", flags->prefill_kv_mib)->check(CLI::PositiveNumber);
   cmd->add_option("--decode-kv-mib", flags->decode_kv_mib)->check(CLI::PositiveNumber);
   serving::AddKvDtypeFlag(*cmd, &flags->kv_dtype);
+  serving::AddPrefixCacheFlags(*cmd, &flags->prefix_cache);
   cmd->add_option("--threads", flags->threads, "compute threads per engine (0: all cores)");
   cmd->add_option("--device", flags->device,
                   "where the workers' forward runs: cpu, or cuda (the first GPU; with "

@@ -233,6 +233,27 @@ class EmbeddedClusterTest : public ::testing::Test {
     ExpectNoLeaks();
   }
 
+  // Prefix caching through the public API: a prompt sent again computes only its last block
+  // (the finish reports the rest as cached_tokens) and generates the same tokens; an adapter's
+  // first request never reads the base model's blocks. Sequential, so each finds the last's.
+  void RepeatedPromptsReportCachedTokens() {
+    std::vector<int32_t> prompt(40);
+    for (int i = 0; i < 40; ++i) prompt[i] = 5 + (i * 7) % 200;
+    for (const std::string& model : {std::string(""), std::string("lora")}) {
+      SCOPED_TRACE("model '" + model + "'");
+      const v1::GenerateRequest r = Request(prompt, 6, model, v1::ADAPTER_POSITIONS_PROMPT);
+      const testing::GenerateOutcome first = testing::Generate(stub_.get(), r);
+      ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+      EXPECT_EQ(first.finish.usage().cached_tokens(), 0);
+      const testing::GenerateOutcome again = testing::Generate(stub_.get(), r);
+      ASSERT_TRUE(again.status.ok()) << again.status.error_message();
+      EXPECT_EQ(again.finish.usage().prompt_tokens(), 40);
+      EXPECT_EQ(again.finish.usage().cached_tokens(), 32);
+      EXPECT_EQ(again.token_ids, first.token_ids);
+    }
+    ExpectNoLeaks();
+  }
+
   // Greedy and seeded requests of every adapter mode (base, LoRA, LoRAP, DiReFT, DiReFTP), all
   // at once: each stream's tokens and text equal one engine's (no cluster) running them, that
   // engine storing KV as `kv_dtype` (the cluster's).

@@ -50,6 +50,10 @@ TEST_F(ColocatedClusterTest, ReproducesEveryFixtureModeConcurrently) {
   ReproduceFixtureModes();
 }
 
+TEST_F(ColocatedClusterTest, RepeatedPromptsReportCachedTokens) {
+  RepeatedPromptsReportCachedTokens();
+}
+
 // Greedy and seeded, every adapter mode, under concurrent mixed load. TTFT is observed as
 // always; the stages of the disaggregated path (reserve, prefill, KV transfer) never are.
 TEST_F(ColocatedClusterTest, MixedLoadEqualsOneEngine) {

@@ -184,6 +184,10 @@ TEST_F(EmbeddedClusterTest, AbortEndsTheStreamWithFinishAbort) { AbortMidStream(
 
 TEST_F(EmbeddedClusterTest, MixedLoadEqualsOneEngine) { MixedLoadEqualsOneEngine(); }
 
+TEST_F(EmbeddedClusterTest, RepeatedPromptsReportCachedTokens) {
+  RepeatedPromptsReportCachedTokens();
+}
+
 // Both tiers store bf16 KV: the prompt's KV crosses in bf16, and every mode's tokens equal one
 // engine's with bf16 KV (bf16 is not f32, so equal to that engine, not to the f32 fixture).
 class Bf16KvClusterTest : public EmbeddedClusterTest {
@@ -749,6 +753,22 @@ TEST_F(HttpClusterTest, CompletionsReproduceTheFixtureAndTokensApply) {
                           kApi);
   EXPECT_EQ(chat.status, 400);
   EXPECT_NE(chat.body.find("no chat template"), std::string::npos) << chat.body;
+  ExpectNoLeaks();
+}
+
+// usage.prompt_tokens_details.cached_tokens, as OpenAI reports it: 0 the first time, the
+// prompt's cached full blocks the second.
+TEST_F(HttpClusterTest, UsageReportsCachedPromptTokens) {
+  std::vector<int32_t> prompt(40);
+  for (int i = 0; i < 40; ++i) prompt[i] = 9 + (i * 11) % 200;
+  const nlohmann::json body = {{"model", "tiny-llama"}, {"prompt", prompt}, {"max_tokens", 3}};
+  for (int cached : {0, 32}) {
+    const Reply r = Post("/v1/completions", body, kApi);
+    ASSERT_EQ(r.status, 200) << r.body;
+    const nlohmann::json usage = nlohmann::json::parse(r.body)["usage"];
+    EXPECT_EQ(usage["prompt_tokens"], 40);
+    EXPECT_EQ(usage["prompt_tokens_details"]["cached_tokens"], cached) << r.body;
+  }
   ExpectNoLeaks();
 }
 

@@ -2,10 +2,12 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "services/router/prefix_affinity.h"
 #include "services/router/worker_pool.h"
 
 namespace preft::router {
@@ -128,6 +130,72 @@ TEST(RoutingTest, PrefillAffinityIsBoundedByLoad) {
   // Base-model requests are unaffected (load only).
   holder.queue_depth = 3;
   EXPECT_EQ(RankPrefill({holder, idle}, false, 0).front(), 1u);
+}
+
+// A prompt goes where its prefix went last (its KV is probably cached there) while that worker
+// is not much busier than the rest; a hot prefix spreads past the bound. Adapter residency
+// ranks first: a prefix under the adapter is worth nothing where the adapter is not loaded.
+TEST(RoutingTest, PrefixAffinityIsBoundedByLoad) {
+  PrefillView holder{true, false, 0, 0, 0, true, false};
+  holder.prefix_blocks = 12;
+  PrefillView idle{true, false, 0, 0, 1 << 20, true, false};
+  PrefillView shorter = idle;
+  shorter.prefix_blocks = 3;
+  for (int64_t load = 0; load <= 20; ++load) {
+    holder.queue_depth = load;
+    EXPECT_EQ(RankPrefill({idle, holder}, /*has_adapter=*/false, 0).front(),
+              load <= 4 ? 1u : 0u) << "holder load " << load;
+  }
+  holder.queue_depth = 2;
+  EXPECT_EQ(RankPrefill({shorter, holder, idle}, false, 0), (std::vector<size_t>{1, 0, 2}));
+  PrefillView no_adapter = holder;
+  no_adapter.adapter_resident = false;
+  no_adapter.adapter_bytes_free = 0;
+  EXPECT_EQ(RankPrefill({no_adapter, idle}, /*has_adapter=*/true, 1000).front(), 1u);
+
+  // Colocated workers: the prefix ranks before free blocks, under the same bound.
+  std::vector<DecodeView> w = {Decode(90, 0), Decode(40, 1)};
+  w[1].prefix_blocks = 5;
+  EXPECT_EQ(RankDecode(w, 0).front(), 1u);
+  w[1].running = 9;
+  EXPECT_EQ(RankDecode(w, 0).front(), 0u);
+}
+
+// Keys chain blocks under an adapter version; a worker matches as deep as the prompt it was
+// last given; the oldest keys are forgotten past the capacity, deepest blocks first.
+TEST(RoutingTest, PrefixAffinityRemembersWhereEachPrefixWent) {
+  std::vector<int32_t> system(64), other(64);
+  for (int i = 0; i < 64; ++i) {
+    system[i] = i;
+    other[i] = 1000 + i;
+  }
+  std::vector<int32_t> longer = system;
+  longer.insert(longer.end(), other.begin(), other.end());
+  const auto keys = PrefixAffinity::Keys("", 0, system, 16);
+  ASSERT_EQ(keys.size(), 4u);
+  EXPECT_EQ(PrefixAffinity::Keys("", 0, {1, 2, 3}, 16).size(), 0u);  // no full block
+  EXPECT_NE(PrefixAffinity::Keys("a", 1, system, 16), keys);
+  EXPECT_NE(PrefixAffinity::Keys("a", 1, system, 16), PrefixAffinity::Keys("a", 2, system, 16));
+  const auto long_keys = PrefixAffinity::Keys("", 0, longer, 16);
+  ASSERT_EQ(long_keys.size(), 8u);
+  EXPECT_TRUE(std::equal(keys.begin(), keys.end(), long_keys.begin()));
+
+  PrefixAffinity affinity(/*capacity=*/10);
+  affinity.Record(keys, "w1");
+  affinity.Record(long_keys, "w2");  // w2 now has the system prompt's blocks too
+  auto m = affinity.Match(long_keys);
+  EXPECT_EQ(m["w2"], 8);
+  EXPECT_EQ(m.count("w1"), 0u);
+  affinity.Record(keys, "w1");
+  m = affinity.Match(long_keys);
+  EXPECT_EQ(m["w1"], 4);
+  EXPECT_EQ(m["w2"], 8);
+  EXPECT_TRUE(affinity.Match(PrefixAffinity::Keys("", 0, other, 16)).empty());
+  // 8 keys held; 4 more push out 2, w2's deepest.
+  affinity.Record(PrefixAffinity::Keys("", 0, other, 16), "w3");
+  m = affinity.Match(long_keys);
+  EXPECT_EQ(m["w1"], 4);
+  EXPECT_EQ(m["w2"], 6);
 }
 
 TEST(RoutingTest, WorkerSpecsParseAndResolve) {
