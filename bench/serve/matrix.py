@@ -110,6 +110,8 @@ class Cluster:
         worker = ["--model", args.model, "--metrics-listen", "127.0.0.1:0",
                   "--threads", str(args.threads), "--max-batch-tokens", str(args.max_batch_tokens),
                   "--device", args.device, "--kv-dtype", args.kv_dtype]
+        if args.prefix_caching == "off":
+            worker += ["--no-prefix-caching"]
         if args.tensor_parallel > 1:
             worker += ["--tensor-parallel", str(args.tensor_parallel)]
         store = ["--adapter-root", adapter_root,
@@ -360,6 +362,7 @@ def measure_cell(args, cell, deployment, mode, n, concurrency, requests):
                 ["--prompt-tokens", args.prompt_tokens, "--max-tokens", args.max_tokens])
         if args.rate:
             cmd += ["--rate", str(args.rate)]
+        cmd += ["--shared-prefix-tokens", str(args.shared_prefix_tokens), "--turns", str(args.turns)]
         if names:
             cmd += ["--adapters", ",".join(names), "--adapter-positions", positions]
         log(f"cell {cell}: {requests} requests, {concurrency} concurrent")
@@ -578,6 +581,11 @@ def main():
     p.add_argument("--kv-mib", type=int, default=1024, help="decode (or colocated) KV pool")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "f32", "bf16", "fp8_e4m3"],
                    help="both tiers' --kv-dtype (auto: the model's dtype, bf16 for --dtype bf16)")
+    p.add_argument("--prefix-caching", default="on", choices=["on", "off"],
+                   help="every worker's prefix cache (off: --no-prefix-caching)")
+    p.add_argument("--shared-prefix-tokens", type=int, default=0,
+                   help="a system prompt of N tokens before every request's own (preft bench)")
+    p.add_argument("--turns", type=int, default=1, help="turns per conversation (preft bench)")
     p.add_argument("--prefill-kv-mib", type=int, default=512)
     p.add_argument("--adapter-host-mib", type=int, default=2048)
     p.add_argument("--adapter-compute-mib", type=int, default=2048)

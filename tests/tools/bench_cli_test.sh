@@ -46,6 +46,23 @@ ok = r["failed"] == 0 and r["requested_tokens"] == 3 * 2 + 2 * 6 == r["generated
 print(("ok: " if ok else "FAIL: ") + json.dumps(r))
 sys.exit(0 if ok else 1)
 PY
+# A shared system prompt and three-turn conversations, one at a time. Turn 1 of the second finds
+# the shared 64 tokens cached; every later turn finds its conversation so far in full blocks
+# (base model: the replies too, but for the last reply token, never fed back). A turn's prompt
+# is the last one, its reply and a new message.
+out=$("$preft" bench --server "$addr" --requests 2 --concurrency 1 --prompt-tokens 20 \
+      --max-tokens 12 --shared-prefix-tokens 64 --turns 3 --json) || { echo "FAIL: turns bench"; failures=$((failures + 1)); }
+/usr/bin/python3 - "$out" <<'PY' || failures=$((failures + 1))
+import json, sys
+r = json.loads(sys.argv[1])
+t = r.get("by_turn", [])
+ok = r["failed"] == 0 and r["generated_tokens"] == 2 * 3 * 12 and len(t) == 3 and \
+     [x["prompt_tokens"] for x in t] == [84, 116, 148] and \
+     t[0]["cached_tokens"] == 32 and t[1]["cached_tokens"] == 80 and t[2]["cached_tokens"] == 112 and \
+     r["cached_prompt_tokens"] == 2 * (32 + 80 + 112)
+print(("ok: " if ok else "FAIL: ") + json.dumps(r))
+sys.exit(0 if ok else 1)
+PY
 printf '{"prompt_tokens": 5, "max_tokens": 2}\n{"prompt_tokens": 0, "max_tokens": 2}\n' > "$work/bad.jsonl"
 if "$preft" bench --server "$addr" --lengths "$work/bad.jsonl" > /dev/null 2> "$work/err"; then
   echo "FAIL: a zero prompt length was accepted"; failures=$((failures + 1))

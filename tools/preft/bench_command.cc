@@ -1,8 +1,12 @@
 // `preft bench`: load against a running router, through the C++ SDK: N requests, closed loop at
 // a given concurrency or Poisson arrivals at --rate (concurrency then caps requests in flight),
 // prompt and output lengths fixed or uniform in a range (seeded), round-robin over adapters
-// (PreFT or all-position), or lengths replayed from a JSONL file. Prints throughput and latency percentiles (client-side: TTFT,
-// inter-token latency, end to end), as text or --json. Progress goes to stderr.
+// (PreFT or all-position), or lengths replayed from a JSONL file. Prompts may start with one
+// shared system prompt (--shared-prefix-tokens) and requests may be conversations of several
+// turns (--turns: each turn's prompt is the last one, its reply and a new message), to measure
+// prefix caching. Prints throughput and latency percentiles (client-side: TTFT, inter-token
+// latency, end to end; TTFT and prompt tokens cached per turn), as text or --json. Progress
+// goes to stderr.
 
 #include <unistd.h>
 
@@ -39,6 +43,8 @@ struct BenchFlags : ConnectionFlags {
   uint64_t seed = 1;
   std::string adapters = "none";  // comma-separated; "none" is the base model
   std::string positions = "prompt";
+  int shared_prefix_tokens = 0;  // every prompt starts with the same tokens
+  int turns = 1;                 // each request a conversation of this many turns
   bool json = false;
 };
 
@@ -125,12 +131,14 @@ int RunBench(const BenchFlags& f) {
     send_at[i] = t;
   }
   int64_t requested = 0, requested_prompt = 0;
-  for (int n : output_len) requested += n;
+  for (int n : output_len) requested += int64_t{n} * f.turns;
   for (int n : prompt_len) requested_prompt += n;
 
   std::mutex mu;
   std::vector<double> ttft, itl, e2e;
-  int64_t tokens = 0, failed = 0;
+  int64_t tokens = 0, failed = 0, cached = 0;
+  std::vector<std::vector<double>> ttft_by_turn(f.turns);
+  std::vector<int64_t> prompt_by_turn(f.turns), cached_by_turn(f.turns), turns_done(f.turns);
   std::string first_error;
   std::atomic<int> next{0}, done{0};
   const bool progress = isatty(STDERR_FILENO);
@@ -140,39 +148,51 @@ int RunBench(const BenchFlags& f) {
       const absl::Time due = start + send_at[i];
       if (absl::Now() < due) absl::SleepFor(due - absl::Now());
       std::vector<int32_t> prompt;
-      for (int k = 0; k < prompt_len[i]; ++k) prompt.push_back((k * 131 + i * 17) % (vocab - 1));
-      client::GenerateParams p;
-      const std::string& a = adapters[i % adapters.size()];
-      if (a != "none") p.model = a;
-      p.positions = f.positions == "all" ? v1::ADAPTER_POSITIONS_ALL : v1::ADAPTER_POSITIONS_PROMPT;
-      p.max_tokens = output_len[i];
-      p.ignore_eos = true;
-      const absl::Time sent = absl::Now();
-      absl::Time last = sent;
-      std::vector<double> gaps;
-      double first = -1;
-      auto out = (*c)->Generate(client::Prompt::Ids(prompt), p, [&](const v1::GenerateResponse& d) {
-        if (d.token_ids_size() == 0) return true;
-        const absl::Time now = absl::Now();
-        if (first < 0) {
-          first = absl::ToDoubleMilliseconds(now - sent);
-        } else {
-          for (int k = 0; k < d.token_ids_size(); ++k) {
-            gaps.push_back(absl::ToDoubleMilliseconds(now - last) / d.token_ids_size());
-          }
+      for (int k = 0; k < f.shared_prefix_tokens; ++k) prompt.push_back((k * 97 + 3) % (vocab - 1));
+      for (int turn = 0; turn < f.turns; ++turn) {
+        // The user's message of this turn (after the conversation so far).
+        for (int k = 0; k < prompt_len[i]; ++k) {
+          prompt.push_back((k * 131 + i * 17 + turn * 7919) % (vocab - 1));
         }
-        last = now;
-        return true;
-      });
-      std::lock_guard<std::mutex> lock(mu);
-      if (out.ok()) {
+        client::GenerateParams p;
+        const std::string& a = adapters[i % adapters.size()];
+        if (a != "none") p.model = a;
+        p.positions = f.positions == "all" ? v1::ADAPTER_POSITIONS_ALL : v1::ADAPTER_POSITIONS_PROMPT;
+        p.max_tokens = output_len[i];
+        p.ignore_eos = true;
+        const absl::Time sent = absl::Now();
+        absl::Time last = sent;
+        std::vector<double> gaps;
+        double first = -1;
+        auto out = (*c)->Generate(client::Prompt::Ids(prompt), p, [&](const v1::GenerateResponse& d) {
+          if (d.token_ids_size() == 0) return true;
+          const absl::Time now = absl::Now();
+          if (first < 0) {
+            first = absl::ToDoubleMilliseconds(now - sent);
+          } else {
+            for (int k = 0; k < d.token_ids_size(); ++k) {
+              gaps.push_back(absl::ToDoubleMilliseconds(now - last) / d.token_ids_size());
+            }
+          }
+          last = now;
+          return true;
+        });
+        std::lock_guard<std::mutex> lock(mu);
+        if (!out.ok()) {
+          ++failed;
+          if (first_error.empty()) first_error = out.status().ToString();
+          break;
+        }
         ttft.push_back(first);
         itl.insert(itl.end(), gaps.begin(), gaps.end());
         e2e.push_back(absl::ToDoubleMilliseconds(absl::Now() - sent));
         tokens += static_cast<int64_t>(out->token_ids.size());
-      } else {
-        ++failed;
-        if (first_error.empty()) first_error = out.status().ToString();
+        cached += out->finish.usage().cached_tokens();
+        ttft_by_turn[turn].push_back(first);
+        prompt_by_turn[turn] += static_cast<int64_t>(prompt.size());
+        cached_by_turn[turn] += out->finish.usage().cached_tokens();
+        ++turns_done[turn];
+        prompt.insert(prompt.end(), out->token_ids.begin(), out->token_ids.end());
       }
       const int n = ++done;
       if (progress) std::fprintf(stderr, "\rpreft bench: %d/%d requests", n, f.requests);
@@ -183,7 +203,16 @@ int RunBench(const BenchFlags& f) {
   for (std::thread& t : threads) t.join();
   if (progress) std::fprintf(stderr, "\n");
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  const nlohmann::json r = {
+  nlohmann::json by_turn = nlohmann::json::array();
+  for (int t = 0; t < f.turns; ++t) {
+    const double n = std::max<int64_t>(1, turns_done[t]);
+    by_turn.push_back({{"turn", t + 1},
+                       {"ttft_ms_p50", Percentile(ttft_by_turn[t], 0.5)},
+                       {"prompt_tokens", prompt_by_turn[t] / n},
+                       {"cached_tokens", cached_by_turn[t] / n},
+                       {"computed_prompt_tokens", (prompt_by_turn[t] - cached_by_turn[t]) / n}});
+  }
+  nlohmann::json r = {
       {"requests", f.requests},
       {"failed", failed},
       {"concurrency", f.concurrency},
@@ -200,7 +229,11 @@ int RunBench(const BenchFlags& f) {
       {"requests_per_s", (f.requests - failed) / seconds},
       {"ttft_ms", {{"p50", Percentile(ttft, 0.5)}, {"p90", Percentile(ttft, 0.9)}, {"p99", Percentile(ttft, 0.99)}}},
       {"itl_ms", {{"p50", Percentile(itl, 0.5)}, {"p90", Percentile(itl, 0.9)}, {"p99", Percentile(itl, 0.99)}}},
-      {"e2e_ms", {{"p50", Percentile(e2e, 0.5)}, {"p90", Percentile(e2e, 0.9)}, {"p99", Percentile(e2e, 0.99)}}}};
+      {"e2e_ms", {{"p50", Percentile(e2e, 0.5)}, {"p90", Percentile(e2e, 0.9)}, {"p99", Percentile(e2e, 0.99)}}},
+      {"shared_prefix_tokens", f.shared_prefix_tokens},
+      {"turns", f.turns},
+      {"cached_prompt_tokens", cached}};
+  if (f.turns > 1) r["by_turn"] = by_turn;
   if (f.json) {
     std::printf("%s\n", r.dump().c_str());
   } else {
@@ -210,6 +243,12 @@ int RunBench(const BenchFlags& f) {
                 tokens / seconds, (f.requests - failed) / seconds, Percentile(ttft, 0.5),
                 Percentile(ttft, 0.9), Percentile(ttft, 0.99), Percentile(itl, 0.5),
                 Percentile(itl, 0.99), Percentile(e2e, 0.5));
+    if (cached > 0) std::printf("prompt tokens from prefix caches: %lld\n", static_cast<long long>(cached));
+    for (int t = 0; f.turns > 1 && t < f.turns; ++t) {
+      std::printf("turn %d: TTFT ms p50 %.1f, prompt %.0f tokens, %.0f cached\n", t + 1,
+                  by_turn[t]["ttft_ms_p50"].get<double>(), by_turn[t]["prompt_tokens"].get<double>(),
+                  by_turn[t]["cached_tokens"].get<double>());
+    }
   }
   if (failed > 0) {
     std::fprintf(stderr, "preft bench: %lld requests failed; first: %s\n",
@@ -244,6 +283,15 @@ void RegisterBenchCommand(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   cmd->add_option("--adapter-positions", f->positions, "prompt (PreFT) or all")
       ->check(CLI::IsMember({"prompt", "all"}))
+      ->capture_default_str();
+  cmd->add_option("--shared-prefix-tokens", f->shared_prefix_tokens,
+                  "every prompt starts with the same N tokens (a system prompt), then its own")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--turns", f->turns,
+                  "each request is a conversation of N turns: a turn's prompt is the previous "
+                  "prompt, its reply and a new message of --prompt-tokens")
+      ->check(CLI::Range(1, 64))
       ->capture_default_str();
   cmd->add_flag("--json", f->json, "one JSON object instead of text");
   cmd->callback([f, exit_code] { *exit_code = RunBench(*f); });

@@ -528,13 +528,18 @@ class MultiProcessPrefillFaultTest : public MultiProcessClusterTest {
   std::vector<std::string> PrefillFlags() const override { return {"--max-batch-tokens", "64"}; }
 };
 
-// kill -9 of a prefill worker with prompts queued on it: they are retried on the other one
-// (into the same reservations, next generation) and complete with the right tokens.
+// kill -9 of a prefill worker with prompts queued on it, and blocks of their shared first 160
+// tokens in its prefix cache: they are retried on the other one (into the same reservations,
+// next generation) and complete with the right tokens. Only the cache is lost.
 TEST_F(MultiProcessPrefillFaultTest, KillingAPrefillWorkerRetriesItsPrompts) {
   std::vector<v1::GenerateRequest> requests;
   for (int i = 0; i < 100; ++i) {
     v1::GenerateRequest r = Workload(i, 4);
-    for (int k = 0; k < 300; ++k) r.mutable_token_ids()->add_ids((k * 5 + i) % 298);  // long prompts
+    const std::vector<int32_t> own(r.token_ids().ids().begin(), r.token_ids().ids().end());
+    r.mutable_token_ids()->clear_ids();  // long prompts, the first 160 tokens alike
+    for (int k = 0; k < 160; ++k) r.mutable_token_ids()->add_ids((k * 5) % 298);
+    for (int32_t t : own) r.mutable_token_ids()->add_ids(t);
+    for (int k = 160; k < 300; ++k) r.mutable_token_ids()->add_ids((k * 5 + i) % 298);
     requests.push_back(r);
   }
   const auto want = Expected(requests);
