@@ -361,8 +361,8 @@ void Engine::TakeCachedPrefix(Sequence& seq) {
     PREFT_CHECK(block >= 0);  // found while scheduling; nothing was evicted since
     seq.blocks.push_back(block);
   }
-  seq.num_computed = seq.published = seq.cached_blocks;
-  seq.num_computed *= bt;
+  seq.published = seq.cached_blocks;
+  seq.num_computed = seq.cached_blocks * bt;
   if (seq.scheduled == absl::InfinitePast()) seq.cached_tokens = seq.num_computed;
   const int64_t queried = static_cast<int64_t>(seq.tokens.size());
   stats_.prefix_query_tokens += queried;

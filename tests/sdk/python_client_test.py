@@ -64,6 +64,13 @@ def main():
                 ids = [t for d in streamed for t in d.token_ids]
                 expect(ids == want and streamed[-1].finish_reason == "length",
                        f"stream {model or 'base'}: {len(streamed)} deltas")
+            # A prompt sent twice: the second time its full blocks come from the prefix cache.
+            long_prompt = list(range(3, 43))
+            first = c.generate(long_prompt, max_tokens=2, ignore_eos=True)
+            again = c.generate(long_prompt, max_tokens=2, ignore_eos=True)
+            expect(first.cached_tokens == 0 and again.cached_tokens == 32 and
+                   again.prompt_tokens == 40 and again.token_ids == first.token_ids,
+                   f"cached_tokens {first.cached_tokens}, then {again.cached_tokens}")
             # Processed logprobs (the distribution sampled from) through the cluster equal the
             # engine's, and differ from the raw softmax at temperature 0.7.
             sampled = ["--temperature", "0.7", "--seed", "5", "--logprobs", "0"]

@@ -59,6 +59,7 @@ class Generation:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of prompt_tokens, served from a worker's prefix cache
     adapter: str = ""
     adapter_version: int = 0
     logprobs: List[pb.TokenLogprob] = dataclasses.field(default_factory=list)
@@ -187,6 +188,7 @@ class Client:
                     out.finish_reason = _FINISH.get(f.reason, "")
                     out.prompt_tokens = f.usage.prompt_tokens
                     out.completion_tokens = f.usage.completion_tokens
+                    out.cached_tokens = f.usage.cached_tokens
                     out.adapter, out.adapter_version = f.adapter, f.adapter_version
         except grpc.RpcError as e:
             raise PreftError(e.code(), e.details()) from None
