@@ -54,6 +54,34 @@ TEST_F(ColocatedClusterTest, RepeatedPromptsReportCachedTokens) {
   RepeatedPromptsReportCachedTokens();
 }
 
+// Prefix affinity decides where a prompt goes: a prompt sent while worker 0 is busy lands on
+// worker 1 (most free blocks); sent again when both are idle (a tie that worker 0 would win by
+// index) it follows its prefix to worker 1 and finds its blocks cached there.
+TEST_F(ColocatedClusterTest, APromptFollowsItsPrefixToTheWorkerThatCachedIt) {
+  std::vector<int32_t> prompt(40);
+  for (int i = 0; i < 40; ++i) prompt[i] = 11 + (i * 13) % 250;
+  const v1::GenerateRequest p = Request(prompt, 4);
+  testing::GenerateOutcome first;
+  bool sent = false;
+  const testing::GenerateOutcome busy = Generate(
+      stub_.get(), Request({1, 2, 3, 4, 5}, 1500), 60,
+      [&](const v1::GenerateResponse&, grpc::ClientContext* ctx) {
+        if (sent) return;
+        sent = true;  // the long request is running on a worker: send the prompt beside it
+        first = Generate(stub_.get(), p);
+        ctx->TryCancel();
+      });
+  EXPECT_EQ(busy.status.error_code(), grpc::StatusCode::CANCELLED) << busy.status.error_message();
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  EXPECT_EQ(first.finish.usage().cached_tokens(), 0);
+  ExpectNoLeaks();
+  absl::SleepFor(absl::Milliseconds(400));  // both workers' idle status reaches the router
+  const testing::GenerateOutcome again = Generate(stub_.get(), p);
+  ASSERT_TRUE(again.status.ok()) << again.status.error_message();
+  EXPECT_EQ(again.finish.usage().cached_tokens(), 32) << "it went to the other worker";
+  EXPECT_EQ(again.token_ids, first.token_ids);
+}
+
 // Greedy and seeded, every adapter mode, under concurrent mixed load. TTFT is observed as
 // always; the stages of the disaggregated path (reserve, prefill, KV transfer) never are.
 TEST_F(ColocatedClusterTest, MixedLoadEqualsOneEngine) {
