@@ -4,8 +4,10 @@
 //
 //   kv_transfer_bench [--mib=64] [--reps=7] [--tls=posix,self] [--tls=tcp,self] ...
 //   kv_transfer_bench --handoff [--reps=31] [--tls=...]
-//     one request's prefill -> decode handoff (128- and 2048-token prompts) with f32, bf16, fp8
-//     KV: bytes and time per request, bf16 against f32 (issue 37's <= 0.55x).
+//     one request's prefill -> decode handoff (16-, 128- and 2048-token prompts) with f32, bf16,
+//     fp8 KV: bytes and time per request, against f32 (issue 37's <= 0.55x); 16 tokens (one
+//     block) shows the fixed cost of a transfer.
+//   --spin-us=N: UcxTransportOptions::spin for every transport (sender and receivers).
 //
 // Blocks are qwen2.5-0.5b's (24 layers x 16 KiB per block and layer). "scattered" writes every
 // block to a shuffled destination (one 16 KiB put each, the usual case: a reservation's blocks
@@ -21,6 +23,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <memory>
@@ -63,6 +66,11 @@ UcxTransportOptions Options(const std::string& tls) {
   UcxTransportOptions options;
   options.tls = tls;
   options.net_devices = "lo";
+  // --spin-us reaches the receivers through the environment they inherit.
+  int64_t spin_us = 0;
+  if (const char* e = std::getenv("PREFT_BENCH_UCX_SPIN_US"); e && absl::SimpleAtoi(e, &spin_us)) {
+    options.spin = absl::Microseconds(spin_us);
+  }
   return options;
 }
 
@@ -305,7 +313,7 @@ void RunHandoff(const std::string& tls, int reps) {
               "| prompt tokens | kv dtype | bytes | time | bytes vs f32 | time vs f32 |\n"
               "|---|---|---|---|---|---|\n",
               tls.c_str(), reps);
-  for (int64_t tokens : {128, 2048}) {
+  for (int64_t tokens : {16, 128, 2048}) {
     BlockTransfer t;
     std::vector<int32_t> all(kBlocks);
     std::iota(all.begin(), all.end(), 0);
@@ -316,7 +324,9 @@ void RunHandoff(const std::string& tls, int reps) {
     for (Side& s : sides) WriteSeconds(*s.transport, s.peer, t);  // warm-up
     std::vector<std::vector<double>> seconds(sides.size());
     for (int rep = 0; rep < reps; ++rep) {
-      for (size_t i = 0; i < sides.size(); ++i) {
+      // Each dtype goes first in turn: the one after a transfer finds the host just woken.
+      for (size_t k = 0; k < sides.size(); ++k) {
+        const size_t i = (rep + k) % sides.size();
         seconds[i].push_back(WriteSeconds(*sides[i].transport, sides[i].peer, t));
       }
     }
@@ -357,11 +367,16 @@ int main(int argc, char** argv) {
       handoff = true;
       continue;
     }
+    if (arg.rfind("--spin-us=", 0) == 0) {
+      ::setenv("PREFT_BENCH_UCX_SPIN_US", arg.substr(10).c_str(), 1);
+      continue;
+    }
     if (arg.rfind("--tls=", 0) == 0) {
       tls.push_back(arg.substr(6));
       continue;
     }
-    Die("usage: kv_transfer_bench [--mib=64] [--reps=7] [--handoff] [--tls=posix,self]...");
+    Die("usage: kv_transfer_bench [--mib=64] [--reps=7] [--handoff] [--spin-us=N] "
+        "[--tls=posix,self]...");
   }
   if (tls.empty()) tls = {"posix,self", "tcp,self"};
   if (handoff) {

@@ -54,8 +54,11 @@ struct UcxTransportOptions {
   absl::Duration transfer_timeout = absl::Seconds(10);  // Write to ACK
   absl::Duration connect_timeout = absl::Seconds(30);   // waiting for the progress thread
   // After activity the progress thread busy-polls this long before sleeping on the worker's
-  // event fd: a transfer in flight keeps its latency, an idle transport costs no CPU.
-  absl::Duration spin = absl::Microseconds(500);
+  // event fd. Zero by default: on cores shared with engines (and the peer's progress thread)
+  // a spinning thread delays the very wake-ups it waits for; a 128-token handoff over shared
+  // memory took 0.8 ms with 500 us of spin and 0.19 ms without (bench/NOTES.md step 33).
+  // Worth setting only where the progress thread has a core of its own.
+  absl::Duration spin = absl::ZeroDuration();
 };
 
 class UcxTransport final : public KvTransport {
