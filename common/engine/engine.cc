@@ -102,17 +102,25 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
   return std::unique_ptr<Engine>(new Engine(std::move(backend), tokenizer, options));
 }
 
+namespace {
+
+// How many freed blocks the prefix cache may keep: none when it is off, else every block unless
+// capped by --prefix-cache-blocks.
+int32_t MaxCachedBlocks(const EngineOptions& options, int64_t num_blocks) {
+  if (!options.prefix_caching) return 0;
+  const int64_t cap = options.max_cached_blocks > 0 ? options.max_cached_blocks : num_blocks;
+  return static_cast<int32_t>(std::min(cap, num_blocks));
+}
+
+}  // namespace
+
 Engine::Engine(std::unique_ptr<backend::ForwardBackend> backend, const text::Tokenizer* tokenizer,
                const EngineOptions& options)
     : backend_(std::move(backend)),
       tokenizer_(tokenizer),
       options_(options),
       allocator_(static_cast<int32_t>(backend_->cache_shape().num_blocks),
-                 !options.prefix_caching ? 0
-                 : options.max_cached_blocks > 0
-                     ? static_cast<int32_t>(std::min(options.max_cached_blocks,
-                                                     backend_->cache_shape().num_blocks))
-                     : static_cast<int32_t>(backend_->cache_shape().num_blocks)),
+                 MaxCachedBlocks(options, backend_->cache_shape().num_blocks)),
       next_seed_(std::random_device{}()) {}
 
 Engine::~Engine() = default;
@@ -343,8 +351,13 @@ void Engine::Preempt(Sequence& seq) {
   ++step_report_.preemptions;
 }
 
+bool Engine::UsesPrefixCache(const Sequence& seq) const {
+  // Imported prompts were computed elsewhere (the decode tier): they neither look up nor publish.
+  return allocator_.max_cached() > 0 && !seq.imported;
+}
+
 int64_t Engine::CachedPrefixBlocks(Sequence& seq) {
-  if (allocator_.max_cached() == 0 || seq.imported) return 0;
+  if (!UsesPrefixCache(seq)) return 0;
   const int64_t bt = options_.scheduler.block_tokens;
   const int64_t most = (static_cast<int64_t>(seq.tokens.size()) - 1) / bt;
   ExtendBlockHashes(seq.tokens, most, bt, seq.adapter_run(), &seq.block_hashes);
@@ -354,7 +367,7 @@ int64_t Engine::CachedPrefixBlocks(Sequence& seq) {
 }
 
 void Engine::TakeCachedPrefix(Sequence& seq) {
-  if (allocator_.max_cached() == 0 || seq.imported) return;
+  if (!UsesPrefixCache(seq)) return;
   const int64_t bt = options_.scheduler.block_tokens;
   for (int64_t b = 0; b < seq.cached_blocks; ++b) {
     const int32_t block = allocator_.Acquire(seq.block_hashes[b]);
@@ -372,7 +385,7 @@ void Engine::TakeCachedPrefix(Sequence& seq) {
 }
 
 void Engine::PublishFullBlocks(Sequence& seq) {
-  if (allocator_.max_cached() == 0 || seq.imported) return;
+  if (!UsesPrefixCache(seq)) return;
   const int64_t bt = options_.scheduler.block_tokens;
   const int64_t full = std::min(seq.num_computed / bt, static_cast<int64_t>(seq.blocks.size()));
   if (seq.published >= full) return;

@@ -125,6 +125,7 @@ class Engine {
   // Prefix caching: how many leading blocks of a waiting sequence are cached (always leaving
   // a token to compute, whose logits it samples from), holds them for it when it is admitted,
   // and gives the blocks its forward filled their content addresses.
+  bool UsesPrefixCache(const Sequence& seq) const;
   int64_t CachedPrefixBlocks(Sequence& seq);
   void TakeCachedPrefix(Sequence& seq);
   void PublishFullBlocks(Sequence& seq);

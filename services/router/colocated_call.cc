@@ -21,9 +21,8 @@ absl::StatusOr<std::shared_ptr<DecodeWorker>> GenerateCall::PickColocated(
   std::vector<DecodeView> views = c.views;
   attempts.ExcludeTried(c.workers, &views);
   // Where the prompt's prefix was sent last, its KV is probably cached.
-  const std::vector<uint64_t> keys = PrefixAffinity::Keys(
-      adapter ? adapter->name : "", adapter ? adapter->version : 0, prompt,
-      views.empty() ? 16 : views.front().block_tokens);
+  const std::vector<uint64_t> keys =
+      PrefixKeys(adapter, prompt, views.empty() ? 16 : views.front().block_tokens);
   const auto match = router_->prefix_affinity.Match(keys);
   for (size_t i = 0; i < views.size(); ++i) {
     if (const auto it = match.find(c.workers[i]->address); it != match.end()) {

@@ -366,14 +366,19 @@ rpc::Task<bool> GenerateCall::WaitForCapacity() {
   co_return waited;
 }
 
+std::vector<uint64_t> GenerateCall::PrefixKeys(const std::optional<RegisteredAdapter>& adapter,
+                                               const std::vector<int32_t>& prompt,
+                                               int64_t block_tokens) {
+  return adapter ? PrefixAffinity::Keys(adapter->name, adapter->version, prompt, block_tokens)
+                 : PrefixAffinity::Keys("", 0, prompt, block_tokens);
+}
+
 rpc::Task<absl::StatusOr<worker::v1::PrefillResponse>> GenerateCall::Prefill(
     Reservation* res, const std::vector<int32_t>& prompt,
     const std::optional<RegisteredAdapter>& adapter, const engine::SamplingParams& sampling) {
   WorkerAttempts attempts(router_->options.max_prefill_attempts, "no prefill worker is available");
   // Where the prompt's prefix was sent last, its KV is probably cached.
-  const std::vector<uint64_t> keys =
-      PrefixAffinity::Keys(adapter ? adapter->name : "", adapter ? adapter->version : 0, prompt,
-                           res->r.block_tokens());
+  const std::vector<uint64_t> keys = PrefixKeys(adapter, prompt, res->r.block_tokens());
   while (!attempts.exhausted()) {
     if (stopped()) co_return absl::CancelledError("cancelled");
     const auto workers = router_->pool->prefill();

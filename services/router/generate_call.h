@@ -92,6 +92,10 @@ class GenerateCall final {
                             const std::optional<RegisteredAdapter>& adapter,
                             const engine::SamplingParams& sampling,
                             const worker::v1::PrefillResponse& first);
+  // The prefix-affinity keys of `prompt` under `adapter` (the base model without one).
+  static std::vector<uint64_t> PrefixKeys(const std::optional<RegisteredAdapter>& adapter,
+                                          const std::vector<int32_t>& prompt,
+                                          int64_t block_tokens);
   // Colocated (colocated_call.cc): Run on a decode worker, relayed; replaces a worker that
   // fails before the first token.
   // The colocated decode worker to try next: most free first, tried ones left out; null when
