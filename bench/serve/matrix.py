@@ -124,7 +124,7 @@ class Cluster:
         transport = args.transport if deployment == "disaggregated" else "inproc"
         decode = [f"{b}/services/decode/preft-decode", *worker, *kv, "--transport", transport]
         if transport in ("ucx", "cuda_ipc"):  # cuda_ipc's notices go over UCX
-            decode += ["--ucx-tls", args.ucx_tls]
+            decode += ["--ucx-tls", args.ucx_tls, "--ucx-spin-us", str(args.ucx_spin_us)]
         router = [f"{b}/services/router/preft-router", "--model", args.model,
                   "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
                   "--adapter-root", adapter_root, "--admission-timeout-s", "600"]
@@ -146,7 +146,7 @@ class Cluster:
                        "--kv-bytes", str(args.prefill_kv_mib << 20),
                        "--transport", args.transport]
             if args.transport in ("ucx", "cuda_ipc"):
-                prefill += ["--ucx-tls", args.ucx_tls]
+                prefill += ["--ucx-tls", args.ucx_tls, "--ucx-spin-us", str(args.ucx_spin_us)]
             if pin:
                 prefill = pinned(prefill, pin["prefill"])
             prefills = [self.start(f"prefill-{i}", prefill) for i in range(args.prefill_workers)]
@@ -600,6 +600,8 @@ def main():
     p.add_argument("--transport", default="ucx", choices=["ucx", "cuda_ipc", "grpc"],
                    help="disaggregated cells' KV transport (cuda_ipc: GPU to GPU, --device cuda)")
     p.add_argument("--ucx-tls", default="posix,self")
+    p.add_argument("--ucx-spin-us", type=float, default=0,
+                   help="the workers' --ucx-spin-us (UCX progress thread busy-poll)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where every worker runs its forward (cuda: the first GPU; prefill "
                         "and disaggregated decode workers stage KV through host memory)")

@@ -56,6 +56,7 @@ absl::StatusOr<std::unique_ptr<transport::KvTransport>> MakeTransport(
   o.tls = flags.ucx_tls;
   o.net_devices = flags.ucx_net_devices;
   o.transfer_timeout = absl::Seconds(flags.kv_transfer_timeout_s);
+  o.spin = absl::Microseconds(flags.ucx_spin_us);
   if (flags.kind == "ucx") return std::make_unique<transport::UcxTransport>(o);
 #else
   if (flags.kind == "ucx" || flags.kind == "cuda_ipc") {
@@ -191,6 +192,11 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f) {
   app.add_option("--ucx-tls", f->transport.ucx_tls,
                  "UCX_TLS for this worker, e.g. posix,self (readiness is refused on others)");
   app.add_option("--ucx-net-devices", f->transport.ucx_net_devices, "UCX_NET_DEVICES, e.g. lo");
+  app.add_option("--ucx-spin-us", f->transport.ucx_spin_us,
+                 "after a transfer the UCX progress thread busy-polls this long before sleeping; "
+                 "0 (sleep at once) unless it has a core of its own")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1e6));
   app.add_option("--kv-transfer-timeout-s", f->transport.kv_transfer_timeout_s,
                  "a KV write (UCX) not acknowledged within this fails, and its decode worker is "
                  "tried again on the next write; keep it under the router's admission timeout")

@@ -41,6 +41,9 @@ struct TransportFlags {
   // A KV write not acknowledged within this fails and drops the peer (the next write connects
   // again). Well under the router's admission timeout, so a retry elsewhere still has time.
   double kv_transfer_timeout_s = 10;
+  // UcxTransportOptions::spin: how long the progress thread busy-polls after activity before
+  // sleeping (0: at once, right where engines share the cores).
+  double ucx_spin_us = 0;
 };
 
 // InvalidArgument for an unknown kind; "cuda_ipc" moves `device_cache` (the engine's

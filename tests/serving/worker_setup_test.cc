@@ -167,5 +167,31 @@ TEST(WorkerSetupTest, KvDtypeAutoFollowsTheCheckpoint) {
   std::filesystem::remove_all(dir);
 }
 
+// --ucx-spin-us: 0 unless given (the progress thread sleeps at once: bench/NOTES.md step 33);
+// a negative or non-numeric value is refused, and what is given reaches the transport's flags.
+TEST(WorkerSetupTest, UcxSpinDefaultsToZeroAndIsValidated) {
+  {
+    CLI::App app;
+    WorkerFlags f;
+    AddWorkerFlags(app, &f);
+    const char* argv[] = {"worker", "--model", "m"};
+    app.parse(3, const_cast<char**>(argv));
+    EXPECT_EQ(f.transport.ucx_spin_us, 0);
+  }
+  for (const char* bad : {"-1", "lots", "2000000"}) {
+    CLI::App app;
+    WorkerFlags f;
+    AddWorkerFlags(app, &f);
+    const char* argv[] = {"worker", "--model", "m", "--ucx-spin-us", bad};
+    EXPECT_THROW(app.parse(5, const_cast<char**>(argv)), CLI::ParseError) << bad;
+  }
+  CLI::App app;
+  WorkerFlags f;
+  AddWorkerFlags(app, &f);
+  const char* argv[] = {"worker", "--model", "m", "--ucx-spin-us", "250"};
+  app.parse(5, const_cast<char**>(argv));
+  EXPECT_EQ(f.transport.ucx_spin_us, 250);
+}
+
 }  // namespace
 }  // namespace preft::serving
