@@ -5,6 +5,9 @@
 
 #include <filesystem>
 #include <map>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -13,6 +16,23 @@
 
 namespace preft::serving {
 namespace {
+
+// The worker's flags after parsing "worker --model m" and `args`; nullopt where CLI11 refuses
+// them.
+std::optional<WorkerFlags> ParseWorkerFlags(std::vector<std::string> args) {
+  CLI::App app;
+  WorkerFlags f;
+  AddWorkerFlags(app, &f);
+  args.insert(args.begin(), {"worker", "--model", "m"});
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  try {
+    app.parse(static_cast<int>(argv.size()), argv.data());
+  } catch (const CLI::ParseError&) {
+    return std::nullopt;
+  }
+  return f;
+}
 
 TEST(WorkerSetupTest, FingerprintIsStableAndTellsCheckpointsApart) {
   auto a = LoadModel(testing::TinyLlamaFixture());
@@ -100,18 +120,12 @@ TEST(WorkerSetupTest, TensorParallelNeedsGpusAndAHostMemoryTransport) {
   EXPECT_TRUE(MakeEngine(m->model.get(), m->tokenizer.get(), "cpu", o, false, 1).ok());
 
   for (const char* bad : {"0", "65", "two"}) {
-    CLI::App app;
-    WorkerFlags f;
-    AddWorkerFlags(app, &f);
-    const char* argv[] = {"worker", "--model", "m", "--tensor-parallel", bad};
-    EXPECT_THROW(app.parse(5, const_cast<char**>(argv)), CLI::ParseError) << bad;
+    EXPECT_FALSE(ParseWorkerFlags({"--tensor-parallel", bad})) << bad;
   }
-  CLI::App app;
-  WorkerFlags f;
-  AddWorkerFlags(app, &f);
-  const char* argv[] = {"worker", "--model", "m", "--device", "cuda", "--tensor-parallel", "8"};
-  app.parse(7, const_cast<char**>(argv));
-  EXPECT_EQ(f.tensor_parallel, 8);
+  const std::optional<WorkerFlags> f =
+      ParseWorkerFlags({"--device", "cuda", "--tensor-parallel", "8"});
+  ASSERT_TRUE(f);
+  EXPECT_EQ(f->tensor_parallel, 8);
 }
 
 // --kv-dtype auto is the checkpoint's dtype (bf16 checkpoints: bf16 KV; f32: f32, so f32
@@ -159,38 +173,22 @@ TEST(WorkerSetupTest, KvDtypeAutoFollowsTheCheckpoint) {
               absl::StrCat(w->engine->backend().cache_shape().bytes_per_block_all_layers()));
     w->engine.reset();  // before the metrics it reports to
   }
-  CLI::App app;
-  WorkerFlags f;
-  AddWorkerFlags(app, &f);
-  const char* argv[] = {"worker", "--model", "m", "--kv-dtype", "f16"};
-  EXPECT_THROW(app.parse(5, const_cast<char**>(argv)), CLI::ParseError);
+  EXPECT_FALSE(ParseWorkerFlags({"--kv-dtype", "f16"}));
   std::filesystem::remove_all(dir);
 }
 
 // --ucx-spin-us: 0 unless given (the progress thread sleeps at once: bench/NOTES.md step 33);
 // a negative or non-numeric value is refused, and what is given reaches the transport's flags.
 TEST(WorkerSetupTest, UcxSpinDefaultsToZeroAndIsValidated) {
-  {
-    CLI::App app;
-    WorkerFlags f;
-    AddWorkerFlags(app, &f);
-    const char* argv[] = {"worker", "--model", "m"};
-    app.parse(3, const_cast<char**>(argv));
-    EXPECT_EQ(f.transport.ucx_spin_us, 0);
-  }
+  const std::optional<WorkerFlags> plain = ParseWorkerFlags({});
+  ASSERT_TRUE(plain);
+  EXPECT_EQ(plain->transport.ucx_spin_us, 0);
   for (const char* bad : {"-1", "lots", "2000000"}) {
-    CLI::App app;
-    WorkerFlags f;
-    AddWorkerFlags(app, &f);
-    const char* argv[] = {"worker", "--model", "m", "--ucx-spin-us", bad};
-    EXPECT_THROW(app.parse(5, const_cast<char**>(argv)), CLI::ParseError) << bad;
+    EXPECT_FALSE(ParseWorkerFlags({"--ucx-spin-us", bad})) << bad;
   }
-  CLI::App app;
-  WorkerFlags f;
-  AddWorkerFlags(app, &f);
-  const char* argv[] = {"worker", "--model", "m", "--ucx-spin-us", "250"};
-  app.parse(5, const_cast<char**>(argv));
-  EXPECT_EQ(f.transport.ucx_spin_us, 250);
+  const std::optional<WorkerFlags> f = ParseWorkerFlags({"--ucx-spin-us", "250"});
+  ASSERT_TRUE(f);
+  EXPECT_EQ(f->transport.ucx_spin_us, 250);
 }
 
 }  // namespace
