@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <fstream>
 #include <mutex>
+#include <numeric>
 #include <random>
 #include <thread>
 #include <tuple>
@@ -136,7 +137,7 @@ int RunBench(const BenchFlags& f) {
 
   std::mutex mu;
   std::vector<double> ttft, itl, e2e;
-  int64_t tokens = 0, failed = 0, cached = 0;
+  int64_t tokens = 0, failed = 0;
   std::vector<std::vector<double>> ttft_by_turn(f.turns);
   std::vector<int64_t> prompt_by_turn(f.turns), cached_by_turn(f.turns), turns_done(f.turns);
   std::string first_error;
@@ -147,6 +148,12 @@ int RunBench(const BenchFlags& f) {
     for (int i = next++; i < f.requests; i = next++) {
       const absl::Time due = start + send_at[i];
       if (absl::Now() < due) absl::SleepFor(due - absl::Now());
+      client::GenerateParams p;  // the same for every turn of the conversation
+      const std::string& a = adapters[i % adapters.size()];
+      if (a != "none") p.model = a;
+      p.positions = f.positions == "all" ? v1::ADAPTER_POSITIONS_ALL : v1::ADAPTER_POSITIONS_PROMPT;
+      p.max_tokens = output_len[i];
+      p.ignore_eos = true;
       std::vector<int32_t> prompt;
       for (int k = 0; k < f.shared_prefix_tokens; ++k) prompt.push_back((k * 97 + 3) % (vocab - 1));
       for (int turn = 0; turn < f.turns; ++turn) {
@@ -154,12 +161,6 @@ int RunBench(const BenchFlags& f) {
         for (int k = 0; k < prompt_len[i]; ++k) {
           prompt.push_back((k * 131 + i * 17 + turn * 7919) % (vocab - 1));
         }
-        client::GenerateParams p;
-        const std::string& a = adapters[i % adapters.size()];
-        if (a != "none") p.model = a;
-        p.positions = f.positions == "all" ? v1::ADAPTER_POSITIONS_ALL : v1::ADAPTER_POSITIONS_PROMPT;
-        p.max_tokens = output_len[i];
-        p.ignore_eos = true;
         const absl::Time sent = absl::Now();
         absl::Time last = sent;
         std::vector<double> gaps;
@@ -187,7 +188,6 @@ int RunBench(const BenchFlags& f) {
         itl.insert(itl.end(), gaps.begin(), gaps.end());
         e2e.push_back(absl::ToDoubleMilliseconds(absl::Now() - sent));
         tokens += static_cast<int64_t>(out->token_ids.size());
-        cached += out->finish.usage().cached_tokens();
         ttft_by_turn[turn].push_back(first);
         prompt_by_turn[turn] += static_cast<int64_t>(prompt.size());
         cached_by_turn[turn] += out->finish.usage().cached_tokens();
@@ -203,6 +203,7 @@ int RunBench(const BenchFlags& f) {
   for (std::thread& t : threads) t.join();
   if (progress) std::fprintf(stderr, "\n");
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  const int64_t cached = std::accumulate(cached_by_turn.begin(), cached_by_turn.end(), int64_t{0});
   nlohmann::json by_turn = nlohmann::json::array();
   for (int t = 0; t < f.turns; ++t) {
     const double n = std::max<int64_t>(1, turns_done[t]);
