@@ -13,6 +13,7 @@
 #include "common/adapters/adapter_loader.h"
 #include "common/engine/engine.h"
 #include "common/model/model.h"
+#include "tests/engine/tiny_engine_fixture.h"
 #include "tests/testing/fixtures.h"
 
 namespace preft {
@@ -39,14 +40,8 @@ struct Mode {
   std::optional<AdapterPositions> positions;
 };
 
-class PrefixCacheEngineTest : public ::testing::Test {
+class PrefixCacheEngineTest : public engine::TinyEngineTest {
  protected:
-  static void SetUpTestSuite() {
-    auto m = model::Model::Load(testing::TinyLlamaFixture());
-    ASSERT_TRUE(m.ok()) << m.status();
-    model_ = std::move(m).value().release();
-  }
-
   static std::unique_ptr<Engine> MakeEngine(bool caching, int64_t blocks = 64,
                                             int64_t max_cached = 0, int64_t batch_tokens = 512,
                                             int64_t max_running = 256) {
@@ -56,9 +51,7 @@ class PrefixCacheEngineTest : public ::testing::Test {
     o.prefix_caching = caching;
     o.max_cached_blocks = max_cached;
     o.scheduler.max_batch_tokens = batch_tokens;
-    auto e = Engine::Create(model_, nullptr, o);
-    EXPECT_TRUE(e.ok()) << e.status();
-    return std::move(e).value();
+    return TinyEngineTest::MakeEngine(o);
   }
 
   static Request MakeRequest(const std::string& id, std::vector<int32_t> prompt, int max_tokens,
@@ -92,7 +85,6 @@ class PrefixCacheEngineTest : public ::testing::Test {
             {"direftp", direft, AdapterPositions::kPrompt}};
   }
 
-  static inline model::Model* model_ = nullptr;
 };
 
 std::vector<int32_t> Tokens(int n, int32_t seed) {

@@ -29,7 +29,10 @@ class TinyEngineTest : public ::testing::Test {
     o.kv_blocks = kv_blocks;
     o.kv_dtype = kv_dtype;
     o.scheduler.max_batch_tokens = batch_tokens;
-    auto e = Engine::Create(model_, tokenizer_, o);
+    return MakeEngine(o);
+  }
+  static std::unique_ptr<Engine> MakeEngine(const EngineOptions& options) {
+    auto e = Engine::Create(model_, tokenizer_, options);
     EXPECT_TRUE(e.ok()) << e.status();
     return std::move(e).value();
   }
